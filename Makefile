@@ -1,0 +1,21 @@
+# The two commands of the README. Both build (or reuse) the cached venv first.
+#   make run    set up and run the main job (the embedded tiny default, on CPU)
+#   make test   set up and run lint and the test suite
+SHELL := /bin/bash
+.SHELLFLAGS := -euo pipefail -c
+export PYTHONPATH := $(CURDIR)
+ARGS ?=
+
+.PHONY: run test lint venv
+venv:
+	@tools/setup_env.sh >/dev/null
+
+run:
+	@V=$$(tools/setup_env.sh) && $$V/bin/python -m rl.train $(ARGS)
+
+lint:
+	@V=$$(tools/setup_env.sh) && $$V/bin/ruff check . && $$V/bin/ruff format --check .
+
+test:
+	@V=$$(tools/setup_env.sh) && $$V/bin/ruff check . && $$V/bin/ruff format --check . \
+		&& $$V/bin/python -m pytest $(ARGS)

@@ -1,0 +1,1 @@
+"""Pure loss and advantage functions (torch only; no torch.distributed, no Megatron)."""

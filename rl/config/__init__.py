@@ -1,0 +1,26 @@
+"""Config schemas, composition and validation (see conf/ for the YAML tree)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from omegaconf import DictConfig
+
+from rl.config.schema import register
+from rl.config.validate import ConfigError, validate
+
+CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
+
+__all__ = ["CONF_DIR", "ConfigError", "compose", "register", "validate"]
+
+
+def compose(overrides: list[str] | None = None, config_name: str = "config") -> DictConfig:
+    """Compose a config from conf/ the way the command line does (for tests and tools)."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    register()
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return hydra_compose(config_name=config_name, overrides=list(overrides or []))

@@ -1,0 +1,131 @@
+"""Dataclass schemas for every config group, registered in Hydra's ConfigStore.
+
+Why dataclasses: Hydra then type-checks every YAML file and command-line override against
+the schema, so ``trainer.tpp=2`` or ``trainer.tp=two`` fails at composition, before any
+process is spawned. Semantic checks (divisibility, presets) live in ``validate.py``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING
+
+
+@dataclass
+class RopeScalingConfig:
+    """Llama 3.x RoPE frequency scaling (HF ``rope_scaling`` with rope_type "llama3")."""
+
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass
+class ModelConfig:
+    """A Llama-architecture decoder: RMSNorm, RoPE, SwiGLU, GQA, optional QKV bias."""
+
+    name: str = MISSING
+    num_layers: int = MISSING
+    hidden_size: int = MISSING
+    ffn_hidden_size: int = MISSING
+    num_attention_heads: int = MISSING
+    num_query_groups: int = MISSING
+    vocab_size: int = MISSING
+    max_position_embeddings: int = MISSING
+    rotary_base: float = 10000.0
+    rope_scaling: RopeScalingConfig | None = None
+    norm_epsilon: float = 1e-5
+    qkv_bias: bool = False
+    tie_embeddings: bool = False
+    # Pad the vocab up to a multiple of the TP size instead of refusing a vocab it does
+    # not divide (the padding rows are never sampled: conversion strips them).
+    pad_vocab: bool = False
+    init_method_std: float = 0.02
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-3
+    min_lr: float = 0.0
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0
+    warmup_steps: int = 0
+    # Steps over which the LR decays to min_lr; None means the run's number of steps.
+    decay_steps: int | None = None
+    decay_style: str = "constant"  # constant | linear | cosine
+
+
+@dataclass
+class TrainerConfig:
+    """Megatron-Core trainer executor: parallel layout, batching, optimizer, checkpoints."""
+
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    micro_batch_size: int = 8
+    global_batch_size: int = 32
+    use_distributed_optimizer: bool = True
+    params_dtype: str = "float32"  # float32 | bfloat16
+    device: str = "cpu"  # cpu (gloo) | cuda (nccl)
+    seed: int = 1234
+    # torch intra-op threads per rank: 2 ranks on 2 cores oversubscribe with more.
+    threads_per_rank: int = 1
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    save_dir: str | None = None
+    save_interval: int = 0  # 0: only at the end (when save_dir is set)
+    load_dir: str | None = None
+    load_optimizer: bool = True
+
+
+@dataclass
+class TaskConfig:
+    """The synthetic task the project generates (no downloads)."""
+
+    name: str = "addition"
+    digits: int = 2
+    seed: int = 0
+    eval_size: int = 256
+
+
+@dataclass
+class SFTConfig:
+    """Supervised warm-up on the task's answers (loss on answer tokens only)."""
+
+    steps: int = 100
+    log_every: int = 1
+    eval_every: int = 50
+
+
+@dataclass
+class RunConfig:
+    name: str = "run"
+    output_dir: str = "outputs/${run.name}"
+
+
+@dataclass
+class RootConfig:
+    model: ModelConfig = MISSING
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
+    sft: SFTConfig = field(default_factory=SFTConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+
+_REGISTERED = False
+
+
+def register() -> None:
+    """Register the schemas once; YAML files extend them by name in their defaults lists."""
+    global _REGISTERED
+    if _REGISTERED:
+        return
+    cs = ConfigStore.instance()
+    cs.store(name="root_schema", node=RootConfig)
+    cs.store(group="model", name="model_schema", node=ModelConfig)
+    cs.store(group="trainer", name="trainer_schema", node=TrainerConfig)
+    _REGISTERED = True

@@ -1,0 +1,119 @@
+"""Semantic validation of a composed config, run before any process is spawned.
+
+Every check raises :class:`ConfigError` with one line naming the field and its value, so
+a bad launch fails in the launcher, in milliseconds, instead of as a shape error on rank 3
+minutes later. Pure logic: no torch.distributed, no Megatron.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rl.models.shapes import padded_vocab_size
+
+DEVICES = ("cpu", "cuda")
+DTYPES = ("float32", "bfloat16")
+DECAY_STYLES = ("constant", "linear", "cosine")
+
+
+class ConfigError(ValueError):
+    """A config value that cannot work; the message names the field and the value."""
+
+
+def _require(ok: bool, msg: str) -> None:
+    if not ok:
+        raise ConfigError(msg)
+
+
+def _positive(section: str, obj: Any, *names: str) -> None:
+    for n in names:
+        v = getattr(obj, n)
+        _require(isinstance(v, int) and v >= 1, f"{section}.{n}={v!r} must be an integer >= 1")
+
+
+def validate_model(m: Any) -> None:
+    _positive(
+        "model",
+        m,
+        "num_layers",
+        "hidden_size",
+        "ffn_hidden_size",
+        "num_attention_heads",
+        "num_query_groups",
+        "vocab_size",
+        "max_position_embeddings",
+    )
+    _require(
+        m.hidden_size % m.num_attention_heads == 0,
+        f"model.num_attention_heads={m.num_attention_heads} does not divide "
+        f"model.hidden_size={m.hidden_size}",
+    )
+    _require(
+        m.num_attention_heads % m.num_query_groups == 0,
+        f"model.num_query_groups={m.num_query_groups} does not divide "
+        f"model.num_attention_heads={m.num_attention_heads}",
+    )
+    _require(
+        (m.hidden_size // m.num_attention_heads) % 2 == 0,
+        f"model head dim {m.hidden_size // m.num_attention_heads} must be even for RoPE "
+        f"(model.hidden_size={m.hidden_size}, model.num_attention_heads={m.num_attention_heads})",
+    )
+    rs = m.rope_scaling
+    if rs is not None:
+        _require(rs.factor > 0, f"model.rope_scaling.factor={rs.factor} must be > 0")
+
+
+def validate_trainer(t: Any, m: Any, world_size: int | None = None) -> None:
+    _positive("trainer", t, "tp", "pp", "dp", "micro_batch_size", "global_batch_size")
+    _positive("trainer", t, "threads_per_rank")
+    _require(t.device in DEVICES, f"trainer.device={t.device!r} must be one of {DEVICES}")
+    _require(
+        t.params_dtype in DTYPES, f"trainer.params_dtype={t.params_dtype!r} must be one of {DTYPES}"
+    )
+    _require(
+        t.optim.decay_style in DECAY_STYLES,
+        f"trainer.optim.decay_style={t.optim.decay_style!r} must be one of {DECAY_STYLES}",
+    )
+    _require(t.optim.lr > 0, f"trainer.optim.lr={t.optim.lr} must be > 0")
+    _require(
+        0 <= t.optim.min_lr <= t.optim.lr,
+        f"trainer.optim.min_lr={t.optim.min_lr} must be in [0, trainer.optim.lr={t.optim.lr}]",
+    )
+    _require(t.optim.clip_grad >= 0, f"trainer.optim.clip_grad={t.optim.clip_grad} must be >= 0")
+    size = t.tp * t.pp * t.dp
+    if world_size is not None:
+        _require(
+            size == world_size,
+            f"trainer.tp*pp*dp={t.tp}*{t.pp}*{t.dp}={size} does not match the world size "
+            f"{world_size}",
+        )
+    for field, value in (
+        ("num_attention_heads", m.num_attention_heads),
+        ("num_query_groups", m.num_query_groups),
+        ("ffn_hidden_size", m.ffn_hidden_size),
+    ):
+        _require(
+            value % t.tp == 0, f"trainer.tp={t.tp} does not divide model.{field}={value}"
+        )
+    vocab = padded_vocab_size(m, t.tp)
+    _require(
+        vocab % t.tp == 0,
+        f"trainer.tp={t.tp} does not divide model.vocab_size={m.vocab_size} "
+        "(set model.pad_vocab=true to pad it)",
+    )
+    _require(
+        m.num_layers % t.pp == 0,
+        f"trainer.pp={t.pp} does not divide model.num_layers={m.num_layers}",
+    )
+    per_step = t.micro_batch_size * t.dp
+    _require(
+        t.global_batch_size % per_step == 0,
+        f"trainer.global_batch_size={t.global_batch_size} is not a multiple of "
+        f"trainer.micro_batch_size*dp={t.micro_batch_size}*{t.dp}={per_step}",
+    )
+
+
+def validate(cfg: Any, world_size: int | None = None) -> None:
+    """Validate a composed RootConfig; raise ConfigError on the first bad field."""
+    validate_model(cfg.model)
+    validate_trainer(cfg.trainer, cfg.model, world_size)

@@ -1,0 +1,1 @@
+"""Model definitions: pure shape logic (shapes.py) and the Megatron builder (megatron_gpt.py)."""

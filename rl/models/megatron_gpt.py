@@ -1,0 +1,111 @@
+"""Build a Llama-architecture Megatron-Core ``GPTModel`` from a ModelConfig.
+
+Uses the local (Megatron-Core only) layer spec with RMSNorm, SwiGLU, GQA and RoPE, so it
+runs on CPU; with Transformer Engine present on a GPU machine the TE spec is used instead.
+Weights are initialised on CPU from one master tensor per weight and then split, which
+makes the initial model identical for every tensor-parallel size (same seed).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from rl.models.shapes import kv_channels, padded_vocab_size
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+# Megatron-Core applies Llama 3 RoPE scaling with these constants fixed.
+_MCORE_ROPE_DEFAULTS = {
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
+
+
+def have_transformer_engine() -> bool:
+    try:
+        import transformer_engine  # noqa: F401
+    except Exception:  # TE raises OSError, not ImportError, when CUDA libraries are missing
+        return False
+    return torch.cuda.is_available()
+
+
+def transformer_config(m: Any, t: Any) -> Any:
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    dtype = _DTYPES[t.params_dtype]
+    return TransformerConfig(
+        num_layers=m.num_layers,
+        hidden_size=m.hidden_size,
+        ffn_hidden_size=m.ffn_hidden_size,
+        num_attention_heads=m.num_attention_heads,
+        num_query_groups=m.num_query_groups,
+        kv_channels=kv_channels(m),
+        normalization="RMSNorm",
+        layernorm_epsilon=m.norm_epsilon,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=m.qkv_bias,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        init_method_std=m.init_method_std,
+        tensor_model_parallel_size=t.tp,
+        pipeline_model_parallel_size=t.pp,
+        sequence_parallel=False,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        use_cpu_initialization=True,
+        perform_initialization=True,
+        # Loss is a token sum; Megatron divides by the global token count across
+        # microbatches and DP ranks, so any (micro)batching gives the same gradient.
+        calculate_per_token_loss=True,
+        # Fusions that need CUDA kernels.
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        cross_entropy_loss_fusion=False,
+    )
+
+
+def layer_spec(m: Any) -> Any:
+    from megatron.core.models.gpt import gpt_layer_specs as specs
+
+    if have_transformer_engine():
+        return specs.get_gpt_layer_with_transformer_engine_spec()
+    return specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+
+
+def build_gpt(m: Any, t: Any, pre_process: bool, post_process: bool, pg_collection: Any) -> Any:
+    """The model chunk for this pipeline stage (all layers of the stage, one chunk)."""
+    from megatron.core.models.gpt import GPTModel
+
+    rs = m.rope_scaling
+    if rs is not None:
+        for k, v in _MCORE_ROPE_DEFAULTS.items():
+            if getattr(rs, k) != v:
+                raise ValueError(
+                    f"model.rope_scaling.{k}={getattr(rs, k)} is not supported by "
+                    f"Megatron-Core's Llama 3 RoPE scaling (fixed at {v})"
+                )
+    return GPTModel(
+        config=transformer_config(m, t),
+        transformer_layer_spec=layer_spec(m),
+        vocab_size=padded_vocab_size(m, t.tp),
+        max_sequence_length=m.max_position_embeddings,
+        pre_process=pre_process,
+        post_process=post_process,
+        parallel_output=True,
+        share_embeddings_and_output_weights=m.tie_embeddings,
+        position_embedding_type="rope",
+        rotary_base=int(m.rotary_base),
+        rope_scaling=rs is not None,
+        rope_scaling_factor=rs.factor if rs is not None else 8.0,
+        pg_collection=pg_collection,
+    )

@@ -1,0 +1,210 @@
+"""The trainer executor: Megatron-Core model, optimizer and schedule for one policy.
+
+A step takes a global batch (every rank receives the same dict of ``[B, S]`` tensors),
+keeps this data-parallel rank's rows, cuts them into microbatches and runs Megatron's
+forward/backward schedule (no pipelining, or 1F1B when PP > 1) with a pluggable loss over
+token log-probs. Loss statistics are reduced over DP and shared from the last pipeline
+stage, so every rank returns the same numbers.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megatron_patches import cuda_to_cpu
+from rl.algorithms.losses import LossFn
+from rl.models.megatron_gpt import build_gpt
+from rl.trainer import checkpoint
+from rl.trainer.parallel import Layout
+
+
+class MegatronTrainer:
+    def __init__(self, model_cfg: Any, trainer_cfg: Any, layout: Layout, total_steps: int):
+        from megatron.core.distributed import (
+            DistributedDataParallel,
+            DistributedDataParallelConfig,
+            finalize_model_grads,
+        )
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+        self.mcfg, self.tcfg, self.layout = model_cfg, trainer_cfg, layout
+        self.step = 0
+        t, o = trainer_cfg, trainer_cfg.optim
+        # Same seed on every rank: CPU init builds each full weight and splits it.
+        torch.manual_seed(t.seed)
+        model = build_gpt(
+            model_cfg, t, layout.first_stage, layout.last_stage, layout.pg_collection
+        )
+        self.config = model.config
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True,
+            overlap_grad_reduce=False,
+            use_distributed_optimizer=t.use_distributed_optimizer,
+        )
+        with cuda_to_cpu():
+            self.model = DistributedDataParallel(
+                config=self.config, ddp_config=ddp_config, module=model
+            )
+            self.optimizer = get_megatron_optimizer(
+                OptimizerConfig(
+                    optimizer="adam",
+                    lr=o.lr,
+                    min_lr=o.min_lr,
+                    weight_decay=o.weight_decay,
+                    adam_beta1=o.adam_beta1,
+                    adam_beta2=o.adam_beta2,
+                    adam_eps=o.adam_eps,
+                    clip_grad=o.clip_grad,
+                    bf16=self.config.bf16,
+                    params_dtype=self.config.params_dtype,
+                    use_distributed_optimizer=t.use_distributed_optimizer,
+                ),
+                [self.model],
+            )
+        self.config.finalize_model_grads_func = finalize_model_grads
+        self.config.grad_scale_func = self.optimizer.scale_loss
+        decay = o.decay_steps if o.decay_steps is not None else max(total_steps, 1)
+        self.scheduler = OptimizerParamScheduler(
+            self.optimizer,
+            init_lr=0.0 if o.warmup_steps else o.lr,
+            max_lr=o.lr,
+            min_lr=o.min_lr,
+            lr_warmup_steps=o.warmup_steps,
+            lr_decay_steps=max(decay, o.warmup_steps + 1),
+            lr_decay_style=o.decay_style,
+            start_wd=o.weight_decay,
+            end_wd=o.weight_decay,
+            wd_incr_steps=max(total_steps, 1),
+            wd_incr_style="constant",
+        )
+
+    # ------------------------------------------------------------------ batching
+    def _microbatches(self, batch: dict[str, torch.Tensor]) -> tuple[list[dict], int]:
+        rows = batch["tokens"].shape[0]
+        mbs, dp = self.tcfg.micro_batch_size, self.layout.dp
+        if rows % (mbs * dp):
+            raise ValueError(
+                f"batch of {rows} rows is not a multiple of trainer.micro_batch_size*dp="
+                f"{mbs}*{dp}"
+            )
+        per_rank = rows // dp
+        lo = self.layout.dp_rank * per_rank
+        mine = {k: v[lo : lo + per_rank] for k, v in batch.items()}
+        n = per_rank // mbs
+        return [{k: v[i * mbs : (i + 1) * mbs] for k, v in mine.items()} for i in range(n)], n
+
+    def _run(self, batch: dict[str, torch.Tensor], loss_fn: LossFn, forward_only: bool) -> list:
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        mbs, n = self._microbatches(batch)
+        seq = batch["tokens"].shape[1]
+
+        def forward_step(data_iterator, model):
+            mb = next(data_iterator)
+            tokens = mb["tokens"]
+            labels = torch.roll(tokens, shifts=-1, dims=1)
+            positions = torch.arange(seq).unsqueeze(0).expand_as(tokens)
+            out = model(tokens, positions, None, labels=labels)
+
+            def loss_func(per_token_ce: torch.Tensor):
+                logprobs = -per_token_ce.float()
+                if forward_only:
+                    ntok = torch.tensor(1, dtype=torch.int)
+                    return logprobs.sum() * 0, ntok, {"logprobs": logprobs.detach()}
+                res = loss_fn(logprobs, mb)
+                stats = {k: v.detach() for k, v in res.stats.items()}
+                stats["loss"] = res.loss_sum.detach()
+                stats["num_tokens"] = res.num_tokens.detach().float()
+                return res.loss_sum, res.num_tokens, stats
+
+            return out, loss_func
+
+        with cuda_to_cpu():
+            return get_forward_backward_func()(
+                forward_step_func=forward_step,
+                data_iterator=iter(mbs),
+                model=[self.model],
+                num_microbatches=n,
+                seq_length=seq,
+                micro_batch_size=self.tcfg.micro_batch_size,
+                forward_only=forward_only,
+            )
+
+    # ------------------------------------------------------------------ public API
+    def train_step(self, batch: dict[str, torch.Tensor], loss_fn: LossFn) -> dict[str, float]:
+        """One optimizer step on the global batch; returns metrics identical on all ranks."""
+        t0 = time.perf_counter()
+        self.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        per_mb = self._run(batch, loss_fn, forward_only=False)
+        with cuda_to_cpu():
+            ok, grad_norm, _ = self.optimizer.step()
+        if ok:
+            self.scheduler.step(increment=1)
+            self.step += 1
+        metrics = self._reduce_stats(per_mb)
+        ntok = max(metrics.pop("num_tokens"), 1.0)
+        out = {k: v / ntok for k, v in metrics.items()}
+        out.update(
+            grad_norm=float(grad_norm) if grad_norm is not None else math.nan,
+            lr=self.optimizer.param_groups[0]["lr"],
+            num_tokens=ntok,
+            step_seconds=time.perf_counter() - t0,
+            skipped=float(not ok),
+        )
+        out["tokens_per_s"] = batch["tokens"].numel() / out["step_seconds"]
+        return out
+
+    @torch.no_grad()
+    def logprobs(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Per-token log-probs ``[B, S]`` of the whole batch, on every rank."""
+        per_mb = self._run(batch, lambda lp, mb: None, forward_only=True)  # type: ignore[arg-type]
+        lay = self.layout
+        rows, seq = batch["tokens"].shape
+        full = torch.empty(rows, seq, dtype=torch.float32)
+        if lay.last_stage:
+            mine = torch.cat([d["logprobs"] for d in per_mb], dim=0)
+            parts = [torch.empty_like(mine) for _ in range(lay.dp)]
+            dist.all_gather(parts, mine, group=lay.dp_group)
+            full = torch.cat(parts, dim=0)
+        if lay.pp > 1:
+            dist.broadcast(full, src=lay.last_stage_global_rank(), group=lay.pp_group)
+        return full
+
+    def _reduce_stats(self, per_mb: list[dict[str, torch.Tensor]]) -> dict[str, float]:
+        lay = self.layout
+        stats = None
+        if lay.last_stage:
+            keys = sorted(per_mb[0])
+            vec = torch.stack([sum(d[k].float() for d in per_mb) for k in keys])
+            dist.all_reduce(vec, group=lay.dp_group)
+            stats = dict(zip(keys, vec.tolist(), strict=True))
+        if lay.pp > 1:
+            box = [stats]
+            dist.broadcast_object_list(box, src=lay.last_stage_global_rank(), group=lay.pp_group)
+            stats = box[0]
+        assert stats is not None
+        return stats
+
+    def save(self, path: str) -> None:
+        checkpoint.save(self, path)
+
+    def load(self, path: str, load_optimizer: bool = True) -> None:
+        checkpoint.load(self, path, load_optimizer)
+
+
+def build_trainer(model_cfg: Any, trainer_cfg: Any, total_steps: int) -> MegatronTrainer:
+    """Initialise model parallelism on this rank's world and build the trainer."""
+    from rl.trainer.parallel import init_model_parallel
+
+    layout = init_model_parallel(trainer_cfg.tp, trainer_cfg.pp, trainer_cfg.seed)
+    return MegatronTrainer(model_cfg, trainer_cfg, layout, total_steps)
+
+
+__all__ = ["MegatronTrainer", "build_trainer"]

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from megatron_patches import cuda_to_cpu
 from rl.algorithms.losses import LossFn
 from rl.models.megatron_gpt import build_gpt
+from rl.models.shapes import padded_vocab_size
 from rl.trainer import checkpoint
 from rl.trainer.parallel import Layout
 
@@ -42,6 +43,7 @@ class MegatronTrainer:
             model_cfg, t, layout.first_stage, layout.last_stage, layout.pg_collection
         )
         self.config = model.config
+        self._padded_vocab = padded_vocab_size(model_cfg, t.tp)
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True,
             overlap_grad_reduce=False,
@@ -72,7 +74,8 @@ class MegatronTrainer:
         decay = o.decay_steps if o.decay_steps is not None else max(total_steps, 1)
         self.scheduler = OptimizerParamScheduler(
             self.optimizer,
-            init_lr=0.0 if o.warmup_steps else o.lr,
+            # Warm up from lr/warmup (not 0): the first step should already learn.
+            init_lr=o.lr / max(o.warmup_steps, 1),
             max_lr=o.lr,
             min_lr=o.min_lr,
             lr_warmup_steps=o.warmup_steps,
@@ -99,25 +102,39 @@ class MegatronTrainer:
         n = per_rank // mbs
         return [{k: v[i * mbs : (i + 1) * mbs] for k, v in mine.items()} for i in range(n)], n
 
-    def _run(self, batch: dict[str, torch.Tensor], loss_fn: LossFn, forward_only: bool) -> list:
+    def _run(
+        self,
+        batch: dict[str, torch.Tensor],
+        loss_fn: LossFn | None,
+        collect: str | None = None,
+    ) -> list:
+        """Megatron's schedule over this rank's microbatches.
+
+        With ``loss_fn`` it is a training pass; otherwise a forward-only pass that collects
+        ``collect``: "logprobs" (``[b, s]``) or "last_logits" (this TP rank's vocab shard
+        of the last position's logits, ``[b, v/tp]``).
+        """
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         mbs, n = self._microbatches(batch)
         seq = batch["tokens"].shape[1]
+        forward_only = loss_fn is None
 
         def forward_step(data_iterator, model):
             mb = next(data_iterator)
             tokens = mb["tokens"]
-            labels = torch.roll(tokens, shifts=-1, dims=1)
             positions = torch.arange(seq).unsqueeze(0).expand_as(tokens)
+            labels = None if collect == "last_logits" else torch.roll(tokens, -1, dims=1)
             out = model(tokens, positions, None, labels=labels)
 
-            def loss_func(per_token_ce: torch.Tensor):
-                logprobs = -per_token_ce.float()
+            def loss_func(output: torch.Tensor):
                 if forward_only:
-                    ntok = torch.tensor(1, dtype=torch.int)
-                    return logprobs.sum() * 0, ntok, {"logprobs": logprobs.detach()}
-                res = loss_fn(logprobs, mb)
+                    if collect == "last_logits":
+                        value = output[:, -1, :].float()
+                    else:
+                        value = -output.float()
+                    return output.sum() * 0, torch.tensor(1, dtype=torch.int), {collect: value}
+                res = loss_fn(-output.float(), mb)
                 stats = {k: v.detach() for k, v in res.stats.items()}
                 stats["loss"] = res.loss_sum.detach()
                 stats["num_tokens"] = res.num_tokens.detach().float()
@@ -136,13 +153,30 @@ class MegatronTrainer:
                 forward_only=forward_only,
             )
 
+    def _collect(self, per_mb: list[dict], key: str, shape: tuple[int, int]) -> torch.Tensor:
+        """Assemble a forward-only result from every DP rank and share it with all ranks."""
+        lay = self.layout
+        full = torch.empty(shape, dtype=torch.float32)
+        if lay.last_stage:
+            mine = torch.cat([d[key] for d in per_mb], dim=0)
+            if key == "last_logits" and lay.tp > 1:
+                shards = [torch.empty_like(mine) for _ in range(lay.tp)]
+                dist.all_gather(shards, mine, group=lay.tp_group)
+                mine = torch.cat(shards, dim=1)
+            parts = [torch.empty_like(mine) for _ in range(lay.dp)]
+            dist.all_gather(parts, mine, group=lay.dp_group)
+            full = torch.cat(parts, dim=0)
+        if lay.pp > 1:
+            dist.broadcast(full, src=lay.last_stage_global_rank(), group=lay.pp_group)
+        return full
+
     # ------------------------------------------------------------------ public API
     def train_step(self, batch: dict[str, torch.Tensor], loss_fn: LossFn) -> dict[str, float]:
         """One optimizer step on the global batch; returns metrics identical on all ranks."""
         t0 = time.perf_counter()
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
-        per_mb = self._run(batch, loss_fn, forward_only=False)
+        per_mb = self._run(batch, loss_fn)
         with cuda_to_cpu():
             ok, grad_norm, _ = self.optimizer.step()
         if ok:
@@ -164,18 +198,24 @@ class MegatronTrainer:
     @torch.no_grad()
     def logprobs(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """Per-token log-probs ``[B, S]`` of the whole batch, on every rank."""
-        per_mb = self._run(batch, lambda lp, mb: None, forward_only=True)  # type: ignore[arg-type]
-        lay = self.layout
-        rows, seq = batch["tokens"].shape
-        full = torch.empty(rows, seq, dtype=torch.float32)
-        if lay.last_stage:
-            mine = torch.cat([d["logprobs"] for d in per_mb], dim=0)
-            parts = [torch.empty_like(mine) for _ in range(lay.dp)]
-            dist.all_gather(parts, mine, group=lay.dp_group)
-            full = torch.cat(parts, dim=0)
-        if lay.pp > 1:
-            dist.broadcast(full, src=lay.last_stage_global_rank(), group=lay.pp_group)
-        return full
+        per_mb = self._run(batch, None, collect="logprobs")
+        return self._collect(per_mb, "logprobs", tuple(batch["tokens"].shape))
+
+    @torch.no_grad()
+    def greedy_generate(self, prompts: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
+        """Greedy continuation ``[B, max_new_tokens]`` of equal-length prompts (no KV cache).
+
+        For evaluation of small models; serving is the generator executor's job.
+        """
+        tokens = prompts
+        vocab = self.mcfg.vocab_size
+        for _ in range(max_new_tokens):
+            per_mb = self._run({"tokens": tokens}, None, collect="last_logits")
+            rows = tokens.shape[0]
+            logits = self._collect(per_mb, "last_logits", (rows, self._padded_vocab))
+            nxt = logits[:, :vocab].argmax(dim=-1, keepdim=True)
+            tokens = torch.cat([tokens, nxt], dim=1)
+        return tokens[:, prompts.shape[1] :]
 
     def _reduce_stats(self, per_mb: list[dict[str, torch.Tensor]]) -> dict[str, float]:
         lay = self.layout

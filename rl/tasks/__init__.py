@@ -1,0 +1,1 @@
+"""Synthetic tasks the project generates itself (nothing is downloaded)."""

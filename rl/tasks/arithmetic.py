@@ -1,0 +1,101 @@
+"""Multi-digit addition with a character tokenizer: the embedded default's task.
+
+Operands and sums are zero-padded to fixed width (``07+35=042``), so every prompt and every
+answer of a task has the same length. That keeps batches free of padding: with RoPE and
+no attention mask, left padding would shift positions and change the model's output.
+A fixed, seeded held-out set is excluded from training so accuracy measures
+generalisation, not memory. Pure logic: no torch.distributed, no Megatron.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import torch
+
+PAD, BOS, EOS = 0, 1, 2
+_CHARS = "0123456789+="
+_CHAR_TO_ID = {c: i + 3 for i, c in enumerate(_CHARS)}
+_ID_TO_CHAR = {i: c for c, i in _CHAR_TO_ID.items()}
+VOCAB_USED = 3 + len(_CHARS)
+
+
+def encode(text: str) -> list[int]:
+    try:
+        return [_CHAR_TO_ID[c] for c in text]
+    except KeyError as e:
+        raise ValueError(f"character {e.args[0]!r} is not in the task vocabulary") from None
+
+
+def decode(ids: list[int]) -> str:
+    """Text of ``ids`` up to the first EOS; unknown ids render as '?'."""
+    out = []
+    for i in ids:
+        if i == EOS:
+            break
+        out.append(_ID_TO_CHAR.get(i, "?"))
+    return "".join(out)
+
+
+@dataclass(frozen=True)
+class Problem:
+    a: int
+    b: int
+
+    def prompt(self, digits: int) -> list[int]:
+        return [BOS, *encode(f"{self.a:0{digits}d}+{self.b:0{digits}d}=")]
+
+    def answer(self, digits: int) -> list[int]:
+        return [*encode(f"{self.a + self.b:0{digits + 1}d}"), EOS]
+
+
+class AdditionTask:
+    def __init__(self, digits: int = 2, seed: int = 0, eval_size: int = 256):
+        if digits < 1:
+            raise ValueError(f"task.digits={digits} must be >= 1")
+        self.digits = digits
+        n = 10**digits
+        if eval_size >= n * n // 2:
+            raise ValueError(f"task.eval_size={eval_size} leaves too few training problems")
+        rng = random.Random(seed)
+        held: set[Problem] = set()
+        while len(held) < eval_size:
+            held.add(Problem(rng.randrange(n), rng.randrange(n)))
+        self.eval_set = sorted(held, key=lambda p: (p.a, p.b))
+        self._held = held
+        self._rng = random.Random(seed + 1)
+
+    @property
+    def prompt_len(self) -> int:
+        return 1 + 2 * self.digits + 2
+
+    @property
+    def answer_len(self) -> int:
+        return self.digits + 2  # digits+1 sum digits, then EOS
+
+    def sample(self, count: int) -> list[Problem]:
+        """Training problems drawn uniformly, never from the held-out set."""
+        n, out = 10**self.digits, []
+        while len(out) < count:
+            p = Problem(self._rng.randrange(n), self._rng.randrange(n))
+            if p not in self._held:
+                out.append(p)
+        return out
+
+    def reward(self, p: Problem, response: list[int]) -> float:
+        """1.0 for the exact answer followed by EOS, else 0.0."""
+        return float(list(response[: self.answer_len]) == p.answer(self.digits))
+
+    def sft_batch(self, problems: list[Problem]) -> dict[str, torch.Tensor]:
+        """Prompt+answer sequences with the loss on the answer tokens only.
+
+        ``loss_mask[:, t]`` weights the prediction of token ``t+1`` (the trainer's
+        log-prob convention), so it is 1 from the last prompt position up to the one
+        before EOS.
+        """
+        seqs = [p.prompt(self.digits) + p.answer(self.digits) for p in problems]
+        tokens = torch.tensor(seqs, dtype=torch.long)
+        mask = torch.zeros_like(tokens, dtype=torch.float32)
+        mask[:, self.prompt_len - 1 : self.prompt_len - 1 + self.answer_len] = 1.0
+        return {"tokens": tokens, "loss_mask": mask}

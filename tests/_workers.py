@@ -1,0 +1,54 @@
+"""Rank functions for the multi-process tests (module level, so spawned ranks import them)."""
+
+from __future__ import annotations
+
+import torch
+
+
+def random_batches(steps: int, rows: int = 8, seq: int = 16, vocab: int = 32) -> list[dict]:
+    g = torch.Generator().manual_seed(1234)
+    out = []
+    for _ in range(steps):
+        tokens = torch.randint(3, vocab, (rows, seq), generator=g)
+        mask = (torch.rand(rows, seq, generator=g) < 0.8).float()
+        mask[:, -1] = 0.0
+        out.append({"tokens": tokens, "loss_mask": mask})
+    return out
+
+
+def run_layout(
+    overrides: list[str],
+    batches: list[dict],
+    save_init: str | None = None,
+    load: str | None = None,
+    load_optimizer: bool = False,
+    save_final: str | None = None,
+) -> dict:
+    """Build a trainer for ``overrides``, optionally load/save, train on ``batches``.
+
+    Returns per-step losses and grad norms, the log-probs of batch 0 before and after each
+    step, and the number of parameters this rank holds (to show the model is sharded).
+    """
+    from rl.algorithms.losses import nll_loss
+    from rl.config import compose
+    from rl.trainer.trainer import build_trainer
+
+    cfg = compose(overrides)
+    tr = build_trainer(cfg.model, cfg.trainer, total_steps=max(len(batches), 1))
+    if save_init:
+        tr.save(save_init)
+    if load:
+        tr.load(load, load_optimizer=load_optimizer)
+    probe = batches[0] if batches else random_batches(1)[0]
+    res: dict = {"losses": [], "grad_norms": [], "logprobs": [tr.logprobs(probe)]}
+    for b in batches:
+        m = tr.train_step(b, nll_loss)
+        res["losses"].append(m["loss"])
+        res["grad_norms"].append(m["grad_norm"])
+        res["logprobs"].append(tr.logprobs(probe))
+    if save_final:
+        tr.save(save_final)
+    res["local_params"] = sum(p.numel() for p in tr.model.module.parameters())
+    res["layout"] = (tr.layout.tp, tr.layout.pp, tr.layout.dp)
+    res["step"] = tr.step
+    return res

@@ -1,0 +1,203 @@
+"""Config composition and validation: every preset composes, bad launches fail early."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from hydra.errors import ConfigCompositionException
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
+
+from rl.config import CONF_DIR, ConfigError, compose, validate
+from rl.config.schema import ModelConfig, RootConfig
+from rl.config.validate import validate_model
+from rl.models.shapes import padded_vocab_size, param_count
+
+CONF_FILES = sorted(CONF_DIR.rglob("*.yaml"))
+
+# Overrides that make a preset fit a real layout (the default trainer is the 2-rank CPU one).
+FITTING_OVERRIDES: dict[str, list[str]] = {
+    "model/llama3_8b": ["trainer.tp=8"],
+    "model/llama3_70b": ["trainer.tp=8"],
+    "model/llama3_405b": ["trainer.tp=8"],
+}
+
+
+def _conf_id(path: Path) -> str:
+    return path.relative_to(CONF_DIR).with_suffix("").as_posix()
+
+
+def _compose_file(path: Path) -> tuple[DictConfig, list[str]]:
+    """Compose ``path`` the way the CLI selects it; return the config and the overrides."""
+    rel = path.relative_to(CONF_DIR).with_suffix("")
+    if rel.parent == Path("."):
+        return compose([], config_name=rel.name), []
+    overrides = [f"{rel.parent.as_posix()}={rel.name}", *FITTING_OVERRIDES.get(_conf_id(path), [])]
+    return compose(overrides), overrides
+
+
+def _assert_contains(expected: Any, actual: Any, where: str) -> None:
+    """Every value the YAML file sets appears, unchanged, in the composed config."""
+    if isinstance(expected, dict):
+        for key, value in expected.items():
+            assert key in actual, f"{where}.{key} missing from the composed config"
+            _assert_contains(value, actual[key], f"{where}.{key}")
+    else:
+        assert actual == expected, f"{where}: composed {actual!r}, file says {expected!r}"
+
+
+def test_conf_discovery_finds_known_presets() -> None:
+    """Guards the glob below: an empty or misplaced conf/ would make the sweep vacuous."""
+    ids = {_conf_id(p) for p in CONF_FILES}
+    expected = {
+        "config",
+        "model/tiny",
+        "model/llama3_8b",
+        "model/llama3_70b",
+        "model/llama3_405b",
+        "trainer/cpu_tp1",
+        "trainer/cpu_tp2",
+        "experiment/tiny_sft",
+    }
+    assert expected <= ids
+
+
+@pytest.mark.parametrize("path", CONF_FILES, ids=_conf_id)
+def test_every_conf_file_composes_and_validates(path: Path) -> None:
+    """Each YAML under conf/ (new ones included) type-checks, composes and validates."""
+    cfg, overrides = _compose_file(path)
+    validate(cfg)
+
+    for override in overrides[1:]:
+        key, value = override.split("=", 1)
+        assert str(OmegaConf.select(cfg, key)) == value
+
+    text = path.read_text()
+    data = yaml.safe_load(text) or {}
+    body = {k: v for k, v in data.items() if k not in ("defaults", "hydra")}
+    container = OmegaConf.to_container(cfg, resolve=False)
+    rel = path.relative_to(CONF_DIR)
+    if rel.parent == Path(".") or "@package _global_" in text:
+        _assert_contains(body, container, "<root>")
+    else:
+        group = rel.parent.as_posix().replace("/", ".")
+        _assert_contains(body, OmegaConf.select(cfg, group), group)
+
+
+@pytest.mark.parametrize(
+    ("preset", "published"),
+    [("llama3_8b", 8.03e9), ("llama3_70b", 70.6e9), ("llama3_405b", 405.9e9)],
+)
+def test_llama_param_counts_match_published(preset: str, published: float) -> None:
+    """Catches a wrong shape in a preset (e.g. ffn size) that validation cannot see."""
+    cfg = compose([f"model={preset}"])
+    count = param_count(cfg.model)
+    assert abs(count - published) / published < 0.01, f"{preset}: {count:.4g}"
+
+
+@pytest.mark.parametrize(
+    ("overrides", "fragments"),
+    [
+        (["trainer.tp=4"], ["trainer.tp=4", "model.num_attention_heads=6"]),
+        (["trainer.tp=3"], ["trainer.tp=3", "model.num_query_groups=2"]),
+        (["model.ffn_hidden_size=513"], ["trainer.tp=2", "model.ffn_hidden_size=513"]),
+        (["trainer.pp=3"], ["trainer.pp=3", "model.num_layers=4"]),
+        (["model.vocab_size=33"], ["trainer.tp=2", "model.vocab_size=33", "model.pad_vocab"]),
+        (["trainer.global_batch_size=48"], ["trainer.global_batch_size=48", "32*1=32"]),
+        (
+            ["trainer.dp=2", "trainer.global_batch_size=32"],
+            ["trainer.global_batch_size=32", "trainer.micro_batch_size*dp=32*2=64"],
+        ),
+        (["trainer.device=tpu"], ["trainer.device='tpu'"]),
+        (["trainer.params_dtype=float16"], ["trainer.params_dtype='float16'"]),
+        (["trainer.optim.decay_style=exponential"], ["trainer.optim.decay_style='exponential'"]),
+        (["trainer.optim.min_lr=0.5"], ["trainer.optim.min_lr=0.5"]),
+        (["trainer.micro_batch_size=0"], ["trainer.micro_batch_size=0"]),
+        (["model.hidden_size=200"], ["model.num_attention_heads=6", "model.hidden_size=200"]),
+        (["model.num_query_groups=4"], ["model.num_query_groups=4"]),
+        (["model.hidden_size=198"], ["model.hidden_size=198", "RoPE"]),
+    ],
+)
+def test_validation_error_names_field_and_value(overrides: list[str], fragments: list[str]) -> None:
+    """A bad launch must fail in the launcher with a message that says what to change."""
+    cfg = compose(overrides)
+    with pytest.raises(ConfigError) as info:
+        validate(cfg)
+    msg = str(info.value)
+    for fragment in fragments:
+        assert fragment in msg, f"{fragment!r} not in {msg!r}"
+
+
+def test_config_error_is_value_error() -> None:
+    """Callers catching ValueError (the CLI) must also catch config errors."""
+    assert issubclass(ConfigError, ValueError)
+
+
+def test_pad_vocab_fixes_indivisible_vocab() -> None:
+    """model.pad_vocab=true is the advertised fix for a vocab that TP does not divide."""
+    cfg = compose(["model.vocab_size=33", "model.pad_vocab=true"])
+    validate(cfg)
+    assert padded_vocab_size(cfg.model, cfg.trainer.tp) == 34
+    # The padding row is counted in both the embedding and the untied output layer.
+    assert param_count(cfg.model, tp=2) - param_count(cfg.model, tp=1) == 2 * 192
+
+
+def test_world_size_mismatch() -> None:
+    """tp*pp*dp must equal the launched world size, or ranks would be left without a role."""
+    cfg = compose([])
+    validate(cfg, world_size=2)
+    with pytest.raises(ConfigError) as info:
+        validate(cfg, world_size=3)
+    msg = str(info.value)
+    assert "trainer.tp*pp*dp=2*1*1=2" in msg
+    assert "world size 3" in msg
+
+
+def test_missing_model_field_raises() -> None:
+    """A preset that forgets a required shape must not validate with a default."""
+    model = OmegaConf.structured(ModelConfig)
+    with pytest.raises(MissingMandatoryValue, match="num_layers"):
+        validate_model(model)
+    with pytest.raises(MissingMandatoryValue, match="model"):
+        validate(OmegaConf.structured(RootConfig))
+
+
+def test_missing_value_from_override_raises() -> None:
+    """`???` on the command line composes, but validation refuses it, naming the field."""
+    cfg = compose(["model.hidden_size=???"])
+    with pytest.raises(MissingMandatoryValue, match=r"model\.hidden_size"):
+        validate(cfg)
+
+
+def _composition_error_text(overrides: list[str]) -> str:
+    with pytest.raises((ConfigCompositionException, OmegaConfBaseException)) as info:
+        compose(overrides)
+    err: BaseException | None = info.value
+    parts = []
+    while err is not None:
+        parts.append(str(err))
+        err = err.__cause__
+    return "\n".join(parts)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "needle"),
+    [
+        (["trainer.tpp=2"], "tpp"),
+        (["trainer.tp=two"], "two"),
+        (["model=llama3_9b"], "llama3_9b"),
+        (["trainer.optim.lr=fast"], "fast"),
+    ],
+)
+def test_hydra_rejects_bad_overrides(overrides: list[str], needle: str) -> None:
+    """Typos and wrong types fail at composition, before any process is spawned."""
+    assert needle in _composition_error_text(overrides)
+
+
+def test_root_config_does_not_chdir() -> None:
+    """Relative paths (checkpoints, conf/) must resolve from the launch directory."""
+    data = yaml.safe_load((CONF_DIR / "config.yaml").read_text())
+    assert data["hydra"]["job"]["chdir"] is False

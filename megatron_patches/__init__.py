@@ -16,6 +16,7 @@ from megatron_patches import (
     flash_mla_guard,
     psutil_check,
     rng_tracker,
+    torch_adam_state,
 )
 from megatron_patches._util import applied
 from megatron_patches.device_mode import cuda_to_cpu
@@ -29,6 +30,7 @@ PATCHES = (
     device_mode,
     rng_tracker,
     causal_mask,
+    torch_adam_state,
 )
 
 __all__ = ["PATCHES", "applied", "apply_all", "cuda_to_cpu"]

@@ -13,13 +13,14 @@ events, a PNG of the curves and a torch_dist checkpoint under run.output_dir.
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import hydra
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
-from rl.config import register, validate
+from rl.config import ConfigError, register, validate
 from rl.dist.launch import setup_rank, spawn, under_launcher
 
 
@@ -39,9 +40,9 @@ def run(cfg: DictConfig) -> dict[str, float]:
     if cfg.trainer.load_dir:
         trainer.load(cfg.trainer.load_dir, cfg.trainer.load_optimizer)
 
-    acc = supervised_warmup(trainer, task, cfg.sft, log)
-
-    trainer.save(cfg.trainer.save_dir or str(out / "checkpoint"))
+    ckpt = cfg.trainer.save_dir or str(out / "checkpoint")
+    acc = supervised_warmup(trainer, task, cfg.sft, log, ckpt, cfg.trainer.save_interval)
+    trainer.save(ckpt)
     log.close()
     if rank0:
         png = plot_curves(out / "metrics.jsonl", out / "curves.png", ("loss", "eval_accuracy"))
@@ -53,7 +54,10 @@ def run(cfg: DictConfig) -> dict[str, float]:
 def main(cfg: DictConfig) -> None:
     t = cfg.trainer
     world = int(os.environ["WORLD_SIZE"]) if under_launcher() else t.tp * t.pp * t.dp
-    validate(cfg, world_size=world)
+    try:
+        validate(cfg, world_size=world)
+    except ConfigError as e:
+        sys.exit(f"config error: {e}")
     if under_launcher():
         run(cfg)
     else:

@@ -15,8 +15,18 @@ from rl.evaluate import greedy_accuracy
 from rl.metrics import MetricsLogger
 
 
-def supervised_warmup(trainer: Any, task: Any, sft: Any, log: MetricsLogger) -> float:
-    """Run ``sft.steps`` optimizer steps; return the final held-out greedy accuracy."""
+def supervised_warmup(
+    trainer: Any,
+    task: Any,
+    sft: Any,
+    log: MetricsLogger,
+    save_dir: str | None = None,
+    save_interval: int = 0,
+) -> float:
+    """Run ``sft.steps`` optimizer steps; return the final held-out greedy accuracy.
+
+    With ``save_interval`` > 0 a checkpoint is written to ``save_dir`` every that many steps.
+    """
     gbs = trainer.tcfg.global_batch_size
     acc = greedy_accuracy(trainer, task)
     log.log(0, {"eval_accuracy": acc}, phase="warmup_eval")
@@ -28,4 +38,6 @@ def supervised_warmup(trainer: Any, task: Any, sft: Any, log: MetricsLogger) -> 
         if step % sft.eval_every == 0 or step == sft.steps:
             acc = greedy_accuracy(trainer, task)
             log.log(step, {"eval_accuracy": acc}, phase="warmup_eval")
+        if save_dir and save_interval and step % save_interval == 0:
+            trainer.save(save_dir)
     return acc

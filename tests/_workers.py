@@ -23,10 +23,12 @@ def run_layout(
     load: str | None = None,
     load_optimizer: bool = False,
     save_final: str | None = None,
+    probe: dict | None = None,
 ) -> dict:
     """Build a trainer for ``overrides``, optionally load/save, train on ``batches``.
 
-    Returns per-step losses and grad norms, the log-probs of batch 0 before and after each
+    Returns per-step losses and grad norms, the log-probs of ``probe`` (default: the first
+    batch) before and after each
     step, and the number of parameters this rank holds (to show the model is sharded).
     """
     from rl.algorithms.losses import nll_loss
@@ -39,7 +41,8 @@ def run_layout(
         tr.save(save_init)
     if load:
         tr.load(load, load_optimizer=load_optimizer)
-    probe = batches[0] if batches else random_batches(1)[0]
+    if probe is None:
+        probe = batches[0] if batches else random_batches(1)[0]
     res: dict = {"losses": [], "grad_norms": [], "logprobs": [tr.logprobs(probe)]}
     for b in batches:
         m = tr.train_step(b, nll_loss)

@@ -32,7 +32,7 @@ def test_resume_with_optimizer_state_is_exact(tmp_path):
     straight = spawn(run_layout, 2, _layout(2, 1), batches)[0]
     mid = str(tmp_path / "mid")
     first = spawn(run_layout, 2, _layout(2, 1), batches[:2], None, None, False, mid)[0]
-    second = spawn(run_layout, 2, _layout(2, 1), batches[2:], None, mid, True)[0]
+    second = spawn(run_layout, 2, _layout(2, 1), batches[2:], None, mid, True, None, batches[0])[0]
     assert second["step"] == 4
     torch.testing.assert_close(
         first["losses"] + second["losses"], straight["losses"], atol=1e-6, rtol=0

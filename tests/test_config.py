@@ -120,6 +120,23 @@ def test_llama_param_counts_match_published(preset: str, published: float) -> No
         (["model.num_query_groups=4"], ["model.num_query_groups=4"]),
         (["model.hidden_size=198"], ["model.hidden_size=198", "RoPE"]),
     ],
+    ids=[
+        "tp-heads",
+        "tp-groups",
+        "tp-ffn",
+        "pp-layers",
+        "tp-vocab",
+        "gbs-mbs",
+        "gbs-mbs-dp",
+        "device",
+        "dtype",
+        "decay-style",
+        "min-lr",
+        "mbs-positive",
+        "heads-hidden",
+        "groups-heads",
+        "rope-odd-head-dim",
+    ],
 )
 def test_validation_error_names_field_and_value(overrides: list[str], fragments: list[str]) -> None:
     """A bad launch must fail in the launcher with a message that says what to change."""
@@ -191,6 +208,7 @@ def _composition_error_text(overrides: list[str]) -> str:
         (["model=llama3_9b"], "llama3_9b"),
         (["trainer.optim.lr=fast"], "fast"),
     ],
+    ids=["unknown-key", "bad-int", "unknown-preset", "bad-float"],
 )
 def test_hydra_rejects_bad_overrides(overrides: list[str], needle: str) -> None:
     """Typos and wrong types fail at composition, before any process is spawned."""

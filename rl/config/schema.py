@@ -8,6 +8,7 @@ process is spawned. Semantic checks (divisibility, presets) live in ``validate.p
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 

@@ -80,6 +80,10 @@ def validate_trainer(t: Any, m: Any, world_size: int | None = None) -> None:
         f"trainer.optim.min_lr={t.optim.min_lr} must be in [0, trainer.optim.lr={t.optim.lr}]",
     )
     _require(t.optim.clip_grad >= 0, f"trainer.optim.clip_grad={t.optim.clip_grad} must be >= 0")
+    for name in ("warmup_steps", "decay_steps"):
+        v = getattr(t.optim, name)
+        _require(v is None or v >= 0, f"trainer.optim.{name}={v} must be >= 0")
+    _require(t.save_interval >= 0, f"trainer.save_interval={t.save_interval} must be >= 0")
     size = t.tp * t.pp * t.dp
     if world_size is not None:
         _require(
@@ -92,9 +96,7 @@ def validate_trainer(t: Any, m: Any, world_size: int | None = None) -> None:
         ("num_query_groups", m.num_query_groups),
         ("ffn_hidden_size", m.ffn_hidden_size),
     ):
-        _require(
-            value % t.tp == 0, f"trainer.tp={t.tp} does not divide model.{field}={value}"
-        )
+        _require(value % t.tp == 0, f"trainer.tp={t.tp} does not divide model.{field}={value}")
     vocab = padded_vocab_size(m, t.tp)
     _require(
         vocab % t.tp == 0,
@@ -113,7 +115,23 @@ def validate_trainer(t: Any, m: Any, world_size: int | None = None) -> None:
     )
 
 
+def validate_task(task: Any, sft: Any, m: Any) -> None:
+    from rl.tasks.arithmetic import sequence_length
+
+    _require(task.name == "addition", f"task.name={task.name!r} must be 'addition'")
+    _positive("task", task, "digits", "eval_size")
+    need = sequence_length(task.digits)
+    _require(
+        need <= m.max_position_embeddings,
+        f"task.digits={task.digits} needs {need} positions but "
+        f"model.max_position_embeddings={m.max_position_embeddings}",
+    )
+    _require(sft.steps >= 0, f"sft.steps={sft.steps} must be >= 0")
+    _positive("sft", sft, "log_every", "eval_every")
+
+
 def validate(cfg: Any, world_size: int | None = None) -> None:
     """Validate a composed RootConfig; raise ConfigError on the first bad field."""
     validate_model(cfg.model)
     validate_trainer(cfg.trainer, cfg.model, world_size)
+    validate_task(cfg.task, cfg.sft, cfg.model)

@@ -38,12 +38,19 @@ def decode(ids: list[int]) -> str:
     return "".join(out)
 
 
+def sequence_length(digits: int) -> int:
+    """Tokens in prompt + answer: BOS, a, '+', b, '=' then the sum's digits+1 and EOS."""
+    return (2 * digits + 3) + (digits + 2)
+
+
 @dataclass(frozen=True)
 class Problem:
     a: int
     b: int
 
     def prompt(self, digits: int) -> list[int]:
+        if not (0 <= self.a < 10**digits and 0 <= self.b < 10**digits):
+            raise ValueError(f"{self} does not fit {digits}-digit operands")
         return [BOS, *encode(f"{self.a:0{digits}d}+{self.b:0{digits}d}=")]
 
     def answer(self, digits: int) -> list[int]:

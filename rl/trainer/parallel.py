@@ -55,9 +55,7 @@ def init_model_parallel(tp: int, pp: int, seed: int, group: Any = None) -> Layou
     if group not in (None, dist.group.WORLD):
         raise ValueError("init_model_parallel needs the trainer's own default (WORLD) group")
     if not ps.model_parallel_is_initialized():
-        ps.initialize_model_parallel(
-            tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp
-        )
+        ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
     tensor_parallel.model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
     return Layout(
         tp=tp,

@@ -39,9 +39,7 @@ class MegatronTrainer:
         t, o = trainer_cfg, trainer_cfg.optim
         # Same seed on every rank: CPU init builds each full weight and splits it.
         torch.manual_seed(t.seed)
-        model = build_gpt(
-            model_cfg, t, layout.first_stage, layout.last_stage, layout.pg_collection
-        )
+        model = build_gpt(model_cfg, t, layout.first_stage, layout.last_stage, layout.pg_collection)
         self.config = model.config
         self._padded_vocab = padded_vocab_size(model_cfg, t.tp)
         ddp_config = DistributedDataParallelConfig(
@@ -93,8 +91,7 @@ class MegatronTrainer:
         mbs, dp = self.tcfg.micro_batch_size, self.layout.dp
         if rows % (mbs * dp):
             raise ValueError(
-                f"batch of {rows} rows is not a multiple of trainer.micro_batch_size*dp="
-                f"{mbs}*{dp}"
+                f"batch of {rows} rows is not a multiple of trainer.micro_batch_size*dp={mbs}*{dp}"
             )
         per_rank = rows // dp
         lo = self.layout.dp_rank * per_rank

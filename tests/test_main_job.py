@@ -65,3 +65,38 @@ def test_hydra_typo_fails_before_any_rank_starts():
     assert res.returncode != 0
     assert "tpp" in res.stderr
     assert "starting" not in res.stdout
+
+
+def test_torchrun_launch_runs_the_same_job(tmp_path):
+    """launch/local.sh: the rank count comes from the config, torchrun starts the ranks."""
+    out = tmp_path / "run"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    res = subprocess.run(
+        [
+            str(ROOT / "launch" / "local.sh"),
+            "trainer.tp=1",
+            "trainer.dp=2",
+            "sft.steps=3",
+            "task.eval_size=64",
+            f"run.output_dir={out}",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "[warmup] step 3/3" in res.stdout
+    assert "starting" not in res.stdout  # ranks came from torchrun, not our spawner
+    assert (out / "checkpoint" / "metadata.json").exists()
+
+
+def test_world_size_helper_rejects_bad_config():
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, "-m", "rl.config.world_size"]
+    ok = subprocess.run([*cmd, "trainer.tp=2", "trainer.dp=2"], env=env, capture_output=True)
+    assert ok.stdout.decode().strip() == "4"
+    bad = subprocess.run([*cmd, "trainer.pp=3"], env=env, capture_output=True, text=True)
+    assert bad.returncode == 2
+    assert "trainer.pp=3 does not divide model.num_layers=4" in bad.stderr

@@ -1,0 +1,1 @@
+"""Process launch and torch.distributed setup shared by every executor."""

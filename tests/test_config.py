@@ -105,7 +105,10 @@ def test_llama_param_counts_match_published(preset: str, published: float) -> No
         (["trainer.tp=3"], ["trainer.tp=3", "model.num_query_groups=2"]),
         (["model.ffn_hidden_size=513"], ["trainer.tp=2", "model.ffn_hidden_size=513"]),
         (["trainer.pp=3"], ["trainer.pp=3", "model.num_layers=4"]),
-        (["model.vocab_size=33"], ["trainer.tp=2", "model.vocab_size=33", "model.pad_vocab"]),
+        (
+            ["model.vocab_size=33"],
+            ["trainer.tp=2", "model.vocab_size=33", "model.make_vocab_size_divisible_by=1"],
+        ),
         (["trainer.global_batch_size=48"], ["trainer.global_batch_size=48", "32*1=32"]),
         (
             ["trainer.dp=2", "trainer.global_batch_size=32"],
@@ -153,13 +156,13 @@ def test_config_error_is_value_error() -> None:
     assert issubclass(ConfigError, ValueError)
 
 
-def test_pad_vocab_fixes_indivisible_vocab() -> None:
-    """model.pad_vocab=true is the advertised fix for a vocab that TP does not divide."""
-    cfg = compose(["model.vocab_size=33", "model.pad_vocab=true"])
+def test_vocab_padding_fixes_indivisible_vocab() -> None:
+    """make_vocab_size_divisible_by is the advertised fix for a vocab TP does not divide."""
+    cfg = compose(["model.vocab_size=33", "model.make_vocab_size_divisible_by=8"])
     validate(cfg)
-    assert padded_vocab_size(cfg.model, cfg.trainer.tp) == 34
-    # The padding row is counted in both the embedding and the untied output layer.
-    assert param_count(cfg.model, tp=2) - param_count(cfg.model, tp=1) == 2 * 192
+    assert padded_vocab_size(cfg.model) == 40
+    # The padding rows are counted in both the embedding and the untied output layer.
+    assert param_count(cfg.model, padded=True) - param_count(cfg.model) == 2 * 7 * 192
 
 
 def test_world_size_mismatch() -> None:

@@ -69,26 +69,27 @@ def test_mha_when_groups_equal_heads() -> None:
 
 
 @pytest.mark.parametrize(
-    ("vocab", "tp", "pad", "expected"),
+    ("vocab", "mult", "expected"),
     [
-        (10, 1, False, 10),
-        (10, 2, False, 10),
-        (10, 4, False, 10),  # not padded: validation reports it instead
-        (10, 4, True, 12),
-        (10, 3, True, 12),
-        (12, 4, True, 12),  # already divisible: no padding
-        (10, 1, True, 10),
+        (10, 1, 10),
+        (10, 4, 12),
+        (10, 3, 12),
+        (12, 4, 12),  # already a multiple: no padding
+        (128256, 128, 128256),
+        (151936, 128, 151936),
+        (32001, 128, 32128),
     ],
 )
-def test_padded_vocab_size(vocab: int, tp: int, pad: bool, expected: int) -> None:
-    """Vocab rows are padded up to a multiple of tp only when pad_vocab is set."""
-    assert padded_vocab_size(_small(vocab_size=vocab, pad_vocab=pad), tp) == expected
+def test_padded_vocab_size(vocab: int, mult: int, expected: int) -> None:
+    """Vocab rows are padded up to the configured multiple, independent of TP."""
+    m = _small(vocab_size=vocab, make_vocab_size_divisible_by=mult)
+    assert padded_vocab_size(m) == expected
 
 
 def test_param_count_includes_vocab_padding() -> None:
     """Padding rows are real parameters in both the embedding and the output layer."""
-    m = _small(pad_vocab=True)
-    assert param_count(m, tp=4) == 12 * 8 + 12 * 8 + 2 * LAYER + FINAL_NORM
-    assert param_count(m, tp=4) - param_count(m, tp=1) == 2 * 2 * 8
-    tied = _small(pad_vocab=True, tie_embeddings=True)
-    assert param_count(tied, tp=4) - param_count(tied, tp=1) == 2 * 8
+    m = _small(make_vocab_size_divisible_by=4)
+    assert param_count(m, padded=True) == 12 * 8 + 12 * 8 + 2 * LAYER + FINAL_NORM
+    assert param_count(m, padded=True) - param_count(m) == 2 * 2 * 8
+    tied = _small(make_vocab_size_divisible_by=4, tie_embeddings=True)
+    assert param_count(tied, padded=True) - param_count(tied) == 2 * 8

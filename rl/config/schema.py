@@ -40,9 +40,10 @@ class ModelConfig:
     norm_epsilon: float = 1e-5
     qkv_bias: bool = False
     tie_embeddings: bool = False
-    # Pad the vocab up to a multiple of the TP size instead of refusing a vocab it does
-    # not divide (the padding rows are never sampled: conversion strips them).
-    pad_vocab: bool = False
+    # Embedding/output rows are padded up to a multiple of this (Megatron's convention).
+    # Padding is a model property, not a TP one, so a checkpoint's shapes are the same at
+    # every TP size and it reshards freely; conversion to HF strips the padding rows.
+    make_vocab_size_divisible_by: int = 1
     init_method_std: float = 0.02
 
 

@@ -42,6 +42,7 @@ def validate_model(m: Any) -> None:
         "num_query_groups",
         "vocab_size",
         "max_position_embeddings",
+        "make_vocab_size_divisible_by",
     )
     _require(
         m.hidden_size % m.num_attention_heads == 0,
@@ -97,11 +98,12 @@ def validate_trainer(t: Any, m: Any, world_size: int | None = None) -> None:
         ("ffn_hidden_size", m.ffn_hidden_size),
     ):
         _require(value % t.tp == 0, f"trainer.tp={t.tp} does not divide model.{field}={value}")
-    vocab = padded_vocab_size(m, t.tp)
+    vocab = padded_vocab_size(m)
     _require(
         vocab % t.tp == 0,
-        f"trainer.tp={t.tp} does not divide model.vocab_size={m.vocab_size} "
-        "(set model.pad_vocab=true to pad it)",
+        f"trainer.tp={t.tp} does not divide the padded vocab {vocab} (model.vocab_size="
+        f"{m.vocab_size}, model.make_vocab_size_divisible_by={m.make_vocab_size_divisible_by}; "
+        f"set the latter to a multiple of {t.tp})",
     )
     _require(
         m.num_layers % t.pp == 0,

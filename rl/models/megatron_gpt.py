@@ -32,7 +32,7 @@ def have_transformer_engine() -> bool:
     return torch.cuda.is_available()
 
 
-def transformer_config(m: Any, t: Any) -> Any:
+def transformer_config(m: Any, t: Any, initialize: bool = True) -> Any:
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     dtype = _DTYPES[t.params_dtype]
@@ -59,7 +59,7 @@ def transformer_config(m: Any, t: Any) -> Any:
         pipeline_dtype=dtype,
         bf16=dtype == torch.bfloat16,
         use_cpu_initialization=True,
-        perform_initialization=True,
+        perform_initialization=initialize,
         # Loss is a token sum; Megatron divides by the global token count across
         # microbatches and DP ranks, so any (micro)batching gives the same gradient.
         calculate_per_token_loss=True,
@@ -82,8 +82,19 @@ def layer_spec(m: Any) -> Any:
     return specs.get_gpt_layer_local_spec(normalization="RMSNorm")
 
 
-def build_gpt(m: Any, t: Any, pre_process: bool, post_process: bool, pg_collection: Any) -> Any:
-    """The model chunk for this pipeline stage (all layers of the stage, one chunk)."""
+def build_gpt(
+    m: Any,
+    t: Any,
+    pre_process: bool,
+    post_process: bool,
+    pg_collection: Any,
+    initialize: bool = True,
+) -> Any:
+    """The model chunk for this pipeline stage (all layers of the stage, one chunk).
+
+    ``initialize=False`` skips random init (weights are about to be overwritten, e.g. by a
+    checkpoint converter), which matters for large models on CPU.
+    """
     from megatron.core.models.gpt import GPTModel
 
     rs = m.rope_scaling
@@ -95,9 +106,9 @@ def build_gpt(m: Any, t: Any, pre_process: bool, post_process: bool, pg_collecti
                     f"Megatron-Core's Llama 3 RoPE scaling (fixed at {v})"
                 )
     return GPTModel(
-        config=transformer_config(m, t),
+        config=transformer_config(m, t, initialize),
         transformer_layer_spec=layer_spec(m),
-        vocab_size=padded_vocab_size(m, t.tp),
+        vocab_size=padded_vocab_size(m),
         max_sequence_length=m.max_position_embeddings,
         pre_process=pre_process,
         post_process=post_process,

@@ -13,11 +13,10 @@ def kv_channels(m: Any) -> int:
     return m.hidden_size // m.num_attention_heads
 
 
-def padded_vocab_size(m: Any, tp: int) -> int:
-    """Vocab rows the (vocab-parallel) embedding holds at tensor parallel size ``tp``."""
-    if m.vocab_size % tp == 0 or not m.pad_vocab:
-        return m.vocab_size
-    return -(-m.vocab_size // tp) * tp
+def padded_vocab_size(m: Any) -> int:
+    """Rows of the embedding and output layer: vocab_size rounded up to the padding multiple."""
+    mult = m.make_vocab_size_divisible_by
+    return -(-m.vocab_size // mult) * mult
 
 
 def layer_param_count(m: Any) -> int:
@@ -31,9 +30,9 @@ def layer_param_count(m: Any) -> int:
     return attn + mlp + norms
 
 
-def param_count(m: Any, tp: int = 1) -> int:
-    """Total parameters (the HF count when tp=1 and no vocab padding)."""
-    vocab = padded_vocab_size(m, tp)
+def param_count(m: Any, padded: bool = False) -> int:
+    """Total parameters: the HF count, or with ``padded`` the Megatron count (padding rows)."""
+    vocab = padded_vocab_size(m) if padded else m.vocab_size
     embed = vocab * m.hidden_size
     output = 0 if m.tie_embeddings else vocab * m.hidden_size
     return embed + output + m.num_layers * layer_param_count(m) + m.hidden_size

@@ -8,18 +8,32 @@ leaves a half-written checkpoint under the final name.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
+from omegaconf import DictConfig, OmegaConf
 
 if TYPE_CHECKING:
     from rl.trainer.trainer import MegatronTrainer
 
 FORMAT_VERSION = 1
+# Fields that must agree between a checkpoint and the model loading it.
+ARCH_FIELDS = (
+    "num_layers",
+    "hidden_size",
+    "ffn_hidden_size",
+    "num_attention_heads",
+    "num_query_groups",
+    "vocab_size",
+    "make_vocab_size_divisible_by",
+    "qkv_bias",
+    "tie_embeddings",
+)
 _OPTIM_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
 
 
@@ -27,19 +41,35 @@ class CheckpointError(ValueError):
     """A checkpoint path that is missing, incomplete or not a torch_dist checkpoint."""
 
 
+def model_config_dict(m: Any) -> dict:
+    """The model config as plain data, stored in every checkpoint's common state."""
+    if isinstance(m, DictConfig):
+        return OmegaConf.to_container(m, resolve=True)  # type: ignore[return-value]
+    return dataclasses.asdict(m)
+
+
+def model_state(model: Any, model_cfg: Any, **common: Any) -> dict:
+    """A weights-only checkpoint state: the sharded model plus the common metadata."""
+    return {
+        "model": model.sharded_state_dict(),
+        "format_version": FORMAT_VERSION,
+        "has_optimizer": False,
+        "model_config": model_config_dict(model_cfg),
+        **common,
+    }
+
+
 def _state(tr: MegatronTrainer, with_optimizer: bool, is_loading: bool) -> dict:
-    model_sd = tr.model.module.sharded_state_dict()
-    sd: dict = {"model": model_sd}
+    sd = model_state(tr.model.module, tr.mcfg)
     if with_optimizer:
         # "fully_reshardable": optimizer state stored by global parameter coordinates, so
         # it also loads under a different TP/PP/DP layout.
         sd["optimizer"] = tr.optimizer.sharded_state_dict(
-            model_sd, is_loading=is_loading, metadata=_OPTIM_METADATA
+            sd["model"], is_loading=is_loading, metadata=_OPTIM_METADATA
         )
         sd["scheduler"] = tr.scheduler.state_dict()
         sd["step"] = tr.step
-    sd["format_version"] = FORMAT_VERSION
-    sd["has_optimizer"] = with_optimizer
+        sd["has_optimizer"] = True
     return sd
 
 
@@ -81,7 +111,8 @@ def _materialize_optimizer_state(optimizer) -> None:
                 prm.grad = None
 
 
-def save(tr: MegatronTrainer, path: str) -> None:
+def write(state: dict, path: str) -> None:
+    """Collective save of ``state`` to ``path``, atomically (temp dir, then rename)."""
     from megatron.core import dist_checkpointing
 
     from megatron_patches import cuda_to_cpu
@@ -93,13 +124,32 @@ def save(tr: MegatronTrainer, path: str) -> None:
         tmp.mkdir(parents=True)
     dist.barrier()
     with cuda_to_cpu():
-        # Before the first step Adam has no state to save: such a checkpoint is weights only.
-        dist_checkpointing.save(_state(tr, tr.step > 0, is_loading=False), str(tmp))
+        dist_checkpointing.save(state, str(tmp))
     dist.barrier()
     if dist.get_rank() == 0:
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
     dist.barrier()
+
+
+def save(tr: MegatronTrainer, path: str) -> None:
+    # Before the first step Adam has no state to save: such a checkpoint is weights only.
+    write(_state(tr, tr.step > 0, is_loading=False), path)
+
+
+def check_architecture(common: dict, model_cfg: Any, path: str) -> None:
+    """Refuse a checkpoint whose stored model shape differs from the model being built."""
+    stored = common.get("model_config")
+    if stored is None:
+        return
+    mine = model_config_dict(model_cfg)
+    diffs = [
+        f"{k}: checkpoint {stored.get(k)!r} vs config {mine.get(k)!r}"
+        for k in ARCH_FIELDS
+        if stored.get(k) != mine.get(k)
+    ]
+    if diffs:
+        raise CheckpointError(f"checkpoint {path!r} is for a different model: " + "; ".join(diffs))
 
 
 def load(tr: MegatronTrainer, path: str, load_optimizer: bool = True) -> None:
@@ -115,6 +165,7 @@ def load(tr: MegatronTrainer, path: str, load_optimizer: bool = True) -> None:
             f"checkpoint {str(p)!r} has format_version={common.get('format_version')!r}, "
             f"expected {FORMAT_VERSION}"
         )
+    check_architecture(common, tr.mcfg, str(p))
     # A weights-only checkpoint (saved before any step) resumes with a fresh optimizer.
     load_optimizer = load_optimizer and bool(common.get("has_optimizer"))
     with cuda_to_cpu():

@@ -41,7 +41,7 @@ class MegatronTrainer:
         torch.manual_seed(t.seed)
         model = build_gpt(model_cfg, t, layout.first_stage, layout.last_stage, layout.pg_collection)
         self.config = model.config
-        self._padded_vocab = padded_vocab_size(model_cfg, t.tp)
+        self._padded_vocab = padded_vocab_size(model_cfg)
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True,
             overlap_grad_reduce=False,
@@ -108,8 +108,8 @@ class MegatronTrainer:
         """Megatron's schedule over this rank's microbatches.
 
         With ``loss_fn`` it is a training pass; otherwise a forward-only pass that collects
-        ``collect``: "logprobs" (``[b, s]``) or "last_logits" (this TP rank's vocab shard
-        of the last position's logits, ``[b, v/tp]``).
+        ``collect``: "logprobs" (``[b, s]``), "logits" (this TP rank's vocab shard,
+        ``[b, s, v/tp]``) or "last_logits" (the last position's, ``[b, v/tp]``).
         """
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -121,13 +121,16 @@ class MegatronTrainer:
             mb = next(data_iterator)
             tokens = mb["tokens"]
             positions = torch.arange(seq).unsqueeze(0).expand_as(tokens)
-            labels = None if collect == "last_logits" else torch.roll(tokens, -1, dims=1)
+            want_logits = collect in ("logits", "last_logits")
+            labels = None if want_logits else torch.roll(tokens, -1, dims=1)
             out = model(tokens, positions, None, labels=labels)
 
             def loss_func(output: torch.Tensor):
                 if forward_only:
                     if collect == "last_logits":
                         value = output[:, -1, :].float()
+                    elif collect == "logits":
+                        value = output.float()
                     else:
                         value = -output.float()
                     return output.sum() * 0, torch.tensor(1, dtype=torch.int), {collect: value}
@@ -150,16 +153,16 @@ class MegatronTrainer:
                 forward_only=forward_only,
             )
 
-    def _collect(self, per_mb: list[dict], key: str, shape: tuple[int, int]) -> torch.Tensor:
+    def _collect(self, per_mb: list[dict], key: str, shape: tuple[int, ...]) -> torch.Tensor:
         """Assemble a forward-only result from every DP rank and share it with all ranks."""
         lay = self.layout
         full = torch.empty(shape, dtype=torch.float32)
         if lay.last_stage:
             mine = torch.cat([d[key] for d in per_mb], dim=0)
-            if key == "last_logits" and lay.tp > 1:
+            if key in ("logits", "last_logits") and lay.tp > 1:
                 shards = [torch.empty_like(mine) for _ in range(lay.tp)]
-                dist.all_gather(shards, mine, group=lay.tp_group)
-                mine = torch.cat(shards, dim=1)
+                dist.all_gather(shards, mine.contiguous(), group=lay.tp_group)
+                mine = torch.cat(shards, dim=-1)
             parts = [torch.empty_like(mine) for _ in range(lay.dp)]
             dist.all_gather(parts, mine, group=lay.dp_group)
             full = torch.cat(parts, dim=0)
@@ -197,6 +200,12 @@ class MegatronTrainer:
         """Per-token log-probs ``[B, S]`` of the whole batch, on every rank."""
         per_mb = self._run(batch, None, collect="logprobs")
         return self._collect(per_mb, "logprobs", tuple(batch["tokens"].shape))
+
+    @torch.no_grad()
+    def logits(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Full logits ``[B, S, padded_vocab]`` of the whole batch, on every rank."""
+        per_mb = self._run(batch, None, collect="logits")
+        return self._collect(per_mb, "logits", (*batch["tokens"].shape, self._padded_vocab))
 
     @torch.no_grad()
     def greedy_generate(self, prompts: torch.Tensor, max_new_tokens: int) -> torch.Tensor:

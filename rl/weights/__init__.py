@@ -1,0 +1,1 @@
+"""Weight layouts and conversion between Hugging Face and Megatron."""

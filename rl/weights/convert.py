@@ -1,0 +1,251 @@
+"""Checkpoint conversion between Hugging Face directories and Megatron ``torch_dist``.
+
+HF -> Megatron runs on ``tp*pp`` ranks (spawned here, or started by torchrun/SLURM): each
+rank builds only its Megatron stage, fills its own shards from the HF safetensors (one
+layer's tensors at a time; vocab matrices by row range) and writes its part of the
+checkpoint. Megatron -> HF runs in one process and streams layer by layer, holding at most
+one layer plus the output shard being written. Both write to a temporary directory that is
+renamed only when complete, and validate their input before any rank starts.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import resource
+import shutil
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rl.config.schema import ModelConfig, TrainerConfig
+from rl.config.validate import ConfigError, validate_model, validate_trainer
+from rl.weights import keymap as km
+from rl.weights.hf_config import hf_config_from_model, model_config_from_hf
+from rl.weights.hf_io import TOKENIZER_FILES, HFCheckpoint, plan_shards, write_safetensors
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+
+
+def peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+# --------------------------------------------------------------------------- HF -> mcore
+def prepare_hf_to_mcore(
+    hf_dir: str, tp: int, pp: int, vocab_multiple: int, dtype: str | None
+) -> tuple[ModelConfig, str]:
+    """Validate the HF input and the target layout; return the model config and dtype."""
+    hf = HFCheckpoint(hf_dir)
+    m = model_config_from_hf(hf.config, name=Path(hf_dir).name, make_vocab_size_divisible_by=1)
+    if vocab_multiple:
+        # Pad to the requested multiple, made a multiple of TP as well.
+        m = replace(m, make_vocab_size_divisible_by=math.lcm(vocab_multiple, tp))
+    if dtype is None:
+        if hf.dtype not in DTYPE_NAMES:
+            raise ConfigError(f"checkpoint dtype {hf.dtype} is not supported: pass --dtype")
+        dtype = DTYPE_NAMES[hf.dtype]
+    t = TrainerConfig(tp=tp, pp=pp, params_dtype=dtype, micro_batch_size=1, global_batch_size=1)
+    validate_model(m)
+    validate_trainer(t, m)
+    hf.check(km.hf_shapes(km.Dims.of(m)))
+    return m, dtype
+
+
+def hf_provider(hf: HFCheckpoint, m: Any, dtype: torch.dtype) -> Any:
+    """Global Megatron tensors computed from the HF checkpoint on demand."""
+    d = km.Dims.of(m)
+
+    def provide(key: str, layer: int | None, rows: tuple[int, int] | None) -> torch.Tensor:
+        if key == km.OUTPUT and d.tied:
+            key = km.EMBED
+        names = km.hf_names(key, layer)
+        if rows is not None:  # vocab rows [r0, r1); rows past the real vocab are padding
+            r0, r1 = rows
+            real = hf.get_rows(names[0], min(r0, d.vocab), min(r1, d.vocab)).to(dtype)
+            pad = real.new_zeros(r1 - r0 - real.shape[0], d.hidden)
+            return torch.cat([real, pad], dim=0)
+        return km.to_megatron(key, [hf.get(n) for n in names], d).to(dtype)
+
+    return provide
+
+
+def hf_to_mcore_rank(hf_dir: str, out_dir: str, m: ModelConfig, tp: int, pp: int, dtype: str):
+    """One rank's part of the conversion (torch.distributed already initialised)."""
+    import torch.distributed as dist
+
+    from rl.models.megatron_gpt import build_gpt
+    from rl.trainer.checkpoint import model_state, write
+    from rl.trainer.parallel import init_model_parallel
+    from rl.weights.megatron_io import fill_model
+
+    lay = init_model_parallel(tp, pp, seed=0)
+    t = TrainerConfig(tp=tp, pp=pp, params_dtype=dtype)
+    model = build_gpt(m, t, lay.first_stage, lay.last_stage, lay.pg_collection, initialize=False)
+    hf = HFCheckpoint(hf_dir)
+    t0 = time.perf_counter()
+
+    def progress(layer: int) -> None:
+        if lay.tp_rank == 0:
+            _log(f"[convert] stage {lay.pp_rank}: layer {layer + 1}/{m.num_layers} written")
+
+    n = fill_model(model, hf_provider(hf, m, DTYPES[dtype]), progress)
+    common = {"hf_config": hf.config, "hf_generation_config": hf.generation_config}
+    write(model_state(model, m, **common), out_dir)
+    stats = torch.tensor([peak_rss_mb(), n], dtype=torch.float64)
+    everyone = [torch.zeros_like(stats) for _ in range(dist.get_world_size())]
+    dist.all_gather(everyone, stats)
+    return {
+        "peak_rss_mb": [float(s[0]) for s in everyone],
+        "tensors": int(sum(s[1] for s in everyone)),
+        "seconds": time.perf_counter() - t0,
+    }
+
+
+def hf_to_mcore(
+    hf_dir: str,
+    out_dir: str,
+    tp: int = 1,
+    pp: int = 1,
+    vocab_multiple: int = 128,
+    dtype: str | None = None,
+) -> dict:
+    """Convert here, spawning ``tp*pp`` local ranks; returns the summary."""
+    from rl.dist.launch import spawn
+
+    m, dtype = prepare_hf_to_mcore(hf_dir, tp, pp, vocab_multiple, dtype)
+    out = Path(out_dir)
+    try:
+        res = spawn(hf_to_mcore_rank, tp * pp, hf_dir, str(out), m, tp, pp, dtype)[0]
+    finally:
+        shutil.rmtree(out.with_name(out.name + ".tmp"), ignore_errors=True)
+    return res
+
+
+# --------------------------------------------------------------------------- mcore -> HF
+def _stored_model_config(common: dict, path: str) -> ModelConfig:
+    from omegaconf import OmegaConf
+
+    from rl.trainer.checkpoint import CheckpointError
+
+    stored = common.get("model_config")
+    if stored is None:
+        raise CheckpointError(f"checkpoint {path!r} carries no model_config")
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), stored))
+
+
+def mcore_to_hf(
+    ckpt_dir: str,
+    out_dir: str,
+    architecture: str | None = None,
+    dtype: str | None = None,
+    max_shard_bytes: int = 5 * 2**30,
+    tokenizer_dir: str | None = None,
+) -> dict:
+    """Convert a Megatron checkpoint (any TP/PP) into a Hugging Face directory."""
+    from megatron.core import dist_checkpointing
+
+    from rl.trainer.checkpoint import CheckpointError, check
+    from rl.weights.megatron_io import checkpoint_tensors, read_layer
+
+    path = str(check(ckpt_dir))
+    common = dist_checkpointing.load_common_state_dict(path)
+    m = _stored_model_config(common, path)
+    d = km.Dims.of(m)
+    tensors = checkpoint_tensors(path)
+    for key in km.global_keys(d):
+        want = km.megatron_shape(key, d)
+        if key not in tensors or tensors[key][0] != want:
+            got = tensors[key][0] if key in tensors else "missing"
+            raise CheckpointError(f"checkpoint {path!r}: {key} is {got}, expected {want}")
+    for key in km.layer_keys(d):
+        want = (d.layers, *km.megatron_shape(key, d))
+        full = km.LAYERS + key
+        if full not in tensors or tensors[full][0] != want:
+            got = tensors[full][0] if full in tensors else "missing"
+            raise CheckpointError(f"checkpoint {path!r}: {full} is {got}, expected {want}")
+    src_dtype = tensors[km.EMBED][1]
+    out_dtype = DTYPES[dtype] if dtype else src_dtype
+    hf_cfg = common.get("hf_config")
+    arch = architecture or (hf_cfg or {}).get("architectures", [None])[0]
+    arch = arch or ("Qwen2ForCausalLM" if m.qkv_bias else "LlamaForCausalLM")
+    dtype_name = str(out_dtype).removeprefix("torch.")
+    config = hf_config_from_model(m, arch, dtype_name, extra=_carried_fields(hf_cfg))
+
+    elem = torch.empty(0, dtype=out_dtype).element_size()
+    shapes = km.hf_shapes(d)
+    sizes = {n: elem * int(torch.Size(s).numel()) for n, s in shapes.items()}
+    shards = plan_shards(sizes, max_shard_bytes)
+    t0 = time.perf_counter()
+
+    def produce():
+        def convert(layer: int | None, keys: list[str], prefix: str = ""):
+            got = read_layer(path, {prefix + k: tensors[prefix + k] for k in keys}, layer)
+            for k in keys:
+                for name, t in zip(
+                    km.hf_names(k, layer), km.to_hf(k, got[prefix + k], d), strict=True
+                ):
+                    yield name, t.to(out_dtype)
+
+        yield from convert(None, [km.EMBED])
+        for i in range(d.layers):
+            yield from convert(i, km.layer_keys(d), km.LAYERS)
+            _log(f"[convert] layer {i + 1}/{d.layers} written")
+        yield from convert(None, [k for k in km.global_keys(d) if k != km.EMBED])
+
+    out = Path(out_dir)
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        write_safetensors(tmp, produce(), shards)
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        gen = common.get("hf_generation_config") or _generation_config(config)
+        (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
+        copied = _copy_tokenizer(tokenizer_dir, tmp) if tokenizer_dir else []
+        shutil.rmtree(out, ignore_errors=True)
+        tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return {
+        "architecture": arch,
+        "tensors": len(shapes),
+        "shards": len(shards),
+        "tokenizer_files": copied,
+        "peak_rss_mb": [peak_rss_mb()],
+        "seconds": time.perf_counter() - t0,
+    }
+
+
+_CARRIED = ("bos_token_id", "eos_token_id", "pad_token_id", "transformers_version")
+
+
+def _carried_fields(hf_cfg: dict | None) -> dict:
+    """Fields of the original config.json that are not shape facts (token ids...)."""
+    return {k: hf_cfg[k] for k in _CARRIED if hf_cfg and k in hf_cfg}
+
+
+def _generation_config(config: dict) -> dict:
+    return {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in config}
+
+
+def _copy_tokenizer(src: str, dst: Path) -> list[str]:
+    srcp = Path(src)
+    if not srcp.is_dir():
+        raise FileNotFoundError(f"--tokenizer-dir {src!r} is not a directory")
+    copied = [f for f in TOKENIZER_FILES if (srcp / f).exists()]
+    if not copied:
+        raise FileNotFoundError(f"--tokenizer-dir {src!r} holds none of {TOKENIZER_FILES}")
+    for f in copied:
+        shutil.copy2(srcp / f, dst / f)
+    return copied

@@ -1,0 +1,142 @@
+"""Move global (TP=1) tensors into and out of Megatron-Core's sharded layout.
+
+Both directions go through Megatron's own ``sharded_state_dict`` metadata (key, global
+shape, this rank's offset), so they agree with Megatron's checkpoints by construction:
+
+* :func:`fill_model` writes each rank's local shards from a provider of global tensors
+  (one layer's tensor at a time), e.g. from a Hugging Face checkpoint;
+* :func:`read_layer` loads the global tensors of one layer from a ``torch_dist``
+  checkpoint written at any TP/PP, without loading the rest of the model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from rl.weights.keymap import LAYERS
+
+# provider(key, layer, row_range) -> global tensor of ``key`` (for ``layer``), or only the
+# rows [start, stop) of it when row_range is given (used for vocab-sized tensors).
+Provider = Callable[[str, int | None, tuple[int, int] | None], torch.Tensor]
+ROW_SLICED = ("embedding.word_embeddings.weight", "output_layer.weight")
+
+
+def _leaves(obj: Any) -> Iterator[Any]:
+    from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
+
+    if isinstance(obj, dict):
+        for v in obj.values():
+            yield from _leaves(v)
+    elif isinstance(obj, list | tuple):
+        for v in obj:
+            yield from _leaves(v)
+    elif isinstance(obj, ShardedTensorFactory):
+        yield from _leaves(obj.build())
+    else:
+        yield obj
+
+
+def split_key(key: str, prepend: int, offset: tuple[int, ...]) -> tuple[str, int | None]:
+    """Checkpoint key -> (keymap key, layer index or None)."""
+    if key.startswith(LAYERS):
+        if prepend != 1:
+            raise ValueError(f"{key}: expected one stacked layer axis, got {prepend}")
+        return key[len(LAYERS) :], int(offset[0])
+    return key, None
+
+
+@torch.no_grad()
+def fill_model(
+    model: Any, provider: Provider, on_layer: Callable[[int], None] | None = None
+) -> int:
+    """Copy every local shard of ``model`` from ``provider``; return the tensors written.
+
+    Global tensors of per-layer keys are requested once per (key, layer) and dropped after
+    use; vocab-sized tensors are requested as row ranges only.
+    """
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    written, cache, last_layer = 0, {}, None
+    for st in _leaves(model.sharded_state_dict()):
+        if not isinstance(st, ShardedTensor):
+            continue  # _extra_state objects: nothing to convert
+        key, layer = split_key(st.key, st.prepend_axis_num, st.global_offset)
+        if layer is not None and layer != last_layer:
+            if on_layer is not None and last_layer is not None:
+                on_layer(last_layer)
+            cache.clear()
+            last_layer = layer
+        offs = st.global_offset[st.prepend_axis_num :]
+        shape = st.data.shape
+        if key in ROW_SLICED:
+            src = provider(key, None, (offs[0], offs[0] + shape[0]))
+            src = src[:, offs[1] : offs[1] + shape[1]]
+        else:
+            if (key, layer) not in cache:
+                cache[(key, layer)] = provider(key, layer, None)
+            full = cache[(key, layer)]
+            src = full[tuple(slice(o, o + n) for o, n in zip(offs, shape, strict=True))]
+        if tuple(src.shape) != tuple(shape):
+            raise ValueError(f"{st.key}: provider gave {list(src.shape)}, shard is {list(shape)}")
+        st.data.copy_(src)
+        written += 1
+    if on_layer is not None and last_layer is not None:
+        on_layer(last_layer)
+    return written
+
+
+def checkpoint_tensors(path: str) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Global shape and dtype of every model tensor in a torch_dist checkpoint."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    md = FileSystemReader(path).read_metadata()
+    out = {}
+    for key, m in md.state_dict_metadata.items():
+        if isinstance(m, TensorStorageMetadata) and not key.startswith("optimizer"):
+            out[key] = (tuple(m.size), m.properties.dtype)
+    return out
+
+
+def read_layer(
+    path: str, keys: dict[str, tuple[tuple[int, ...], torch.dtype]], layer: int | None
+) -> dict[str, torch.Tensor]:
+    """Load the global tensors ``keys`` (full checkpoint keys) of one layer (None: globals).
+
+    Why not Megatron's ``dist_checkpointing.load``: it only accepts requests that cover
+    whole tensors across ranks, and stacked layer tensors would then be read for all layers
+    at once. PyTorch DCP reads any chunk; a small planner asks for exactly this layer's.
+    Runs in a single process, with no process group.
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+    from torch.distributed.checkpoint.planner import LoadPlan
+    from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+
+    chunks: dict[str, ChunkStorageMetadata] = {}
+    bufs: dict[str, torch.Tensor] = {}
+    for key, (shape, dtype) in keys.items():
+        if layer is None:
+            offsets, sizes = (0,) * len(shape), shape
+        else:
+            offsets, sizes = (layer,) + (0,) * (len(shape) - 1), (1, *shape[1:])
+        chunks[key] = ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes))
+        bufs[key] = torch.empty(sizes, dtype=dtype)
+
+    class _ChunkPlanner(DefaultLoadPlanner):
+        def create_local_plan(self) -> LoadPlan:
+            items = []
+            for fqn in self.state_dict:
+                md = self.metadata.state_dict_metadata[fqn]
+                items += create_read_items_for_chunk_list(fqn, md, [chunks[fqn]])
+            return LoadPlan(items)
+
+        def lookup_tensor(self, index: Any) -> torch.Tensor:
+            return self.state_dict[index.fqn]  # read items carry chunk-relative offsets
+
+    dcp.load(bufs, storage_reader=FileSystemReader(path), planner=_ChunkPlanner(), no_dist=True)
+    return {k: (v[0] if layer is not None else v) for k, v in bufs.items()}

@@ -55,3 +55,19 @@ def run_layout(
     res["layout"] = (tr.layout.tp, tr.layout.pp, tr.layout.dp)
     res["step"] = tr.step
     return res
+
+
+def convert_then_logits(hf_dir: str, out: str, m, tp: int, pp: int, dtype: str, tokens):
+    """Convert HF -> Megatron on this world, then load it into a trainer and return logits."""
+    from rl.config import compose
+    from rl.trainer.trainer import build_trainer
+    from rl.weights.convert import hf_to_mcore_rank
+
+    summary = hf_to_mcore_rank(hf_dir, out, m, tp, pp, dtype)
+    rows = tokens.shape[0]
+    overrides = [f"trainer.tp={tp}", f"trainer.pp={pp}", "trainer.micro_batch_size=1"]
+    overrides += [f"trainer.global_batch_size={rows}", f"trainer.params_dtype={dtype}"]
+    cfg = compose(overrides)
+    tr = build_trainer(m, cfg.trainer, total_steps=1)
+    tr.load(out, load_optimizer=False)
+    return {"logits": tr.logits({"tokens": tokens}), "summary": summary}

@@ -122,6 +122,12 @@ def test_llama_param_counts_match_published(preset: str, published: float) -> No
         (["model.hidden_size=200"], ["model.num_attention_heads=6", "model.hidden_size=200"]),
         (["model.num_query_groups=4"], ["model.num_query_groups=4"]),
         (["model.hidden_size=198"], ["model.hidden_size=198", "RoPE"]),
+        (
+            ["model=llama3_8b", "trainer.tp=8", "model.rope_scaling.low_freq_factor=2.0"],
+            ["model.rope_scaling.low_freq_factor=2.0", "Megatron-Core"],
+        ),
+        (["task.digits=30"], ["task.digits=30", "model.max_position_embeddings=64"]),
+        (["trainer.optim.warmup_steps=-1"], ["trainer.optim.warmup_steps=-1"]),
     ],
     ids=[
         "tp-heads",
@@ -139,6 +145,9 @@ def test_llama_param_counts_match_published(preset: str, published: float) -> No
         "heads-hidden",
         "groups-heads",
         "rope-odd-head-dim",
+        "rope-scaling-constant",
+        "task-too-long",
+        "negative-warmup",
     ],
 )
 def test_validation_error_names_field_and_value(overrides: list[str], fragments: list[str]) -> None:

@@ -14,6 +14,12 @@ from rl.models.shapes import padded_vocab_size
 DEVICES = ("cpu", "cuda")
 DTYPES = ("float32", "bfloat16")
 DECAY_STYLES = ("constant", "linear", "cosine")
+# Megatron-Core 0.16 applies Llama 3 RoPE scaling with only `factor` configurable.
+MCORE_LLAMA3_ROPE = {
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
 
 
 class ConfigError(ValueError):
@@ -62,6 +68,12 @@ def validate_model(m: Any) -> None:
     rs = m.rope_scaling
     if rs is not None:
         _require(rs.factor > 0, f"model.rope_scaling.factor={rs.factor} must be > 0")
+        for name, fixed in MCORE_LLAMA3_ROPE.items():
+            _require(
+                getattr(rs, name) == fixed,
+                f"model.rope_scaling.{name}={getattr(rs, name)} is not supported: "
+                f"Megatron-Core's Llama 3 RoPE scaling fixes it at {fixed}",
+            )
 
 
 def validate_trainer(t: Any, m: Any, world_size: int | None = None) -> None:

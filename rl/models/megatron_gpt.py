@@ -13,15 +13,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from megatron_patches import cuda_to_cpu
 from rl.models.shapes import kv_channels, padded_vocab_size
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-# Megatron-Core applies Llama 3 RoPE scaling with these constants fixed.
-_MCORE_ROPE_DEFAULTS = {
-    "low_freq_factor": 1.0,
-    "high_freq_factor": 4.0,
-    "original_max_position_embeddings": 8192,
-}
 
 
 def have_transformer_engine() -> bool:
@@ -97,26 +92,21 @@ def build_gpt(
     """
     from megatron.core.models.gpt import GPTModel
 
-    rs = m.rope_scaling
-    if rs is not None:
-        for k, v in _MCORE_ROPE_DEFAULTS.items():
-            if getattr(rs, k) != v:
-                raise ValueError(
-                    f"model.rope_scaling.{k}={getattr(rs, k)} is not supported by "
-                    f"Megatron-Core's Llama 3 RoPE scaling (fixed at {v})"
-                )
-    return GPTModel(
-        config=transformer_config(m, t, initialize),
-        transformer_layer_spec=layer_spec(m),
-        vocab_size=padded_vocab_size(m),
-        max_sequence_length=m.max_position_embeddings,
-        pre_process=pre_process,
-        post_process=post_process,
-        parallel_output=True,
-        share_embeddings_and_output_weights=m.tie_embeddings,
-        position_embedding_type="rope",
-        rotary_base=int(m.rotary_base),
-        rope_scaling=rs is not None,
-        rope_scaling_factor=rs.factor if rs is not None else 8.0,
-        pg_collection=pg_collection,
-    )
+    rs = m.rope_scaling  # validate_model checked it against Megatron's fixed constants
+    # Tied embeddings under PP move the shared weight with .cuda() while building.
+    with cuda_to_cpu():
+        return GPTModel(
+            config=transformer_config(m, t, initialize),
+            transformer_layer_spec=layer_spec(m),
+            vocab_size=padded_vocab_size(m),
+            max_sequence_length=m.max_position_embeddings,
+            pre_process=pre_process,
+            post_process=post_process,
+            parallel_output=True,
+            share_embeddings_and_output_weights=m.tie_embeddings,
+            position_embedding_type="rope",
+            rotary_base=int(m.rotary_base),
+            rope_scaling=rs is not None,
+            rope_scaling_factor=rs.factor if rs is not None else 8.0,
+            pg_collection=pg_collection,
+        )

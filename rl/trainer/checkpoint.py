@@ -133,8 +133,13 @@ def write(state: dict, path: str) -> None:
 
 
 def save(tr: MegatronTrainer, path: str) -> None:
+    from megatron_patches import cuda_to_cpu
+
     # Before the first step Adam has no state to save: such a checkpoint is weights only.
-    write(_state(tr, tr.step > 0, is_loading=False), path)
+    # The distributed optimizer gathers its state with .cuda() tensors: build it in scope.
+    with cuda_to_cpu():
+        state = _state(tr, tr.step > 0, is_loading=False)
+    write(state, path)
 
 
 def check_architecture(common: dict, model_cfg: Any, path: str) -> None:

@@ -11,6 +11,7 @@ shape, this rank's offset), so they agree with Megatron's checkpoints by constru
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -138,5 +139,7 @@ def read_layer(
         def lookup_tensor(self, index: Any) -> torch.Tensor:
             return self.state_dict[index.fqn]  # read items carry chunk-relative offsets
 
-    dcp.load(bufs, storage_reader=FileSystemReader(path), planner=_ChunkPlanner(), no_dist=True)
+    with warnings.catch_warnings():  # "assuming ... single process" is exactly the intent
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single")
+        dcp.load(bufs, storage_reader=FileSystemReader(path), planner=_ChunkPlanner(), no_dist=True)
     return {k: (v[0] if layer is not None else v) for k, v in bufs.items()}

@@ -1,0 +1,91 @@
+#!/usr/bin/env python
+"""Convert a Megatron torch_dist checkpoint (any TP/PP) to a Hugging Face directory.
+
+Example (from the repo root, with the project venv):
+
+    python tools/convert_mcore_to_hf.py --ckpt outputs/tiny_sft/checkpoint --out ./tiny-hf
+
+Works on checkpoints written by the trainer or by tools/convert_hf_to_mcore.py (both carry
+the model config). Streams one layer at a time into safetensors shards with an index,
+writes config.json and generation_config.json (the original ones when the checkpoint came
+from Hugging Face), and copies tokenizer files when given. The result loads with
+``transformers.AutoModelForCausalLM.from_pretrained``. The output appears only when complete.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter
+    )
+    p.add_argument("--ckpt", required=True, help="Megatron torch_dist checkpoint directory")
+    p.add_argument("--out", required=True, help="Hugging Face directory to write")
+    p.add_argument(
+        "--arch",
+        choices=["LlamaForCausalLM", "Qwen2ForCausalLM"],
+        default=None,
+        help="architecture to write (default: the original one, else Qwen2 if the model\n"
+        "has QKV bias, otherwise Llama)",
+    )
+    p.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16"],
+        default=None,
+        help="dtype of the written tensors (default: the checkpoint's)",
+    )
+    p.add_argument(
+        "--max-shard-size",
+        default="5GB",
+        help="largest safetensors shard, e.g. 500MB or 5GB (default 5GB)",
+    )
+    p.add_argument("--tokenizer-dir", default=None, help="copy tokenizer files from here")
+    p.add_argument(
+        "--force", action="store_true", help="replace --out if it already exists (default: refuse)"
+    )
+    return p
+
+
+def parse_size(text: str) -> int:
+    """'500MB' / '5GB' / '1024' (bytes) -> bytes."""
+    units = {"": 1, "B": 1, "KB": 2**10, "MB": 2**20, "GB": 2**30}
+    match = re.fullmatch(r"\s*([0-9.]+)\s*([KMG]?B?)\s*", text.upper())
+    value = int(float(match.group(1)) * units[match.group(2)]) if match else 0
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"--max-shard-size={text!r} is not a positive size")
+    return value
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    from rl.trainer.checkpoint import CheckpointError
+    from rl.weights.convert import mcore_to_hf
+    from rl.weights.hf_config import HFConfigError
+
+    out = Path(args.out)
+    try:
+        max_bytes = parse_size(args.max_shard_size)
+        if out.exists() and not args.force:
+            raise FileExistsError(f"--out {str(out)!r} exists (pass --force to replace it)")
+        s = mcore_to_hf(args.ckpt, str(out), args.arch, args.dtype, max_bytes, args.tokenizer_dir)
+    except (CheckpointError, HFConfigError, FileExistsError, FileNotFoundError,
+            argparse.ArgumentTypeError) as e:  # fmt: skip
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(
+        f"wrote {out}: {s['architecture']}, {s['tensors']} tensors in {s['shards']} shard(s), "
+        f"tokenizer files {s['tokenizer_files'] or 'none'}, {s['seconds']:.1f}s, "
+        f"peak RSS {s['peak_rss_mb'][0]:.0f} MB"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

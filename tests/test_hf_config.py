@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 import transformers
+from hf_models import LLAMA3_ROPE
 from omegaconf import OmegaConf
 
 from rl.config.schema import ModelConfig, RopeScalingConfig
@@ -23,14 +24,6 @@ from rl.weights.hf_config import (
 
 ROOT = Path(__file__).resolve().parents[1]
 LLAMA, QWEN2 = "LlamaForCausalLM", "Qwen2ForCausalLM"
-LLAMA3_ROPE = {
-    "rope_type": "llama3",
-    "rope_theta": 500000.0,
-    "factor": 8.0,
-    "low_freq_factor": 1.0,
-    "high_freq_factor": 4.0,
-    "original_max_position_embeddings": 8192,
-}
 LLAMA3_SCALING = RopeScalingConfig(
     factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192
 )

@@ -1,6 +1,6 @@
 """megatron-sglang-rl: asynchronous RL post-training on Megatron-Core + SGLang (LlamaRL).
 
-Dependencies are read from requirements/base.txt, the same file that defines the cached
+Dependencies are read from requirements/*.txt, the same files that define the cached
 development venv (tools/setup_env.sh), so the two cannot drift apart.
 """
 
@@ -31,6 +31,9 @@ setup(
     install_requires=[r for r in _base if r.split("=")[0].split(">")[0].strip() not in _dev],
     extras_require={
         "dev": [r for r in _base if r.split("=")[0].split(">")[0].strip() in _dev],
+        # The generator executor (SGLang servers and their HTTP client). The README's setup
+        # (tools/setup_env.sh) always installs it: the main job uses it.
+        "sglang": _requirements("sglang.txt"),
         # GPU extras are detected at run time, never required. NVIDIA apex is not on PyPI
         # (PyPI's "apex" is an unrelated package and must never be installed).
         "gpu": ["transformer-engine[pytorch]"],

@@ -28,3 +28,6 @@ def test_wheel_contains_packages_and_requirements(tmp_path):
     assert "Requires-Dist: torch==2.14.1" in metadata
     assert 'Requires-Dist: megatron-core==0.16.1; python_version < "3.12"' in metadata
     assert "Requires-Dist: apex" not in metadata
+    assert "Provides-Extra: sglang" in metadata
+    assert 'Requires-Dist: sglang==0.5.23; extra == "sglang"' in metadata
+    assert "rl/generator/cpu_shim.py" in names

@@ -26,7 +26,8 @@ if [[ ! -f "$venv/.complete" ]]; then
   rm -rf "$venv"
   "$py" -m venv "$venv" >&2
   "$venv/bin/python" -m pip install --quiet --upgrade pip >&2
-  "$venv/bin/python" -m pip install --progress-bar off -r "$root/requirements/base.txt" >&2
+  "$venv/bin/python" -m pip install --progress-bar off \
+    -r "$root/requirements/base.txt" -r "$root/requirements/sglang.txt" >&2
   touch "$venv/.complete"
   # Keep only the newest few venvs so the cache does not grow without bound.
   ls -1dt "$cache"/venv-* 2>/dev/null | tail -n +4 | xargs -r rm -rf

@@ -11,7 +11,6 @@ from __future__ import annotations
 import io
 import logging
 import os
-import socket
 import time
 import traceback
 import warnings
@@ -23,11 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from rl.dist.net import free_port
 
 
 # Warnings that Megatron-Core 0.16 / torch 2.14 print on every CPU run and that say nothing

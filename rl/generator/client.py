@@ -1,0 +1,358 @@
+"""The generator client: token-in/token-out rollouts over N SGLang servers.
+
+Why this shape: the controller must never wait for a whole batch. ``submit`` returns one
+``concurrent.futures.Future`` per sample at once, and ``as_completed`` hands rollouts to
+the controller in the order they finish, while one asyncio loop (on a background thread)
+keeps up to ``max_in_flight`` requests per server in the air and routes each new request
+to the least-loaded live server. Token ids go in and come out unchanged (the servers run
+with ``--skip-tokenizer-init``), so the trainer scores exactly the tokens that were
+sampled, with the log-prob and weight version SGLang reports for each.
+
+Weight updates follow SGLang's protocol: pause (``retract`` keeps requests queued on the
+server and resumes them under the new weights, with per-token version spans), begin, load
+the buckets, end, flush the prefix cache (stale KV from old weights must not be reused),
+check the server reports the new version, continue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures as cf
+import contextlib
+import itertools
+import json
+import threading
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import torch
+
+from rl.generator.launcher import ServerError, ServerLauncher
+from rl.generator.types import (
+    ModelLimits,
+    RequestError,
+    Rollout,
+    SamplingParams,
+    parse_result,
+    parse_version,
+)
+from rl.generator.weight_payload import FlatBucket, buckets, update_body, use_file_system_sharing
+
+_seq = itertools.count()
+
+
+class GeneratorClient:
+    def __init__(
+        self,
+        urls: list[str],
+        limits: ModelLimits,
+        *,
+        max_in_flight: int = 64,
+        request_timeout: float = 600.0,
+        launcher: ServerLauncher | None = None,
+    ):
+        if not urls:
+            raise ServerError("generator client needs at least one server URL")
+        if max_in_flight < 1:
+            raise ValueError(f"generator.max_in_flight={max_in_flight} must be >= 1")
+        use_file_system_sharing()
+        self.urls = list(urls)
+        self.limits = limits
+        self.launcher = launcher
+        self._timeout = aiohttp.ClientTimeout(total=request_timeout)
+        self._max_in_flight = max_in_flight
+        self._in_flight = [0] * len(urls)
+        self._dead: set[int] = set()
+        # Live but behind: restarted with its checkpoint's weights. Not given rollouts until
+        # update_weights brings it to the client's version.
+        self._stale: set[int] = set()
+        self._active: dict[str, tuple[int, str]] = {}  # rollout rid -> (server, SGLang rid)
+        self._user_aborted: set[str] = set()
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+        self._thread.start()
+        self._session: aiohttp.ClientSession = self._call(self._make_session())
+        self._slots = [self._call(self._make_slots()) for _ in urls]
+        versions = self.weight_versions()
+        if len(set(versions)) != 1:
+            self.close()
+            raise ServerError(f"generator servers serve different weight versions: {versions}")
+        self.version = versions[0]
+
+    @classmethod
+    def for_launcher(cls, launcher: ServerLauncher, **kw: Any) -> GeneratorClient:
+        cfg = launcher.config
+        limits = ModelLimits.from_model_dir(Path(cfg.model_path), cfg.context_length)
+        return cls(launcher.urls, limits, launcher=launcher, **kw)
+
+    async def _make_session(self) -> aiohttp.ClientSession:
+        conn = aiohttp.TCPConnector(limit=0)
+        return aiohttp.ClientSession(connector=conn, timeout=self._timeout)
+
+    async def _make_slots(self) -> asyncio.Semaphore:
+        return asyncio.Semaphore(self._max_in_flight)
+
+    def _call(self, coro: Any) -> Any:
+        """Run a coroutine on the client's loop and wait for it (from any other thread)."""
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    # ---- rollouts ---------------------------------------------------------------------
+
+    def submit(
+        self,
+        prompt_ids: list[int],
+        sampling: SamplingParams,
+        *,
+        group: Any = None,
+        segment_tokens: int | None = None,
+    ) -> list[cf.Future[Rollout]]:
+        """Start ``sampling.n`` rollouts of one prompt. Validation happens here, so a bad
+        request raises before anything is sent. With ``segment_tokens``, each future
+        resolves after at most that many new tokens; resume it with ``resume``."""
+        self.limits.check(prompt_ids, sampling)
+        if segment_tokens is not None and segment_tokens < 1:
+            raise RequestError(f"segment_tokens={segment_tokens} must be >= 1")
+        rollouts = [Rollout(list(prompt_ids), sampling, i, group) for i in range(sampling.n)]
+        return [self.resume(r, segment_tokens) for r in rollouts]
+
+    def resume(self, rollout: Rollout, segment_tokens: int | None = None) -> cf.Future[Rollout]:
+        """Continue an unfinished rollout (prompt + tokens so far go back in). The future
+        carries the rollout as ``future.rollout`` (to ``abort`` it while it runs)."""
+        rollout.next_request(segment_tokens)  # raises on a finished rollout
+        fut = asyncio.run_coroutine_threadsafe(self._segment(rollout, segment_tokens), self._loop)
+        fut.rollout = rollout  # type: ignore[attr-defined]
+        return fut
+
+    def generate(
+        self, prompts: list[list[int]], sampling: SamplingParams, segment_tokens: int | None = None
+    ) -> list[Rollout]:
+        """Blocking convenience: every sample of every prompt, run to the end, in
+        submission order. A rollout that comes back unfinished (segment boundary, pause)
+        is resumed at once, while the others keep running."""
+        futures = [
+            f for p in prompts for f in self.submit(p, sampling, segment_tokens=segment_tokens)
+        ]
+        pending = {f: i for i, f in enumerate(futures)}
+        out: list[Rollout] = [None] * len(futures)  # type: ignore[list-item]
+        while pending:
+            done, _ = cf.wait(pending, return_when=cf.FIRST_COMPLETED)
+            for f in done:
+                i, r = pending.pop(f), f.result()
+                if r.finished:
+                    out[i] = r
+                else:
+                    pending[self.resume(r, segment_tokens)] = i
+        return out
+
+    @staticmethod
+    def as_completed(
+        futures: Iterable[cf.Future[Rollout]], timeout: float | None = None
+    ) -> Iterable[Rollout]:
+        """Rollouts in the order they finish (re-raises a request's error)."""
+        for f in cf.as_completed(list(futures), timeout=timeout):
+            yield f.result()
+
+    async def _segment(self, rollout: Rollout, segment_tokens: int | None) -> Rollout:
+        ids, budget, seed = rollout.next_request(segment_tokens)
+        server = self._pick()
+        self._in_flight[server] += 1  # queued requests count: routing sees the backlog
+        sgl_rid = f"{rollout.rid}.{rollout.segments}.{next(_seq)}"
+        try:
+            async with self._slots[server]:
+                if rollout.rid in self._user_aborted:  # aborted while it waited for a slot
+                    self._user_aborted.discard(rollout.rid)
+                    rollout.finish("abort")
+                    return rollout
+                self._active[rollout.rid] = (server, sgl_rid)
+                body = {
+                    "input_ids": ids,
+                    "sampling_params": rollout.sampling.to_sglang(budget, seed),
+                    "return_logprob": True,
+                    "rid": sgl_rid,
+                }
+                out = await self._post(server, "/generate", body)
+        finally:
+            self._in_flight[server] -= 1
+            self._active.pop(rollout.rid, None)
+        rollout.append(*parse_result(out))
+        rollout.server = server
+        if rollout.rid in self._user_aborted:
+            self._user_aborted.discard(rollout.rid)
+            if not rollout.finished:
+                rollout.finish("abort")
+        return rollout
+
+    def in_flight(self) -> set[str]:
+        """Ids of the rollouts whose request is on a server right now."""
+        return set(self._active)
+
+    def _pick(self) -> int:
+        """The least-loaded server that is alive and serves the current version."""
+        ready = [i for i in self._live() if i not in self._stale]
+        if not ready:
+            raise ServerError(
+                f"no generator server is alive at weight version {self.version} "
+                f"(dead: {sorted(self._dead)}, behind: {sorted(self._stale)})"
+            )
+        return min(ready, key=lambda i: self._in_flight[i])
+
+    def _live(self) -> list[int]:
+        return [i for i in range(len(self.urls)) if i not in self._dead]
+
+    async def _post(self, server: int, path: str, body: dict | None = None) -> dict:
+        url = self.urls[server] + path
+        try:
+            async with self._session.post(url, json=body or {}) as resp:
+                text = await resp.text()
+                if resp.status != 200:
+                    raise ServerError(f"{url} answered HTTP {resp.status}: {text[:500]}")
+        except (TimeoutError, aiohttp.ClientConnectionError) as e:
+            self._dead.add(server)
+            raise self._failure(server, e) from e
+        try:
+            return json.loads(text) if text.strip() else {}
+        except ValueError:  # /flush_cache answers in plain text
+            return {"text": text}
+
+    def _failure(self, server: int, err: BaseException) -> ServerError:
+        where = f"generator server {server} ({self.urls[server]})"
+        if self.launcher is not None:
+            s = self.launcher.servers[server]
+            if not s.alive():
+                code = s.proc.returncode if s.proc else None
+                return ServerError(
+                    f"{where} died (exit code {code}); last lines of {s.log_path}:\n{s.log_tail()}"
+                )
+        return ServerError(f"{where} unreachable: {type(err).__name__}: {err}")
+
+    def restart_server(self, server: int) -> int:
+        """Restart a server through the launcher; return the weight version it came back
+        with. A server restarted from its checkpoint is behind the others after any
+        update: it gets no rollouts until the next ``update_weights`` reaches it."""
+        if self.launcher is None:
+            raise ServerError("restart_server needs the client to own a ServerLauncher")
+        self.launcher.restart(server)
+        self._dead.discard(server)
+        version = self._call(self._version_of(server))
+        if version != self.version:
+            self._stale.add(server)
+        return version
+
+    # ---- control ----------------------------------------------------------------------
+
+    def _all(self, path: str, body: dict | None = None) -> list[dict]:
+        async def run() -> list[dict]:
+            return list(await asyncio.gather(*(self._post(i, path, body) for i in self._live())))
+
+        return self._call(run())
+
+    def abort(self, rollout: Rollout) -> None:
+        """Stop one rollout; its future resolves with the tokens generated so far and
+        ``finish_reason == "abort"``."""
+        self._user_aborted.add(rollout.rid)
+        where = self._active.get(rollout.rid)
+        if where is not None:
+            self._call(self._post(where[0], "/abort_request", {"rid": where[1]}))
+
+    def abort_all(self) -> None:
+        self._user_aborted.update(self._active)
+        self._all("/abort_request", {"abort_all": True})
+
+    def pause(self, mode: str = "retract") -> None:
+        """``retract``: running requests go back to the server's queue (KV freed) and
+        resume after ``continue_generation``; ``abort``: they return now, unfinished
+        and resumable; ``in_place``: they stay put (KV kept)."""
+        if mode not in ("retract", "abort", "in_place"):
+            raise ValueError(f"pause mode={mode!r} must be retract, abort or in_place")
+        self._all("/pause_generation", {"mode": mode})
+
+    def continue_generation(self) -> None:
+        self._all("/continue_generation")
+
+    def flush_cache(self) -> None:
+        self._all("/flush_cache")
+
+    async def _version_of(self, server: int) -> int:
+        try:
+            async with self._session.get(self.urls[server] + "/model_info") as r:
+                return parse_version((await r.json())["weight_version"])
+        except aiohttp.ClientConnectionError as e:
+            self._dead.add(server)
+            raise self._failure(server, e) from e
+
+    def weight_versions(self) -> list[int]:
+        """The weight version every live server reports (in server order)."""
+
+        async def run() -> list[int]:
+            return list(await asyncio.gather(*(self._version_of(i) for i in self._live())))
+
+        return self._call(run())
+
+    def update_weights(
+        self,
+        weights: Iterable[tuple[str, torch.Tensor]] | Iterable[FlatBucket],
+        version: int,
+        bucket_bytes: int = 64 << 20,
+    ) -> None:
+        """Load new weights (HF names, SGLang's loader fuses them) into every server and
+        set its version. ``weights`` is either (name, tensor) pairs, bucketed here, or
+        ready ``FlatBucket``s. Generation is paused (retract) for the duration."""
+        items = iter(weights)
+        first = next(items, None)
+        if first is None:
+            raise ValueError("update_weights got no weights")
+        items = itertools.chain([first], items)
+        packs = (
+            items
+            if isinstance(first, FlatBucket)
+            else map(FlatBucket.pack, buckets(items, bucket_bytes))
+        )
+        self.pause("retract")
+        ok = False
+        try:
+            self._all("/begin_weight_update")
+            try:
+                for bucket in packs:
+                    body, keep = update_body(bucket)
+                    self._check_all(self._all("/update_weights_from_tensor", body), "update")
+                    del keep
+            finally:
+                self._all("/end_weight_update")
+            body = {"new_version": str(version), "abort_all_requests": False}
+            self._check_all(self._all("/update_weight_version", body), "set version")
+            self.flush_cache()
+            got = self.weight_versions()
+            if any(v != version for v in got):
+                raise ServerError(f"after update to version {version} servers report {got}")
+            self.version = version
+            self._stale.clear()
+            ok = True
+        finally:
+            if not ok:
+                # A server may now hold a mix of old and new weights: hand its queued
+                # requests back (resumable, their tokens so far are valid) and route no
+                # rollouts to any server until an update succeeds.
+                self._stale.update(self._live())
+                with contextlib.suppress(ServerError):
+                    self._all("/abort_request", {"abort_all": True})
+            self.continue_generation()
+
+    @staticmethod
+    def _check_all(results: list[dict], what: str) -> None:
+        for r in results:
+            if r.get("success") is False:
+                raise ServerError(f"weight {what} failed on a server: {r.get('message')}")
+
+    def close(self) -> None:
+        if self._loop.is_running():
+            self._call(self._session.close())
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=10)
+
+    def __enter__(self) -> GeneratorClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,70 @@
+"""CPU shim for SGLang servers: what SGLang 0.5.23 needs to serve on a machine without CUDA.
+
+Why: SGLang's official CPU path needs an sgl-kernel built for AMX Xeons, which PyPI does
+not ship. Its generic path (``--device cpu``, torch-native attention) works at TP=1 in
+FP32/BF16, except for one import: ``layers/rotary_embedding/base.py`` does
+``from vllm._custom_ops import rotary_embedding``, and vLLM's wheel is CUDA-only. That
+function is only called on CUDA paths, so a stub module that raises if ever called is
+enough for the import to succeed.
+
+What it replaces: nothing in SGLang's code. It writes a ``vllm/_custom_ops.py`` stub into a
+directory and puts that directory on the *server's* PYTHONPATH only (the trainer and
+clients never see a fake ``vllm``). It also caps the server's intra-op threads so a server
+and trainer ranks sharing a small machine do not oversubscribe it.
+
+Activated only for ``device == "cpu"``; on CUDA :func:`server_env` returns the environment
+unchanged. Versions: sglang 0.5.23 (torch 2.14.1). Re-check when SGLang is upgraded: if
+the rotary import is gone, delete this module.
+
+Known CPU limits (not shimmed, rejected by config validation instead): TP > 1, FP8
+quantization and ``release_memory_occupation`` need CUDA.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+STUB = '''"""Stub of vllm._custom_ops written by rl/generator/cpu_shim.py (see its header).
+
+SGLang imports rotary_embedding from here at import time; on CPU it never calls it.
+"""
+
+
+def rotary_embedding(*args, **kwargs):
+    raise RuntimeError(
+        "vllm._custom_ops.rotary_embedding is a CPU-shim stub (rl/generator/cpu_shim.py); "
+        "it must never be called on CPU"
+    )
+'''
+
+
+def write_stub(root: Path) -> Path:
+    """Write the stub package under ``root``; return the directory to put on sys.path."""
+    pkg = root / "vllm"
+    pkg.mkdir(parents=True, exist_ok=True)
+    (pkg / "__init__.py").write_text('"""CPU-shim stub package (rl/generator/cpu_shim.py)."""\n')
+    target = pkg / "_custom_ops.py"
+    if not target.exists() or target.read_text() != STUB:
+        tmp = target.with_suffix(".tmp")
+        tmp.write_text(STUB)
+        os.replace(tmp, target)  # atomic: servers starting in parallel never see half a file
+    return root
+
+
+def server_env(
+    device: str, shim_root: Path, env: dict[str, str], threads: int | None = None
+) -> dict[str, str]:
+    """The environment for one SGLang server process on ``device``.
+
+    ``threads`` caps the server's intra-op threads (OMP/MKL); None keeps torch's default
+    (all cores)."""
+    out = dict(env)
+    if device != "cpu":
+        return out
+    path = str(write_stub(shim_root))
+    out["PYTHONPATH"] = path + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    if threads is not None:
+        for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+            out[var] = str(threads)
+    return out

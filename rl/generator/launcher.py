@@ -1,0 +1,324 @@
+"""Start, watch, restart and stop N SGLang servers as subprocesses.
+
+Why one helper: every path that needs a server (the main job, tests, benchmarks, SLURM
+jobs) starts it here, so readiness is always decided by polling ``/health`` against a
+deadline (never a fixed sleep), a server that dies or never comes up always fails with its
+own last log lines, and no exit path (return, exception, Ctrl-C, SIGTERM, a killed parent)
+leaves an orphan holding memory and ports.
+
+Orphan safety: each server runs behind ``server_guard.py``, the leader of the server's
+process group, which stops the whole group when asked, when SGLang exits, or when the
+thread that started it dies (even by SIGKILL); ``atexit`` and a SIGTERM handler stop every
+live launcher; and ``stop`` SIGKILLs whatever is left of each group after a grace period.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+import weakref
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rl.dist.net import free_port
+from rl.generator.cpu_shim import server_env
+
+LOG_TAIL_LINES = 40
+GUARD = Path(__file__).with_name("server_guard.py")
+# How long a stopping server may drain before its process group is SIGKILLed.
+STOP_GRACE_S = 20.0
+# Weights are served in these; FP8 is a quantisation of them (GPU only), not a dtype.
+SERVER_DTYPES = ("float32", "bfloat16")
+
+
+class ServerError(RuntimeError):
+    """A server that failed to start, died, or stopped answering."""
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """How to start one SGLang server. Field names follow SGLang's flags where they exist."""
+
+    model_path: str
+    device: str = "cpu"
+    dtype: str = "float32"
+    tp: int = 1
+    host: str = "127.0.0.1"
+    max_total_tokens: int | None = 8192
+    max_running_requests: int | None = 64
+    context_length: int | None = None
+    weight_version: int = 0
+    startup_timeout: float = 300.0
+    # Intra-op threads of the server (OMP/MKL) on CPU; None: torch's default (all cores).
+    threads: int | None = None
+    extra_args: tuple[str, ...] = ()
+    env: dict[str, str] = field(default_factory=dict)
+
+    def validate(self) -> None:
+        """Reject what can never start, before any process is spawned."""
+        cfg = Path(self.model_path) / "config.json"
+        if not cfg.is_file():
+            raise ServerError(f"server.model_path={self.model_path!r} has no config.json")
+        try:
+            json.loads(cfg.read_text())
+        except ValueError as e:
+            raise ServerError(f"server.model_path={self.model_path!r}: bad config.json: {e}") from e
+        problem = layout_problem(self.device, self.tp, self.dtype, "server")
+        if problem:
+            raise ServerError(problem)
+        if self.startup_timeout <= 0:
+            raise ServerError(f"server.startup_timeout={self.startup_timeout} must be > 0")
+        if self.threads is not None and self.threads < 1:
+            raise ServerError(f"server.threads={self.threads} must be >= 1 (or None)")
+
+    @classmethod
+    def from_rollout(cls, r: Any, model_path: str) -> ServerConfig:
+        """The server settings of a ``rollout`` config (rl.config.schema.RolloutConfig)."""
+        return cls(
+            model_path=str(model_path),
+            device=r.device,
+            dtype=r.dtype,
+            tp=r.tp,
+            threads=r.threads,
+            max_total_tokens=r.max_total_tokens,
+            max_running_requests=r.max_running_requests,
+            context_length=r.context_length,
+            startup_timeout=r.startup_timeout,
+        )
+
+    def argv(self, port: int) -> list[str]:
+        """The SGLang server command (the launcher runs it behind ``server_guard.py``)."""
+        args = [sys.executable, "-m", "sglang.launch_server", "--model-path", self.model_path]
+        args += ["--host", self.host, "--port", str(port), "--device", self.device]
+        args += ["--dtype", self.dtype, "--tp-size", str(self.tp)]
+        args += ["--weight-version", str(self.weight_version), "--skip-tokenizer-init"]
+        # An idle scheduler otherwise spins a core at 100%: two idle servers saturate a
+        # 2-core machine and starve the trainer. Sleeping blocks on the request sockets,
+        # so a new request still wakes it at once. (In RL servers idle while training.)
+        args.append("--sleep-on-idle")
+        for flag, value in (
+            ("--max-total-tokens", self.max_total_tokens),
+            ("--max-running-requests", self.max_running_requests),
+            ("--context-length", self.context_length),
+        ):
+            if value is not None:
+                args += [flag, str(value)]
+        if self.device == "cpu":
+            # Warmup sends a text request, which needs the tokenizer we skip.
+            args.append("--skip-server-warmup")
+        return args + list(self.extra_args)
+
+
+def layout_problem(device: str, tp: int, dtype: str, where: str) -> str | None:
+    """Why SGLang cannot serve ``tp``/``dtype`` on ``device`` (None if it can).
+
+    Shared by config validation (before launch) and the launcher."""
+    if device not in ("cpu", "cuda"):
+        return f"{where}.device={device!r} must be 'cpu' or 'cuda'"
+    if not (isinstance(tp, int) and tp >= 1):
+        return f"{where}.tp={tp!r} must be an integer >= 1"
+    if dtype not in SERVER_DTYPES:
+        return f"{where}.dtype={dtype!r} must be one of {SERVER_DTYPES}"
+    if device == "cpu" and tp != 1:
+        return f"{where}.tp={tp}: SGLang runs on CPU only at tp=1"
+    return None
+
+
+def http_json(url: str, body: dict | None = None, timeout: float = 30.0) -> dict:
+    """One blocking JSON request (GET without a body, POST with one)."""
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        raw = r.read()
+    return json.loads(raw) if raw.strip() else {}
+
+
+@dataclass
+class Server:
+    index: int
+    url: str
+    port: int
+    log_path: Path
+    proc: subprocess.Popen | None = None
+
+    def log_tail(self, n: int = LOG_TAIL_LINES) -> str:
+        try:
+            lines = self.log_path.read_text(errors="replace").splitlines()
+        except OSError:
+            return "(no log)"
+        return "\n".join(lines[-n:])
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def healthy(self, timeout: float = 5.0) -> bool:
+        try:
+            urllib.request.urlopen(f"{self.url}/health", timeout=timeout).close()
+            return True
+        except (urllib.error.URLError, OSError):
+            return False
+
+
+_live: weakref.WeakSet[ServerLauncher] = weakref.WeakSet()
+_hooks_installed = False
+
+
+def _stop_all(*_: object) -> None:
+    for launcher in list(_live):
+        launcher.stop()
+
+
+def _install_hooks() -> None:
+    global _hooks_installed
+    if _hooks_installed:
+        return
+    _hooks_installed = True
+    atexit.register(_stop_all)
+    if threading.current_thread() is threading.main_thread():
+        previous = signal.getsignal(signal.SIGTERM)
+
+        def on_term(signum: int, frame: object) -> None:
+            _stop_all()
+            if callable(previous):
+                previous(signum, frame)
+            else:
+                raise SystemExit(128 + signum)
+
+        signal.signal(signal.SIGTERM, on_term)
+
+
+class ServerLauncher:
+    """``with ServerLauncher(cfg, n=2) as servers: urls = servers.urls``.
+
+    Start it from a long-lived thread: PR_SET_PDEATHSIG fires when the *thread* that
+    spawned the server exits, so spawning from a short-lived worker thread would kill it.
+    """
+
+    def __init__(self, config: ServerConfig, n: int = 1, log_dir: str | Path | None = None):
+        if n < 1:
+            raise ServerError(f"generator.num_servers={n} must be >= 1")
+        config.validate()
+        self.config = config
+        self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix="sglang-logs-"))
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self._shim = self.log_dir / "cpu_shim"
+        self.servers: list[Server] = []
+        for i in range(n):
+            port = free_port(config.host)
+            url = f"http://{config.host}:{port}"
+            self.servers.append(Server(i, url, port, self.log_dir / f"server{i}.log"))
+
+    @property
+    def urls(self) -> list[str]:
+        return [s.url for s in self.servers]
+
+    def __enter__(self) -> ServerLauncher:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def start(self) -> ServerLauncher:
+        """Spawn every server, then wait for all of them (they load in parallel)."""
+        _install_hooks()
+        _live.add(self)
+        try:
+            for s in self.servers:
+                self._spawn(s)
+            for s in self.servers:
+                self._wait_ready(s)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _spawn(self, s: Server) -> None:
+        env = {**os.environ, **self.config.env}
+        env = server_env(self.config.device, self._shim, env, self.config.threads)
+        # -I: the guard imports nothing from here (its own folder would shadow "types").
+        guard = [sys.executable, "-I", str(GUARD), "--owner", str(os.getpid())]
+        guard += ["--grace", str(STOP_GRACE_S), "--"]
+        with open(s.log_path, "ab") as log:
+            s.proc = subprocess.Popen(
+                guard + self.config.argv(s.port),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=env,
+                start_new_session=True,  # the guard leads a process group of its own
+            )
+
+    def _wait_ready(self, s: Server) -> None:
+        deadline = time.monotonic() + self.config.startup_timeout
+        delay = 0.2
+        while time.monotonic() < deadline:
+            if not s.alive():
+                code = s.proc.returncode if s.proc else None
+                raise ServerError(
+                    f"SGLang server {s.index} ({s.url}) exited with code {code} during "
+                    f"startup; last lines of {s.log_path}:\n{s.log_tail()}"
+                )
+            if s.healthy():
+                return
+            time.sleep(delay)
+            delay = min(delay * 1.5, 2.0)
+        raise ServerError(
+            f"SGLang server {s.index} ({s.url}) not healthy after "
+            f"server.startup_timeout={self.config.startup_timeout}s; last lines of "
+            f"{s.log_path}:\n{s.log_tail()}"
+        )
+
+    def check(self) -> None:
+        """Raise ``ServerError`` naming the first server that died, with its log tail."""
+        for s in self.servers:
+            if not s.alive():
+                code = s.proc.returncode if s.proc else None
+                raise ServerError(
+                    f"SGLang server {s.index} ({s.url}) is dead (exit code {code}); last "
+                    f"lines of {s.log_path}:\n{s.log_tail()}"
+                )
+
+    def restart(self, index: int) -> Server:
+        """Stop server ``index`` (if anything is left of it) and start it on the same port,
+        so clients that hold its URL keep working once it is healthy again."""
+        s = self.servers[index]
+        self._kill([s])
+        self._spawn(s)
+        self._wait_ready(s)
+        return s
+
+    @staticmethod
+    def _kill(servers: list[Server]) -> None:
+        """SIGTERM each server's guard (SGLang then drains and stops its scheduler and
+        detokenizer in order; signalling the whole group instead makes it run crash
+        diagnostics), wait for all of them together, then SIGKILL whatever is left of
+        each process group."""
+        procs = [s.proc for s in servers if s.proc is not None]
+        for proc in procs:
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + STOP_GRACE_S + 5.0
+        for proc in procs:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=max(deadline - time.monotonic(), 0.1))
+        for proc in procs:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=5.0)
+
+    def stop(self) -> None:
+        self._kill(self.servers)
+        _live.discard(self)

@@ -1,0 +1,107 @@
+"""Guard process in front of one SGLang server: whatever happens, its whole tree goes away.
+
+    python -I server_guard.py --owner PID --grace SECONDS -- <sglang command...>
+
+Why: SGLang forks a scheduler and a detokenizer and relies on their parent-death signals to
+clean up after a crash of its main process; under load on a CPU machine that was seen to
+leave a detokenizer running with PPID 1. So the launcher runs this guard, which:
+
+* leads the server's process group and asks for SIGTERM when its owner (the launcher's
+  thread) dies, even by SIGKILL (PR_SET_PDEATHSIG);
+* on SIGTERM/SIGINT/SIGHUP, forwards SIGTERM to SGLang (which then stops its children in
+  order) and, after ``--grace`` seconds, SIGKILLs everything left in the group;
+* when SGLang exits on its own (a crash, or a kill by someone else), SIGKILLs what is left
+  of the group and exits with SGLang's status (re-raising a fatal signal), so the launcher
+  sees the same exit code as if it had run SGLang directly;
+* gives SGLang a parent-death SIGTERM as well, in case the guard itself is SIGKILLed.
+
+Run by file path and standard library only, so it starts in milliseconds and does not
+depend on PYTHONPATH or on this package being importable.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+import time
+
+PR_SET_PDEATHSIG = 1
+
+
+def _pdeathsig(sig: int) -> None:
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, sig)
+
+
+def _group_members(pgid: int) -> list[int]:
+    """Pids in process group ``pgid`` other than this one (from /proc, stdlib only)."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        # Fields after the parenthesised name: state ppid pgrp ...
+        fields = stat[stat.rfind(")") + 2 :].split()
+        if len(fields) > 2 and int(fields[2]) == pgid and fields[0] != "Z":
+            out.append(int(entry))
+    return out
+
+
+def _sweep() -> None:
+    for pid in _group_members(os.getpgid(0)):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--owner", type=int, required=True)
+    ap.add_argument("--grace", type=float, default=20.0)
+    ap.add_argument("command", nargs=argparse.REMAINDER)
+    args = ap.parse_args(argv)
+    cmd = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not cmd:
+        ap.error("no command to run")
+
+    stop_at: list[float] = []  # set once a stop was requested: the SIGKILL deadline
+
+    def on_stop(signum: int, frame: object) -> None:
+        if not stop_at:
+            stop_at.append(time.monotonic() + args.grace)
+            if child is not None and child.poll() is None:
+                child.send_signal(signal.SIGTERM)
+
+    child: subprocess.Popen | None = None
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, on_stop)
+    _pdeathsig(signal.SIGTERM)
+    if os.getppid() != args.owner:  # the owner died before the line above took effect
+        return 128 + signal.SIGTERM
+    child = subprocess.Popen(cmd, preexec_fn=lambda: _pdeathsig(signal.SIGTERM))
+    if stop_at:  # a stop arrived while the child was being created
+        child.send_signal(signal.SIGTERM)
+    while child.poll() is None:
+        if stop_at and time.monotonic() > stop_at[0]:
+            break
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            child.wait(timeout=0.2)
+    _sweep()
+    code = child.wait()
+    if code < 0:  # died of a signal: die of the same one, so our parent sees it too
+        with contextlib.suppress(OSError, ValueError):  # SIGKILL/SIGSTOP have no handler
+            signal.signal(-code, signal.SIG_DFL)
+        os.kill(os.getpid(), -code)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

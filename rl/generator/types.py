@@ -1,0 +1,291 @@
+"""Pure request/rollout types for the generator: no torch, no HTTP.
+
+Why a type of our own instead of SGLang's dicts: a rollout in this framework outlives one
+HTTP request. It can be cut after ``segment_tokens`` new tokens, parked while the trainer
+steps, and resumed on another server under a newer policy. Every token therefore carries
+the behaviour log-prob and the weight version it was sampled with, and those lists only
+ever grow. Validation happens here, before anything reaches a server, so a bad field fails
+with its name and value instead of as a 400 (or a silent truncation) deep in SGLang.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import itertools
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+FINISHED = ("stop", "length", "abort")
+_ids = itertools.count()
+
+
+class RequestError(ValueError):
+    """A request that cannot be valid, raised before it is sent."""
+
+
+class ServerResponseError(RuntimeError):
+    """A server answered with something that is not a well-formed generation result."""
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """What a caller may ask of the generator; ``temperature=0`` is greedy.
+
+    ``n`` samples of one prompt are sent as ``n`` independent requests (seeds ``seed + i``)
+    so the load balancer can spread them over servers.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_new_tokens: int = 64
+    stop_token_ids: tuple[int, ...] = ()
+    n: int = 1
+    seed: int | None = None
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        stops = self.stop_token_ids
+        if not all(_is_int(t) and t >= 0 for t in stops):
+            raise RequestError(f"sampling.stop_token_ids={stops!r} must be token ids >= 0")
+        object.__setattr__(self, "stop_token_ids", tuple(stops))
+        num = _is_number
+        checks = (
+            ("temperature", num(self.temperature) and self.temperature >= 0, "must be >= 0"),
+            ("top_p", num(self.top_p) and 0 < self.top_p <= 1, "must be in (0, 1]"),
+            (
+                "top_k",
+                _is_int(self.top_k) and (self.top_k == -1 or self.top_k >= 1),
+                "must be -1 (off) or an integer >= 1",
+            ),
+            (
+                "max_new_tokens",
+                _is_int(self.max_new_tokens) and self.max_new_tokens >= 1,
+                "must be an integer >= 1",
+            ),
+            ("n", _is_int(self.n) and self.n >= 1, "must be an integer >= 1"),
+            (
+                "seed",
+                self.seed is None or (_is_int(self.seed) and self.seed >= 0),
+                "must be None or an integer >= 0",
+            ),
+            ("ignore_eos", isinstance(self.ignore_eos, bool), "must be true or false"),
+        )
+        for name, ok, why in checks:
+            if not ok:
+                raise RequestError(f"sampling.{name}={getattr(self, name)!r} {why}")
+        if self.ignore_eos and self.stop_token_ids:
+            # SGLang's ignore_eos switches off every token-based stop, not only EOS.
+            raise RequestError(
+                f"sampling.stop_token_ids={list(self.stop_token_ids)!r} cannot be used with "
+                "sampling.ignore_eos=True (the server then stops on max_new_tokens only)"
+            )
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> SamplingParams:
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise RequestError(
+                f"unknown sampling field {unknown[0]!r} (known: {', '.join(sorted(known))})"
+            )
+        return cls(**d)
+
+    def to_sglang(self, max_new_tokens: int, seed: int | None) -> dict[str, Any]:
+        """SGLang's sampling dict. A rollout ends on the model's EOS ids (from its config)
+        or any of ``stop_token_ids``, and the stop token is kept in the output, because the
+        trainer must see (and learn) the token that ended the response.
+
+        ``seed`` becomes SGLang's ``sampling_seed``, which SGLang honours only with
+        ``--enable-deterministic-inference`` (a GPU attention backend); on CPU sampling is
+        random regardless."""
+        out: dict[str, Any] = {
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "max_new_tokens": max_new_tokens,
+            "stop_token_ids": list(self.stop_token_ids),
+            "ignore_eos": self.ignore_eos,
+            "no_stop_trim": True,
+        }
+        if seed is not None:
+            out["sampling_seed"] = seed
+        return out
+
+    def stops(self, eos_ids: tuple[int, ...]) -> frozenset[int]:
+        """Token ids that end a rollout under these params."""
+        return frozenset() if self.ignore_eos else frozenset(self.stop_token_ids + eos_ids)
+
+
+@dataclass(frozen=True)
+class ModelLimits:
+    """What the client checks token ids against (read from the served model's config)."""
+
+    vocab_size: int
+    context_len: int
+    eos_ids: tuple[int, ...] = ()
+
+    @classmethod
+    def from_model_dir(cls, path: Path, context_len: int | None = None) -> ModelLimits:
+        """Limits of a Hugging Face model directory, as SGLang will serve it: vocab from
+        config.json, context from ``context_len`` (the server's ``--context-length``) or
+        ``max_position_embeddings``, EOS ids from config.json and generation_config.json."""
+        cfg = json.loads((path / "config.json").read_text())
+        cfg = cfg.get("text_config", cfg)
+        eos: set[int] = set()
+        gen = path / "generation_config.json"
+        for src in (cfg, json.loads(gen.read_text()) if gen.is_file() else {}):
+            e = src.get("eos_token_id")
+            eos.update([] if e is None else [e] if isinstance(e, int) else e)
+        return cls(
+            vocab_size=int(cfg["vocab_size"]),
+            context_len=int(context_len or cfg["max_position_embeddings"]),
+            eos_ids=tuple(sorted(eos)),
+        )
+
+    def check(self, prompt_ids: list[int], sampling: SamplingParams) -> None:
+        if not prompt_ids:
+            raise RequestError("prompt_ids is empty")
+        bad = [t for t in prompt_ids if not (_is_int(t) and 0 <= t < self.vocab_size)]
+        if bad:
+            raise RequestError(
+                f"prompt token id {bad[0]!r} out of range for vocab_size={self.vocab_size}"
+            )
+        stop_bad = [t for t in sampling.stop_token_ids if not 0 <= t < self.vocab_size]
+        if stop_bad:
+            raise RequestError(
+                f"sampling.stop_token_ids has {stop_bad[0]}, out of range for "
+                f"vocab_size={self.vocab_size}"
+            )
+        need = len(prompt_ids) + sampling.max_new_tokens
+        if need > self.context_len:
+            raise RequestError(
+                f"prompt of {len(prompt_ids)} tokens + sampling.max_new_tokens="
+                f"{sampling.max_new_tokens} exceeds the context length {self.context_len}"
+            )
+
+
+@dataclass
+class Rollout:
+    """One sampled response, possibly still unfinished.
+
+    ``finish_reason`` is None while the rollout can be resumed (cut at a segment boundary
+    or interrupted by a weight update), else one of ``FINISHED``.
+    """
+
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    sample_index: int = 0
+    group: Any = None
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    segments: int = 0
+    server: int | None = None  # the server that produced the last segment
+    rid: str = field(default_factory=lambda: f"r{next(_ids)}")
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def remaining(self) -> int:
+        return self.sampling.max_new_tokens - len(self.output_ids)
+
+    def next_request(self, segment_tokens: int | None) -> tuple[list[int], int, int | None]:
+        """(input ids, max new tokens, seed) of the next segment.
+
+        The seed is a hash of the run's seed, the input ids and the sample index: stable
+        across runs and processes, different for every prompt and sample, and moved on by
+        the tokens already sampled, so a resumed segment does not replay the first one's
+        random stream."""
+        if self.finished:
+            raise RequestError(f"rollout {self.rid} is finished ({self.finish_reason})")
+        budget = self.remaining if segment_tokens is None else min(segment_tokens, self.remaining)
+        ids = self.prompt_ids + self.output_ids
+        seed = self.sampling.seed
+        if seed is not None:
+            key = f"{seed}:{self.sample_index}:{','.join(map(str, ids))}".encode()
+            seed = int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") >> 1
+        return ids, budget, seed
+
+    def append(
+        self, ids: list[int], logprobs: list[float], versions: list[int], reason: str | None
+    ) -> None:
+        """Add one segment's tokens, each with the weight version that sampled it.
+
+        ``reason`` is SGLang's finish type. "stop" ends the rollout; "length" ends it only
+        at the rollout's own ``max_new_tokens`` (otherwise it is a segment boundary); an
+        "abort" from a pause or weight update leaves it resumable. A caller that wants the
+        rollout dropped marks it with ``finish("abort")``."""
+        if not len(ids) == len(logprobs) == len(versions):
+            raise ValueError(f"{len(ids)} ids, {len(logprobs)} logprobs, {len(versions)} versions")
+        self.output_ids += ids
+        self.logprobs += logprobs
+        self.versions += versions
+        self.segments += 1
+        if reason == "stop":
+            self.finish_reason = "stop"
+        elif self.remaining <= 0:
+            self.finish_reason = "length"
+
+    def finish(self, reason: str) -> None:
+        if reason not in FINISHED:
+            raise ValueError(f"finish reason {reason!r} not in {FINISHED}")
+        self.finish_reason = reason
+
+
+def parse_result(out: dict) -> tuple[list[int], list[float], list[int], str]:
+    """One SGLang ``/generate`` result (``return_logprob=True``) -> (new token ids, their
+    log-probs, the weight version of each, SGLang's finish type).
+
+    Strict on purpose: a misaligned log-prob or version list would silently train on the
+    wrong behaviour policy, so anything malformed raises ServerResponseError."""
+    try:
+        meta = out["meta_info"]
+        ids = [int(t) for t in out["output_ids"]]
+        lps = meta["output_token_logprobs"] or []
+        finish = meta["finish_reason"]
+        reason = finish.get("type") if isinstance(finish, dict) else None
+        spans = meta.get("weight_versions") or [
+            {"version": meta["weight_version"], "start": 0, "end": len(ids)}
+        ]
+    except (KeyError, TypeError, ValueError) as e:
+        raise ServerResponseError(f"malformed generation result ({e!r}): {out!r:.300}") from None
+    if len(lps) != len(ids) or any(int(lp[1]) != t for lp, t in zip(lps, ids, strict=True)):
+        raise ServerResponseError(f"log-probs {lps!r:.200} do not match output ids {ids!r:.200}")
+    if reason not in FINISHED:
+        raise ServerResponseError(f"unknown finish reason {finish!r}")
+    versions: list[int] = []
+    for span in spans:
+        start, end = int(span["start"]), min(int(span["end"]), len(ids))
+        if start != len(versions) or end < start:
+            raise ServerResponseError(f"weight-version spans are not contiguous: {spans!r}")
+        versions += [parse_version(span["version"])] * (end - start)
+    if len(versions) != len(ids):
+        raise ServerResponseError(
+            f"weight-version spans {spans!r} cover {len(versions)} of {len(ids)} tokens"
+        )
+    return ids, [float(lp[0]) for lp in lps], versions, reason
+
+
+def parse_version(v: Any) -> int:
+    try:
+        return int(v)
+    except (TypeError, ValueError):
+        raise ServerResponseError(
+            f"server reports weight version {v!r}; servers started by rl.generator.launcher "
+            "use integer versions"
+        ) from None

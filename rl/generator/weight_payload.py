@@ -1,0 +1,131 @@
+"""Weight payloads for SGLang's ``/update_weights_from_tensor``: buckets and their wire form.
+
+Why buckets: a payload carries tensors by reference (``torch.multiprocessing``'s
+``file_system`` strategy puts each storage in a shared-memory file and sends its name), so
+the cost is per *storage*, not per byte. Flattening many tensors into one byte buffer per
+bucket turns hundreds of shared-memory files per update into a handful, and bounds the
+extra memory of an update to one bucket in flight. The byte layout is SGLang's
+``flattened_bucket`` load format: a uint8 tensor plus, per tensor, its name, shape, dtype
+and ``[start, end)`` byte range (as ``SimpleNamespace``, which SGLang's safe unpickler
+accepts). Offsets are aligned so every slice can be viewed back as its dtype.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from multiprocessing.reduction import ForkingPickler
+from types import SimpleNamespace
+
+import torch
+
+ALIGN = 64  # bytes; covers every dtype's itemsize and keeps slices cache-line aligned
+
+
+def use_file_system_sharing() -> None:
+    """SGLang's server opens shared tensors by file name; the default ``file_descriptor``
+    strategy would need fd passing over a socket, which HTTP does not do."""
+    torch.multiprocessing.set_sharing_strategy("file_system")
+
+
+@dataclass
+class FlatBucket:
+    flat: torch.Tensor  # uint8, 1-D
+    meta: list[SimpleNamespace]
+
+    @property
+    def nbytes(self) -> int:
+        return self.flat.numel()
+
+    @property
+    def names(self) -> list[str]:
+        return [m.name for m in self.meta]
+
+    @classmethod
+    def pack(cls, named: list[tuple[str, torch.Tensor]]) -> FlatBucket:
+        """Copy ``named`` into one aligned byte buffer (one gather-copy per tensor)."""
+        if not named:
+            raise ValueError("cannot pack an empty bucket")
+        meta, offset = [], 0
+        for name, t in named:
+            start = -(-offset // ALIGN) * ALIGN
+            nbytes = t.numel() * t.element_size()
+            meta.append(
+                SimpleNamespace(
+                    name=name,
+                    shape=torch.Size(t.shape),
+                    dtype=t.dtype,
+                    start_idx=start,
+                    end_idx=start + nbytes,
+                    numel=nbytes,
+                )
+            )
+            offset = start + nbytes
+        flat = torch.zeros(offset, dtype=torch.uint8)
+        for m, (_, t) in zip(meta, named, strict=True):
+            flat[m.start_idx : m.end_idx].copy_(
+                t.detach().cpu().contiguous().view(-1).view(torch.uint8)
+            )
+        return cls(flat, meta)
+
+    def unpack(self) -> list[tuple[str, torch.Tensor]]:
+        """Views into the buffer, as the server reconstructs them."""
+        return [
+            (m.name, self.flat[m.start_idx : m.end_idx].view(m.dtype).view(m.shape))
+            for m in self.meta
+        ]
+
+
+def buckets(
+    named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int
+) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Group tensors in order into lists of at most ``bucket_bytes`` (a tensor larger than
+    that gets a list of its own). Lazy, so a caller streaming shards never holds more
+    than one group."""
+    if bucket_bytes <= 0:
+        raise ValueError(f"bucket_bytes={bucket_bytes} must be > 0")
+    group: list[tuple[str, torch.Tensor]] = []
+    size = 0
+    for name, t in named:
+        n = t.numel() * t.element_size() + ALIGN
+        if group and size + n > bucket_bytes:
+            yield group
+            group, size = [], 0
+        group.append((name, t))
+        size += n
+    if group:
+        yield group
+
+
+def serialize(obj: object) -> str:
+    """SGLang's wire form: ForkingPickler bytes, base64 (one entry per server TP rank)."""
+    buf = io.BytesIO()
+    ForkingPickler(buf).dump(obj)
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+def update_body(
+    payload: FlatBucket | list[tuple[str, torch.Tensor]],
+    *,
+    tp: int = 1,
+    flush_cache: bool = False,
+    weight_version: str | None = None,
+) -> tuple[dict, object]:
+    """The JSON body of one ``/update_weights_from_tensor`` call, and the object that
+    owns its shared storages: keep that alive until the server has answered, or the
+    shared-memory files may be gone before the server opens them."""
+    if isinstance(payload, FlatBucket):
+        keep: object = {"flattened_tensor": payload.flat, "metadata": payload.meta}
+        load_format = "flattened_bucket"
+    else:
+        keep = [(n, t.detach().cpu().contiguous()) for n, t in payload]
+        load_format = None
+    body = {
+        "serialized_named_tensors": [serialize(keep)] * tp,
+        "load_format": load_format,
+        "flush_cache": flush_cache,
+        "weight_version": weight_version,
+    }
+    return body, keep

@@ -60,6 +60,7 @@ def test_conf_discovery_finds_known_presets() -> None:
         "model/llama3_405b",
         "trainer/cpu_tp1",
         "trainer/cpu_tp2",
+        "rollout/cpu",
         "experiment/tiny_sft",
     }
     assert expected <= ids
@@ -128,6 +129,13 @@ def test_llama_param_counts_match_published(preset: str, published: float) -> No
         ),
         (["task.digits=30"], ["task.digits=30", "model.max_position_embeddings=64"]),
         (["trainer.optim.warmup_steps=-1"], ["trainer.optim.warmup_steps=-1"]),
+        (["rollout.tp=2"], ["rollout.tp=2", "CPU only at tp=1"]),
+        (["rollout.dtype=float16"], ["rollout.dtype='float16'"]),
+        (["rollout.servers=0"], ["rollout.servers=0"]),
+        (["rollout.segment_tokens=0"], ["rollout.segment_tokens=0"]),
+        (["rollout.threads=0"], ["rollout.threads=0"]),
+        (["rollout.sampling.temperature=-1"], ["rollout.sampling.temperature=-1"]),
+        (["rollout.sampling.max_new_tokens=-4"], ["rollout.sampling.max_new_tokens=-4"]),
     ],
     ids=[
         "tp-heads",
@@ -148,6 +156,13 @@ def test_llama_param_counts_match_published(preset: str, published: float) -> No
         "rope-scaling-constant",
         "task-too-long",
         "negative-warmup",
+        "rollout-tp-cpu",
+        "rollout-dtype",
+        "rollout-servers",
+        "rollout-segment",
+        "rollout-threads",
+        "rollout-temperature",
+        "rollout-max-new-tokens",
     ],
 )
 def test_validation_error_names_field_and_value(overrides: list[str], fragments: list[str]) -> None:
@@ -219,8 +234,10 @@ def _composition_error_text(overrides: list[str]) -> str:
         (["trainer.tp=two"], "two"),
         (["model=llama3_9b"], "llama3_9b"),
         (["trainer.optim.lr=fast"], "fast"),
+        (["rollout.sever=2"], "sever"),
+        (["rollout.sampling.temprature=0.5"], "temprature"),
     ],
-    ids=["unknown-key", "bad-int", "unknown-preset", "bad-float"],
+    ids=["unknown-key", "bad-int", "unknown-preset", "bad-float", "rollout-key", "sampling-key"],
 )
 def test_hydra_rejects_bad_overrides(overrides: list[str], needle: str) -> None:
     """Typos and wrong types fail at composition, before any process is spawned."""

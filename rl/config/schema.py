@@ -104,6 +104,41 @@ class SFTConfig:
 
 
 @dataclass
+class SamplingConfig:
+    """Default sampling of rollouts (checked by rl.generator.types.SamplingParams)."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_new_tokens: int = 16
+    n: int = 1
+    seed: int | None = None
+
+
+@dataclass
+class RolloutConfig:
+    """The generator executor: the SGLang servers it starts and how it samples."""
+
+    servers: int = 1
+    tp: int = 1  # SGLang tensor parallelism per server (CPU: 1)
+    device: str = "cpu"
+    dtype: str = "float32"  # float32 | bfloat16
+    # Intra-op threads per server on CPU; None: all cores.
+    threads: int | None = 1
+    # KV-cache tokens and concurrent requests per server (SGLang's own defaults size the
+    # KV cache from free memory, which on CPU means most of the machine's RAM).
+    max_total_tokens: int | None = 8192
+    max_running_requests: int | None = 64
+    context_length: int | None = None  # None: the model's max_position_embeddings
+    startup_timeout: float = 300.0
+    max_in_flight: int = 64  # requests the client keeps on each server
+    request_timeout: float = 600.0
+    # Cut rollouts after this many new tokens and resume them later (partial rollouts).
+    segment_tokens: int | None = None
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+
+
+@dataclass
 class RunConfig:
     name: str = "run"
     output_dir: str = "outputs/${run.name}"
@@ -115,6 +150,7 @@ class RootConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
     run: RunConfig = field(default_factory=RunConfig)
 
 
@@ -130,4 +166,5 @@ def register() -> None:
     cs.store(name="root_schema", node=RootConfig)
     cs.store(group="model", name="model_schema", node=ModelConfig)
     cs.store(group="trainer", name="trainer_schema", node=TrainerConfig)
+    cs.store(group="rollout", name="rollout_schema", node=RolloutConfig)
     _REGISTERED = True

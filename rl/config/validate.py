@@ -144,8 +144,33 @@ def validate_task(task: Any, sft: Any, m: Any) -> None:
     _positive("sft", sft, "log_every", "eval_every")
 
 
+def validate_rollout(r: Any) -> None:
+    from rl.generator.launcher import layout_problem
+    from rl.generator.types import RequestError, SamplingParams
+
+    _positive("rollout", r, "servers", "max_in_flight")
+    problem = layout_problem(r.device, r.tp, r.dtype, "rollout")
+    _require(problem is None, str(problem))
+    for name in ("threads", "max_total_tokens", "max_running_requests", "context_length"):
+        v = getattr(r, name)
+        _require(
+            v is None or (isinstance(v, int) and v >= 1),
+            f"rollout.{name}={v!r} must be an integer >= 1 or null",
+        )
+    for name in ("startup_timeout", "request_timeout"):
+        v = getattr(r, name)
+        _require(v > 0, f"rollout.{name}={v} must be > 0 seconds")
+    seg = r.segment_tokens
+    _require(seg is None or seg >= 1, f"rollout.segment_tokens={seg} must be >= 1 or null")
+    try:
+        SamplingParams.from_dict(dict(r.sampling))
+    except RequestError as e:
+        raise ConfigError(f"rollout.{e}") from None
+
+
 def validate(cfg: Any, world_size: int | None = None) -> None:
     """Validate a composed RootConfig; raise ConfigError on the first bad field."""
     validate_model(cfg.model)
     validate_trainer(cfg.trainer, cfg.model, world_size)
     validate_task(cfg.task, cfg.sft, cfg.model)
+    validate_rollout(cfg.rollout)

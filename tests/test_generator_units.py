@@ -3,7 +3,9 @@ weight buckets, the CPU shim and the launcher's config checks. Milliseconds each
 
 from __future__ import annotations
 
+import base64
 import json
+import pickle
 import subprocess
 import sys
 
@@ -20,7 +22,13 @@ from rl.generator.types import (
     ServerResponseError,
     parse_result,
 )
-from rl.generator.weight_payload import ALIGN, FlatBucket, buckets
+from rl.generator.weight_payload import (
+    ALIGN,
+    FlatBucket,
+    buckets,
+    update_body,
+    use_file_system_sharing,
+)
 
 LIMITS = ModelLimits(vocab_size=99, context_len=128, eos_ids=(2,))
 
@@ -223,6 +231,20 @@ def test_buckets_respect_the_byte_budget_and_keep_order():
     assert [[n for n, _ in g] for g in big] == [["big"], ["s"]]
     with pytest.raises(ValueError, match="bucket_bytes=0 must be > 0"):
         list(buckets(named, 0))
+
+
+def test_update_body_carries_one_payload_per_server_rank_and_round_trips():
+    use_file_system_sharing()  # what the client does: the server opens storages by name
+    bucket = FlatBucket.pack([("w", torch.arange(6.0).view(2, 3)), ("b", torch.ones(2))])
+    body, keep = update_body(bucket, tp=2)
+    assert body["load_format"] == "flattened_bucket" and body["flush_cache"] is False
+    assert len(body["serialized_named_tensors"]) == 2
+    got = pickle.loads(base64.b64decode(body["serialized_named_tensors"][1]))
+    assert torch.equal(got["flattened_tensor"], bucket.flat)
+    assert [m.name for m in got["metadata"]] == ["w", "b"]
+    plain, _ = update_body([("w", torch.zeros(2))], tp=1)
+    assert plain["load_format"] is None and len(plain["serialized_named_tensors"]) == 1
+    del keep
 
 
 # ------------------------------------------------------------------ CPU shim and launcher

@@ -52,6 +52,7 @@ class GeneratorClient:
         max_in_flight: int = 64,
         request_timeout: float = 600.0,
         launcher: ServerLauncher | None = None,
+        tp: int = 1,
     ):
         if not urls:
             raise ServerError("generator client needs at least one server URL")
@@ -61,6 +62,7 @@ class GeneratorClient:
         self.urls = list(urls)
         self.limits = limits
         self.launcher = launcher
+        self.tp = tp  # TP ranks per server: weight payloads carry one entry per rank
         self._timeout = aiohttp.ClientTimeout(total=request_timeout)
         self._max_in_flight = max_in_flight
         self._in_flight = [0] * len(urls)
@@ -85,7 +87,7 @@ class GeneratorClient:
     def for_launcher(cls, launcher: ServerLauncher, **kw: Any) -> GeneratorClient:
         cfg = launcher.config
         limits = ModelLimits.from_model_dir(Path(cfg.model_path), cfg.context_length)
-        return cls(launcher.urls, limits, launcher=launcher, **kw)
+        return cls(launcher.urls, limits, launcher=launcher, tp=cfg.tp, **kw)
 
     async def _make_session(self) -> aiohttp.ClientSession:
         conn = aiohttp.TCPConnector(limit=0)
@@ -315,7 +317,7 @@ class GeneratorClient:
             self._all("/begin_weight_update")
             try:
                 for bucket in packs:
-                    body, keep = update_body(bucket)
+                    body, keep = update_body(bucket, self.tp)
                     self._check_all(self._all("/update_weights_from_tensor", body), "update")
                     del keep
             finally:

@@ -107,15 +107,13 @@ def serialize(obj: object) -> str:
 
 
 def update_body(
-    payload: FlatBucket | list[tuple[str, torch.Tensor]],
-    *,
-    tp: int = 1,
-    flush_cache: bool = False,
-    weight_version: str | None = None,
+    payload: FlatBucket | list[tuple[str, torch.Tensor]], tp: int
 ) -> tuple[dict, object]:
-    """The JSON body of one ``/update_weights_from_tensor`` call, and the object that
-    owns its shared storages: keep that alive until the server has answered, or the
-    shared-memory files may be gone before the server opens them."""
+    """The JSON body of one ``/update_weights_from_tensor`` call to a server with ``tp``
+    ranks (SGLang wants one serialized entry per rank; each rank's loader cuts its own
+    shard), and the object that owns its shared storages: keep that alive until the
+    server has answered, or the shared-memory files may be gone before the server opens
+    them. The cache is flushed once after the last bucket, not per bucket."""
     if isinstance(payload, FlatBucket):
         keep: object = {"flattened_tensor": payload.flat, "metadata": payload.meta}
         load_format = "flattened_bucket"
@@ -125,7 +123,6 @@ def update_body(
     body = {
         "serialized_named_tensors": [serialize(keep)] * tp,
         "load_format": load_format,
-        "flush_cache": flush_cache,
-        "weight_version": weight_version,
+        "flush_cache": False,
     }
     return body, keep

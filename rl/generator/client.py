@@ -219,14 +219,11 @@ class GeneratorClient:
             return {"text": text}
 
     def _failure(self, server: int, err: BaseException) -> ServerError:
-        where = f"generator server {server} ({self.urls[server]})"
         if self.launcher is not None:
             s = self.launcher.servers[server]
             if not s.alive():
-                code = s.proc.returncode if s.proc else None
-                return ServerError(
-                    f"{where} died (exit code {code}); last lines of {s.log_path}:\n{s.log_tail()}"
-                )
+                return s.error(f"died (exit code {s.exit_code})")
+        where = f"generator server {server} ({self.urls[server]})"
         return ServerError(f"{where} unreachable: {type(err).__name__}: {err}")
 
     def restart_server(self, server: int) -> int:

@@ -162,6 +162,17 @@ class Server:
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
+    def error(self, what: str) -> ServerError:
+        """``what`` happened to this server, with the end of its log (the actual cause)."""
+        return ServerError(
+            f"generator server {self.index} ({self.url}) {what}; last lines of "
+            f"{self.log_path}:\n{self.log_tail()}"
+        )
+
+    @property
+    def exit_code(self) -> int | None:
+        return self.proc.returncode if self.proc else None
+
     def healthy(self, timeout: float = 5.0) -> bool:
         try:
             urllib.request.urlopen(f"{self.url}/health", timeout=timeout).close()
@@ -264,30 +275,12 @@ class ServerLauncher:
         delay = 0.2
         while time.monotonic() < deadline:
             if not s.alive():
-                code = s.proc.returncode if s.proc else None
-                raise ServerError(
-                    f"SGLang server {s.index} ({s.url}) exited with code {code} during "
-                    f"startup; last lines of {s.log_path}:\n{s.log_tail()}"
-                )
+                raise s.error(f"exited with code {s.exit_code} during startup")
             if s.healthy():
                 return
             time.sleep(delay)
             delay = min(delay * 1.5, 2.0)
-        raise ServerError(
-            f"SGLang server {s.index} ({s.url}) not healthy after "
-            f"server.startup_timeout={self.config.startup_timeout}s; last lines of "
-            f"{s.log_path}:\n{s.log_tail()}"
-        )
-
-    def check(self) -> None:
-        """Raise ``ServerError`` naming the first server that died, with its log tail."""
-        for s in self.servers:
-            if not s.alive():
-                code = s.proc.returncode if s.proc else None
-                raise ServerError(
-                    f"SGLang server {s.index} ({s.url}) is dead (exit code {code}); last "
-                    f"lines of {s.log_path}:\n{s.log_tail()}"
-                )
+        raise s.error(f"not healthy after server.startup_timeout={self.config.startup_timeout}s")
 
     def restart(self, index: int) -> Server:
         """Stop server ``index`` (if anything is left of it) and start it on the same port,

@@ -28,7 +28,8 @@ LLAMA3_ROPE = {
 
 
 def make_model(kind: str, path: Path, dtype: torch.dtype = torch.float32, seed: int = 0) -> Path:
-    """kind: llama (GQA, untied), llama_tied (tied, Llama 3 RoPE scaling), qwen2 (QKV bias)."""
+    """kind: llama (GQA, untied), llama_tied (tied, Llama 3 RoPE scaling), qwen2 (QKV bias),
+    llama_mha (4 KV heads, so Megatron TP=4 can hold whole query groups)."""
     import transformers
 
     torch.manual_seed(seed)
@@ -39,6 +40,9 @@ def make_model(kind: str, path: Path, dtype: torch.dtype = torch.float32, seed: 
         conf = transformers.LlamaConfig(
             **SHAPES, tie_word_embeddings=True, rope_parameters=dict(LLAMA3_ROPE)
         )
+        model = transformers.LlamaForCausalLM(conf)
+    elif kind == "llama_mha":
+        conf = transformers.LlamaConfig(**{**SHAPES, "num_key_value_heads": 4})
         model = transformers.LlamaForCausalLM(conf)
     elif kind == "qwen2":
         conf = transformers.Qwen2Config(**SHAPES, tie_word_embeddings=False)

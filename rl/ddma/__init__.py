@@ -1,0 +1,1 @@
+"""DDMA: direct trainer-shard -> generator-shard weight sync (plan, wire format, engine)."""

@@ -1,0 +1,343 @@
+"""The DDMA transfer plan: which bytes of which trainer shard go to which generator shard.
+
+Why an explicit plan: after each step every trainer rank must send *only its own* Megatron
+shards straight into the SGLang ranks that need them, already in SGLang's layout. Both
+sides compute the same plan independently from the two layouts (rl/ddma/layout.py) and
+the model's shape, so nothing but bucket bytes crosses the wire, and a 64-bit digest of
+the plan travels in every bucket header: two sides that disagree on architecture, layout
+or bucket size fail on the first bucket instead of writing garbage.
+
+A piece moves ``length`` slices along one dimension from one source shard to one
+destination shard; a bucket is one (trainer rank, generator rank) message of pieces, at
+most ``bucket_bytes``; rounds order the buckets so no rank sends or receives twice at
+once. Every destination byte is written exactly once (:func:`coverage_errors`).
+
+Pure logic: integers only, no torch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+from rl.ddma.layout import (
+    DstLayout,
+    PlanError,
+    SrcLayout,
+    check_layouts,
+    dst_runs,
+    round_up,
+    sglang_names,
+    src_locate,
+    src_shapes,
+)
+from rl.weights import keymap as km
+
+__all__ = ["DstLayout", "PlanError", "SrcLayout", "make_plan", "plan_for", "round_up"]
+
+# Linear weights an FP8 engine holds quantized (embeddings, norms, lm_head stay in dtype).
+FP8_WEIGHTS = ("qkv_proj.weight", "o_proj.weight", "gate_up_proj.weight", "down_proj.weight")
+SCALE_SUFFIX = "_scale_inv"
+HEADER_BYTES = 64  # room for the bucket header in front of every bucket's payload
+ALIGN = 64  # every piece starts on a 64-byte boundary of its bucket
+
+
+@dataclass(frozen=True)
+class Piece:
+    """``length`` slices along ``dim``: source tensor ``(key, layer)`` on global source rank
+    ``src`` at ``src_start`` -> destination tensor ``dst_name`` on rank ``dst`` at
+    ``dst_start``. ``src`` is None for zero-filled padding (written locally, not sent)."""
+
+    src: int | None
+    key: str | None
+    layer: int | None
+    src_start: int
+    dst: int
+    dst_name: str
+    dim: int
+    dst_start: int
+    length: int
+
+
+@dataclass
+class Bucket:
+    """Pieces from one source rank to one destination rank, sent as one message."""
+
+    index: int  # position in the plan's global order
+    round: int  # buckets of one round run concurrently (no rank in two of them)
+    src: int
+    dst: int
+    pieces: list[Piece]
+    offsets: list[int]  # byte offset of each piece's data in the message
+    nbytes: int  # message size, header included
+
+
+@dataclass
+class Plan:
+    dims: km.Dims
+    src: SrcLayout
+    dst: DstLayout
+    itemsize: int
+    bucket_bytes: int
+    dst_shapes: dict[str, tuple[int, ...]]  # per-rank SGLang shapes (equal on every rank)
+    src_shapes: dict[tuple[str, int | None], tuple[int, ...]]  # per-rank Megatron shapes
+    buckets: list[Bucket] = field(default_factory=list)
+    fills: list[Piece] = field(default_factory=list)  # padding, zero-filled by the receiver
+    fp8_block: int | None = None  # blockwise FP8 for the linear weights (see rl/ddma/fp8.py)
+    digest: int = 0
+
+    def quantized(self, name: str) -> bool:
+        """Is ``name`` sent as FP8 (plus ``<name>_scale_inv``, float32 per block)?"""
+        return (
+            self.fp8_block is not None and name in self.dst_shapes and (name.endswith(FP8_WEIGHTS))
+        )
+
+    def elem_bytes(self, name: str) -> int:
+        if name.endswith(SCALE_SUFFIX):
+            return 4
+        return 1 if self.quantized(name) else self.itemsize
+
+    def sends(self, src_rank: int) -> list[Bucket]:
+        return [b for b in self.buckets if b.src == src_rank]
+
+    def receives(self, dst_rank: int) -> list[Bucket]:
+        return [b for b in self.buckets if b.dst == dst_rank]
+
+    def dst_bytes(self, real_only: bool = True) -> int:
+        """Bytes of every destination shard (without the zero-filled padding)."""
+        per_rank = sum(_numel(s) * self.elem_bytes(n) for n, s in self.dst_shapes.items())
+        total = per_rank * self.dst.tp
+        if real_only:
+            total -= sum(self.piece_bytes(p) for p in self.fills)
+        return total
+
+    def sent_bytes(self) -> int:
+        """Payload bytes on the wire (headers and alignment excluded)."""
+        return sum(self.piece_bytes(p) for b in self.buckets for p in b.pieces)
+
+    def piece_layout(self, p: Piece) -> tuple[int, int]:
+        """(data bytes, scale bytes) of a piece: FP8 pieces carry their blocks' scales,
+        stored after the data at the next ``ALIGN`` boundary."""
+        shape = self.dst_shapes[p.dst_name]
+        data = p.length * _slice_numel(shape, p.dim) * self.elem_bytes(p.dst_name)
+        if not self.quantized(p.dst_name):
+            return data, 0
+        b = self.fp8_block
+        other = shape[1 - p.dim]
+        return data, -(-p.length // b) * -(-other // b) * 4  # type: ignore[operator]
+
+    def piece_bytes(self, p: Piece) -> int:
+        return sum(self.piece_layout(p))
+
+    def footprint(self, p: Piece) -> int:
+        data, scale = self.piece_layout(p)
+        return round_up(data, ALIGN) + scale if scale else data
+
+    def rounds(self) -> int:
+        return 1 + max((b.round for b in self.buckets), default=-1)
+
+
+def _src_rank(d, src, dst_rank, key, layer, tp_rank) -> int:
+    if key == km.EMBED:
+        pp_rank = 0
+    elif layer is None:  # final norm and output layer live on the last stage
+        pp_rank = src.pp - 1
+    else:
+        pp_rank = src.stage_of(layer, d.layers)[0]
+    if tp_rank is None:  # replicated: spread the load over TP ranks
+        tp_rank = dst_rank % src.tp
+    # Data-parallel replicas hold the same shards: split the layers between them so every
+    # replica sends an equal share instead of replica 0 sending everything.
+    return src.rank(tp_rank, pp_rank, ((layer or 0) + dst_rank) % src.dp)
+
+
+def make_plan(
+    d: km.Dims,
+    src: SrcLayout,
+    dst: DstLayout,
+    itemsize: int,
+    bucket_bytes: int,
+    fp8_block: int | None = None,
+) -> Plan:
+    """The full transfer plan; every destination byte is written by exactly one piece.
+
+    With ``fp8_block`` the linear weights travel as blockwise FP8 plus per-block scales
+    (``<name>_scale_inv``), quantized by the sender piece by piece; that is exact only
+    when every piece starts and ends on a block boundary, which is checked here."""
+    check_layouts(d, src, dst)
+    if bucket_bytes < HEADER_BYTES + ALIGN:
+        raise PlanError(f"bucket_bytes={bucket_bytes} is below the minimum {HEADER_BYTES + ALIGN}")
+    if fp8_block is not None and (fp8_block < 1 or dst.ffn_multiple > 1):
+        raise PlanError(f"fp8_block={fp8_block}: needs a block >= 1 and a GPU layout")
+    names = sglang_names(d)
+    dst_shapes = {}
+    for name, (key, _, dim) in names.items():
+        shape = list(km.megatron_shape(key, d))
+        shape[dim] = sum(n for _, n in dst_runs(d, dst, key, 0))
+        dst_shapes[name] = tuple(shape)
+        if fp8_block is not None and name.endswith(FP8_WEIGHTS):
+            dst_shapes[name + SCALE_SUFFIX] = tuple(-(-n // fp8_block) for n in shape)
+    plan = Plan(d, src, dst, itemsize, bucket_bytes, dst_shapes, src_shapes(d, src))
+    plan.fp8_block = fp8_block
+    per_pair: dict[tuple[int, int], list[Piece]] = defaultdict(list)
+    for rank in range(dst.tp):
+        for name, (key, layer, dim) in names.items():
+            at = 0
+            for start, n in dst_runs(d, dst, key, rank):
+                if start is None:
+                    plan.fills.append(Piece(None, None, None, 0, rank, name, dim, at, n))
+                    at += n
+                    continue
+                for tp_rank, local, take in src_locate(d, src, key, start, n):
+                    s = _src_rank(d, src, rank, key, layer, tp_rank)
+                    per_pair[(s, rank)].append(
+                        Piece(s, key, layer, local, rank, name, dim, at, take)
+                    )
+                    at += take
+    for pair in sorted(per_pair):
+        if fp8_block is not None:
+            _check_blocks(plan, per_pair[pair])
+        _bucketize(plan, per_pair[pair])
+    _schedule(plan)
+    plan.digest = _digest(plan)
+    return plan
+
+
+def plan_for(
+    model: Any, trainer: Any, rollout: Any, dp: int = 1, bucket_bytes: int | None = None
+) -> Plan:
+    """The plan for composed ``model`` / ``trainer`` / ``rollout`` configs (one server)."""
+    sync = rollout.weight_sync
+    itemsize = {"float32": 4, "bfloat16": 2}[trainer.params_dtype]
+    return make_plan(
+        km.Dims.of(model),
+        SrcLayout(trainer.tp, trainer.pp, dp),
+        DstLayout.sglang(rollout.tp, rollout.device),
+        itemsize,
+        bucket_bytes or sync.bucket_mb << 20,
+        sync.fp8_block,
+    )
+
+
+def _check_blocks(plan: Plan, pieces: list[Piece]) -> None:
+    b = plan.fp8_block
+    for p in pieces:
+        size = plan.dst_shapes[p.dst_name][p.dim]
+        end = p.dst_start + p.length
+        if plan.quantized(p.dst_name) and (p.dst_start % b or (end % b and end != size)):  # type: ignore[operator]
+            raise PlanError(
+                f"fp8_block={b}: {p.dst_name} on generator rank {p.dst} takes [{p.dst_start}, "
+                f"{end}) along dim {p.dim} from trainer rank {p.src}, not on block boundaries"
+            )
+
+
+def _bucketize(plan: Plan, pieces: list[Piece]) -> None:
+    """Cut one pair's pieces into buckets of at most ``bucket_bytes`` (pieces larger than
+    a bucket are split along their dimension: by slices, or by whole blocks for FP8; one
+    slice or block is never split)."""
+    budget = plan.bucket_bytes
+    cur: list[Piece] = []
+    offs: list[int] = []
+    size = HEADER_BYTES
+
+    def close() -> None:
+        nonlocal cur, offs, size
+        if cur:
+            b = Bucket(-1, -1, cur[0].src, cur[0].dst, cur, offs, size)  # type: ignore[arg-type]
+            plan.buckets.append(b)
+        cur, offs, size = [], [], HEADER_BYTES
+
+    for p in pieces:
+        unit = plan.fp8_block if plan.quantized(p.dst_name) else 1
+        done = 0
+        while done < p.length:
+            at = round_up(size, ALIGN)
+
+            def part(n: int, p: Piece = p, done: int = done) -> Piece:
+                return Piece(
+                    p.src, p.key, p.layer, p.src_start + done, p.dst, p.dst_name, p.dim,
+                    p.dst_start + done, n,
+                )  # fmt: skip
+
+            per_unit = plan.footprint(part(unit))  # type: ignore[arg-type]
+            units = max((budget - at) // per_unit, 0)
+            if units < 1 and cur:
+                close()
+                continue
+            piece = part(min(p.length - done, max(units, 1) * unit))  # type: ignore[operator]
+            cur.append(piece)
+            offs.append(at)
+            size = at + plan.footprint(piece)
+            done += piece.length
+    close()
+
+
+def _schedule(plan: Plan) -> None:
+    """Order buckets into rounds where no rank sends or receives twice (greedy edge
+    colouring), keeping each pair's buckets in order. Senders and receivers then walk
+    the same global order, which is what makes bounded double buffering deadlock-free."""
+    queues: dict[tuple[int, int], list[Bucket]] = defaultdict(list)
+    for b in plan.buckets:
+        queues[(b.src, b.dst)].append(b)
+    ordered: list[Bucket] = []
+    rnd = 0
+    while any(queues.values()):
+        busy_src, busy_dst = set(), set()
+        for pair in sorted(queues, key=lambda p: (-len(queues[p]), p)):
+            q = queues[pair]
+            if q and pair[0] not in busy_src and pair[1] not in busy_dst:
+                b = q.pop(0)
+                b.round = rnd
+                busy_src.add(pair[0])
+                busy_dst.add(pair[1])
+                ordered.append(b)
+        rnd += 1
+    for i, b in enumerate(ordered):
+        b.index = i
+    plan.buckets = ordered
+
+
+def _digest(plan: Plan) -> int:
+    h = hashlib.sha256()
+    spec = (plan.dims, plan.src, plan.dst, plan.itemsize, plan.bucket_bytes, plan.fp8_block)
+    h.update(repr(spec).encode())
+    for b in plan.buckets:
+        h.update(repr((b.round, b.src, b.dst, b.offsets, b.pieces)).encode())
+    return int.from_bytes(h.digest()[:8], "little") >> 1  # fits a signed int64
+
+
+# ------------------------------------------------------------------------ checks
+def coverage_errors(plan: Plan) -> list[str]:
+    """Destination elements written zero or several times (empty: every byte exactly once)."""
+    runs: dict[tuple[int, str], list[tuple[int, int]]] = defaultdict(list)
+    for p in [*plan.fills, *(p for b in plan.buckets for p in b.pieces)]:
+        runs[(p.dst, p.dst_name)].append((p.dst_start, p.length))
+    errors = []
+    for rank in range(plan.dst.tp):
+        for name, shape in plan.dst_shapes.items():
+            if name.endswith(SCALE_SUFFIX):
+                continue  # written with their FP8 weight's pieces (block-aligned, checked)
+            dim = sglang_names(plan.dims)[name][2]
+            at = 0
+            for start, n in sorted(runs.get((rank, name), [])):
+                if start != at:
+                    errors.append(
+                        f"rank {rank} {name}: {'gap' if start > at else 'overlap'} at {at}"
+                    )
+                at = max(at, start + n)
+            if at != shape[dim]:
+                errors.append(f"rank {rank} {name}: covered {at} of {shape[dim]}")
+    return errors
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def _slice_numel(shape: tuple[int, ...], dim: int) -> int:
+    return _numel(shape) // shape[dim]

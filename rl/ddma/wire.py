@@ -1,0 +1,141 @@
+"""Bucket messages: pack source slices into one buffer, verify it, scatter it into shards.
+
+A message is ``HEADER_BYTES`` of int64 header followed by the pieces' bytes at the offsets
+the plan fixed. The header carries the plan digest (both sides planned the same
+transfer), the policy version, the bucket index and an xxh3 checksum of the payload, so a
+receiver never writes bytes it cannot vouch for. xxh3 runs at memory speed (about 27 GB/s
+here against 11 GB/s for memcpy), so verifying costs far less than copying.
+
+The gather-copy (pack) and scatter-copy (unpack) are torch ``narrow().copy_()`` per
+piece: one memcpy-speed pass over the bytes, no intermediate tensors. Casting to the
+destination dtype happens inside the same copy.
+
+Pure logic: torch tensors only, no torch.distributed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import xxhash
+
+from rl.ddma import fp8
+from rl.ddma.plan import ALIGN, HEADER_BYTES, SCALE_SUFFIX, Bucket, Piece, Plan, round_up
+
+MAGIC = 0x44444D41  # "DDMA"
+_FIELDS = ("magic", "digest", "version", "index", "nbytes", "checksum", "src", "dst")
+
+
+class BucketError(RuntimeError):
+    """A message that must not be applied: wrong plan, version, bucket or checksum."""
+
+
+def checksum(payload: torch.Tensor) -> int:
+    """xxh3-64 of a uint8 tensor's bytes, as a signed int64."""
+    h = xxhash.xxh3_64_intdigest(payload.numpy())
+    return h - (1 << 64) if h >= 1 << 63 else h
+
+
+def write_header(buf: torch.Tensor, plan: Plan, bucket: Bucket, version: int) -> None:
+    body = buf[HEADER_BYTES : bucket.nbytes]
+    values = (MAGIC, plan.digest, version, bucket.index, bucket.nbytes, checksum(body))
+    head = buf[:HEADER_BYTES].view(torch.int64)
+    head.copy_(torch.tensor([*values, bucket.src, bucket.dst], dtype=torch.int64))
+
+
+def read_header(buf: torch.Tensor) -> dict[str, int]:
+    return dict(zip(_FIELDS, buf[:HEADER_BYTES].view(torch.int64).tolist(), strict=True))
+
+
+def verify(buf: torch.Tensor, plan: Plan, bucket: Bucket, version: int) -> None:
+    """Raise :class:`BucketError` unless ``buf`` is exactly ``bucket`` of ``plan`` at
+    ``version`` with an intact payload. Checks are ordered so the message names the most
+    likely cause (a different plan means different architectures or layouts)."""
+    h = read_header(buf)
+    where = f"bucket {bucket.index} (trainer rank {bucket.src} -> generator rank {bucket.dst})"
+    if h["magic"] != MAGIC:
+        raise BucketError(f"{where}: not a DDMA message (magic {h['magic']:#x})")
+    if h["digest"] != plan.digest:
+        raise BucketError(
+            f"{where}: sender planned a different transfer (digest {h['digest']:#x}, "
+            f"receiver {plan.digest:#x}): model architecture, layouts, dtype or bucket size "
+            "differ between trainer and generator"
+        )
+    if h["version"] != version:
+        raise BucketError(f"{where}: carries version {h['version']}, expected {version}")
+    if (h["index"], h["nbytes"]) != (bucket.index, bucket.nbytes):
+        raise BucketError(f"{where}: got bucket {h['index']} of {h['nbytes']} bytes")
+    got = checksum(buf[HEADER_BYTES : bucket.nbytes])
+    if got != h["checksum"]:
+        raise BucketError(f"{where}: checksum mismatch ({got:#x} != {h['checksum']:#x})")
+
+
+def _views(buf: torch.Tensor, offset: int, p: Piece, plan: Plan, dtype: torch.dtype):
+    """The piece's data (and, for FP8 pieces, its block scales) inside a message."""
+    data, scale = plan.piece_layout(p)
+    shape = list(plan.dst_shapes[p.dst_name])
+    shape[p.dim] = p.length
+    if not scale:
+        return buf[offset : offset + data].view(dtype).view(shape), None
+    b = plan.fp8_block
+    q = buf[offset : offset + data].view(torch.float8_e4m3fn).view(shape)
+    at = offset + round_up(data, ALIGN)
+    sshape = [-(-n // b) for n in shape]  # type: ignore[operator]
+    return q, buf[at : at + scale].view(torch.float32).view(sshape)
+
+
+def dst_dtype(plan: Plan, name: str, dtype: torch.dtype) -> torch.dtype:
+    """The dtype the destination holds ``name`` in (FP8 weights and their scales aside,
+    the transfer dtype)."""
+    if name.endswith(SCALE_SUFFIX):
+        return torch.float32
+    return torch.float8_e4m3fn if plan.quantized(name) else dtype
+
+
+SrcGetter = Callable[[str, int | None], torch.Tensor]  # (Megatron key, layer) -> local shard
+DstGetter = Callable[[str], torch.Tensor]  # SGLang name -> this rank's destination tensor
+
+
+def pack(
+    buf: torch.Tensor,
+    plan: Plan,
+    bucket: Bucket,
+    src: SrcGetter,
+    dtype: torch.dtype,
+    version: int,
+) -> torch.Tensor:
+    """Gather-copy ``bucket``'s source slices into ``buf`` and stamp the header."""
+    for p, off in zip(bucket.pieces, bucket.offsets, strict=True):
+        part = src(p.key, p.layer).narrow(p.dim, p.src_start, p.length)  # type: ignore[arg-type]
+        data, scale = _views(buf, off, p, plan, dtype)
+        if scale is None:
+            data.copy_(part)
+        else:  # block-aligned (checked by the planner): these are the destination's blocks
+            q, s = fp8.quantize_blockwise(part, plan.fp8_block)  # type: ignore[arg-type]
+            data.copy_(q)
+            scale.copy_(s)
+    write_header(buf, plan, bucket, version)
+    return buf[: bucket.nbytes]
+
+
+def unpack(
+    buf: torch.Tensor, plan: Plan, bucket: Bucket, dst: DstGetter, dtype: torch.dtype
+) -> None:
+    """Scatter-copy a verified message (of ``dtype`` elements) into the destination."""
+    for p, off in zip(bucket.pieces, bucket.offsets, strict=True):
+        data, scale = _views(buf, off, p, plan, dtype)
+        dst(p.dst_name).narrow(p.dim, p.dst_start, p.length).copy_(data)
+        if scale is not None:
+            b = plan.fp8_block
+            rows = dst(p.dst_name + SCALE_SUFFIX).narrow(
+                p.dim, p.dst_start // b, scale.shape[p.dim]
+            )  # type: ignore[operator]
+            rows.copy_(scale)
+
+
+def zero_fill(plan: Plan, rank: int, dst: DstGetter) -> None:
+    """Write the destination's padding rows (the vocab tail), which are never sent."""
+    for p in plan.fills:
+        if p.dst == rank:
+            dst(p.dst_name).narrow(p.dim, p.dst_start, p.length).zero_()

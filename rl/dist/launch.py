@@ -8,6 +8,7 @@ collective. Under torchrun (RANK/WORLD_SIZE set) the same worker function runs i
 
 from __future__ import annotations
 
+import contextlib
 import io
 import logging
 import os
@@ -147,6 +148,21 @@ def spawn(
     finally:
         for p in procs:
             if p.is_alive():
-                p.kill()
+                _kill_tree(p.pid)
                 p.join()
     return [out[r] for r in range(world_size)]
+
+
+def _kill_tree(pid: int) -> None:
+    """Kill a rank and whatever it started (e.g. the multiprocessing Manager that Megatron's
+    checkpoint saving starts), which would otherwise outlive it as an orphan."""
+    import psutil
+
+    try:
+        rank = psutil.Process(pid)
+        family = [*rank.children(recursive=True), rank]
+    except psutil.NoSuchProcess:
+        return
+    for proc in family:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            proc.kill()

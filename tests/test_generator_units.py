@@ -8,10 +8,12 @@ import json
 import pickle
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 
+import rl
 from rl.generator.cpu_shim import server_env
 from rl.generator.launcher import ServerConfig, ServerError
 from rl.generator.types import (
@@ -250,9 +252,13 @@ def test_update_body_carries_one_payload_per_server_rank_and_round_trips():
 # ------------------------------------------------------------------ CPU shim and launcher
 def test_cpu_shim_only_touches_cpu_servers(tmp_path):
     base = {"PYTHONPATH": "/somewhere", "X": "1"}
-    assert server_env("cuda", tmp_path / "shim", base, threads=2) == base
+    repo = str(Path(rl.__file__).resolve().parents[1])  # for the DDMA receiver
+    assert server_env("cuda", tmp_path / "shim", base, threads=2) == {
+        **base,
+        "PYTHONPATH": f"{repo}:/somewhere",
+    }
     env = server_env("cpu", tmp_path / "shim", base, threads=2)
-    assert env["PYTHONPATH"].split(":") == [str(tmp_path / "shim"), "/somewhere"]
+    assert env["PYTHONPATH"].split(":") == [str(tmp_path / "shim"), repo, "/somewhere"]
     assert env["OMP_NUM_THREADS"] == "2" and env["X"] == "1"
     # The stub imports (what SGLang's rotary module needs) and refuses to be called.
     code = (

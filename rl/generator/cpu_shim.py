@@ -60,10 +60,15 @@ def server_env(
     ``threads`` caps the server's intra-op threads (OMP/MKL); None keeps torch's default
     (all cores)."""
     out = dict(env)
+    # This checkout, for the DDMA receiver SGLang imports as a custom weight loader.
+    paths = [str(Path(__file__).resolve().parents[2])]
+    if device == "cpu":
+        paths.insert(0, str(write_stub(shim_root)))
+    if env.get("PYTHONPATH"):
+        paths.append(env["PYTHONPATH"])
+    out["PYTHONPATH"] = os.pathsep.join(paths)
     if device != "cpu":
         return out
-    path = str(write_stub(shim_root))
-    out["PYTHONPATH"] = path + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     if threads is not None:
         for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
             out[var] = str(threads)

@@ -40,6 +40,8 @@ GUARD = Path(__file__).with_name("server_guard.py")
 STOP_GRACE_S = 20.0
 # Weights are served in these; FP8 is a quantisation of them (GPU only), not a dtype.
 SERVER_DTYPES = ("float32", "bfloat16")
+# The DDMA receiver, imported by every server process from this checkout.
+DDMA_LOAD_FORMAT = "rl.ddma.sglang_receiver.load"
 
 
 class ServerError(RuntimeError):
@@ -107,6 +109,9 @@ class ServerConfig:
         # 2-core machine and starve the trainer. Sleeping blocks on the request sockets,
         # so a new request still wakes it at once. (In RL servers idle while training.)
         args.append("--sleep-on-idle")
+        # DDMA weight sync: trainer ranks post buckets already in this server's layout
+        # to our receiver, which stages them and swaps them in whole (rl/ddma).
+        args += ["--custom-weight-loader", DDMA_LOAD_FORMAT]
         for flag, value in (
             ("--max-total-tokens", self.max_total_tokens),
             ("--max-running-requests", self.max_running_requests),

@@ -25,17 +25,17 @@ Provider = Callable[[str, int | None, tuple[int, int] | None], torch.Tensor]
 ROW_SLICED = ("embedding.word_embeddings.weight", "output_layer.weight")
 
 
-def _leaves(obj: Any) -> Iterator[Any]:
+def leaves(obj: Any) -> Iterator[Any]:
     from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
 
     if isinstance(obj, dict):
         for v in obj.values():
-            yield from _leaves(v)
+            yield from leaves(v)
     elif isinstance(obj, list | tuple):
         for v in obj:
-            yield from _leaves(v)
+            yield from leaves(v)
     elif isinstance(obj, ShardedTensorFactory):
-        yield from _leaves(obj.build())
+        yield from leaves(obj.build())
     else:
         yield obj
 
@@ -61,7 +61,7 @@ def fill_model(
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
     written, cache, last_layer = 0, {}, None
-    for st in _leaves(model.sharded_state_dict()):
+    for st in leaves(model.sharded_state_dict()):
         if not isinstance(st, ShardedTensor):
             continue  # _extra_state objects: nothing to convert
         key, layer = split_key(st.key, st.prepend_axis_num, st.global_offset)

@@ -1,0 +1,62 @@
+"""A process group that spans trainer ranks and generator ranks, outside either's world.
+
+Why: the trainer's default group is Megatron's world and SGLang's is its own; DDMA needs a
+third group joining the two, created next to both without touching them. This is the
+trainer side of SGLang's ``/init_weights_update_group``: the same TCP rendezvous, a
+store prefixed by the group name, and ranks ``[0, n_trainer)`` for the trainer, the
+SGLang TP ranks after them. The group is registered under its name with identity rank
+mapping, so ``torch.distributed`` point-to-point calls address peers by group rank.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+
+
+def join(
+    address: str,
+    port: int,
+    world_size: int,
+    rank: int,
+    name: str,
+    backend: str = "gloo",
+    timeout_s: float = 600.0,
+) -> Any:
+    """Join (rank 0: host) the group ``name``; blocks until all ``world_size`` ranks do."""
+    from torch.distributed.distributed_c10d import (
+        PrefixStore,
+        _new_process_group_helper,
+        _world,
+        rendezvous,
+    )
+
+    timeout = timedelta(seconds=timeout_s)
+    store, rank, world_size = next(
+        rendezvous(f"tcp://{address}:{port}", rank, world_size, timeout=timeout)
+    )
+    store.set_timeout(timeout)
+    pg, _ = _new_process_group_helper(
+        world_size,
+        rank,
+        [],
+        dist.Backend(backend),
+        PrefixStore(name, store),
+        group_name=name,
+        timeout=timeout,
+    )
+    _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
+    return pg
+
+
+def find(name: str) -> Any:
+    """The group registered as ``name`` in this process (e.g. by SGLang's
+    ``init_weights_update_group``)."""
+    from torch.distributed.distributed_c10d import _world
+
+    for pg, pg_name in _world.pg_names.items():
+        if pg_name == name:
+            return pg
+    raise KeyError(f"no process group named {name!r} in this process")

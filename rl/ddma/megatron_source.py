@@ -1,0 +1,59 @@
+"""The trainer side of DDMA: this rank's Megatron shards, addressed as the plan names them.
+
+Why Megatron's ``sharded_state_dict``: it is the one place that states, for every local
+tensor, its checkpoint key and global layer (with PP stage offsets applied), whatever the
+layer spec. Its tensors are the live parameters (views, not copies), so the map is built
+once and reflects every optimizer step without copying anything.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from rl.ddma.plan import Plan, SrcLayout
+from rl.weights.megatron_io import leaves, split_key
+
+
+def shard_map(model: Any) -> dict[tuple[str, int | None], torch.Tensor]:
+    """(keymap key, global layer or None) -> this rank's live shard.
+
+    A factory (fc1 under SwiGLU: Megatron checkpoints gate and up as two tensors) gives
+    its layer through what it builds, but the shard is its own ``data``: the whole local
+    ``[gate_r ; up_r]`` parameter, which is what the plan addresses."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+
+    out = {}
+    for entry in model.sharded_state_dict().values():
+        data = entry.data if isinstance(entry, ShardedTensorFactory) else None
+        for st in leaves(entry):
+            if isinstance(st, ShardedTensor):
+                key = split_key(st.key, st.prepend_axis_num, st.global_offset)
+                out[key] = st.data if data is None else data
+    return out
+
+
+def source_rank(layout: Any, src: SrcLayout) -> int:
+    """This trainer rank's index in the plan; checks that the plan describes this trainer."""
+    got = (layout.tp, layout.pp, layout.dp)
+    if got != (src.tp, src.pp, src.dp):
+        raise ValueError(f"plan is for trainer tp,pp,dp={src.tp},{src.pp},{src.dp}; this is {got}")
+    return src.rank(layout.tp_rank, layout.pp_rank, layout.dp_rank)
+
+
+def shard_getter(model: Any, plan: Plan, rank: int):
+    """A source getter for ``plan`` on ``rank`` that fails early on a missing or
+    mis-shaped shard (a trainer whose model is not the one planned)."""
+    shards = shard_map(model)
+    for b in plan.sends(rank):
+        for p in b.pieces:
+            t = shards.get((p.key, p.layer))
+            want = plan.src_shapes[(p.key, p.layer)]  # type: ignore[index]
+            if t is None or tuple(t.shape) != want:
+                have = None if t is None else list(t.shape)
+                raise ValueError(
+                    f"trainer rank {rank}: {p.key} layer {p.layer} is {have}, "
+                    f"plan expects {list(want)}"
+                )
+    return lambda key, layer: shards[(key, layer)]

@@ -1,0 +1,206 @@
+"""DDMA into a live SGLang server through its weight-update API (same host).
+
+Every trainer rank calls :meth:`SGLangTarget.stage` with its own shards: it packs its
+buckets (already in SGLang's layout, one per server TP rank per request) into two
+shared-memory buffers and posts them to ``/update_weights_from_tensor`` with our custom
+load format. Packing the next bucket overlaps the server's verify-and-scatter of the
+current one. The tensors travel by reference (``file_system`` sharing), so a bucket's
+bytes are copied once by the trainer (pack) and once by the server (scatter into
+staging). On GPU the same messages travel as CUDA IPC handles.
+
+The controller (one process) brackets the trainers' staging with :meth:`begin` and
+:meth:`commit` / :meth:`abort`: generation is paused only for that window, and a failed
+version is discarded whole (see :mod:`rl.ddma.sglang_receiver`).
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+import time
+import urllib.error
+import urllib.request
+import uuid
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+from rl.ddma import engine, wire
+from rl.ddma import sglang_receiver as rx
+from rl.ddma.engine import TransferError, TransferStats
+from rl.ddma.plan import Bucket, Plan
+from rl.generator.launcher import DDMA_LOAD_FORMAT
+from rl.generator.weight_payload import serialize, use_file_system_sharing
+
+
+class SyncError(RuntimeError):
+    """The server refused or lost a version; it keeps serving the previous one."""
+
+
+class SGLangTarget:
+    """One SGLang server (``plan.dst.tp`` ranks) at ``url``, fed under ``plan``."""
+
+    def __init__(self, url: str, plan: Plan, dtype: torch.dtype, timeout: float = 120.0) -> None:
+        self.url, self.plan, self.dtype, self.timeout = url.rstrip("/"), plan, dtype, timeout
+        self.spec = rx.plan_spec(plan, dtype)
+        use_file_system_sharing()  # else SGLang's scheduler dies unpickling any tensor
+        self._pool = ThreadPoolExecutor(2, thread_name_prefix="ddma-control")
+        self._slots: list[list[torch.Tensor]] | None = None
+        self.status_dir = Path(tempfile.gettempdir(), "ddma-status")
+        self.status_dir.mkdir(exist_ok=True)
+
+    # ------------------------------------------------------------------ one request
+    def _request(self, entries: list[tuple[dict, torch.Tensor]]) -> list[dict]:
+        """Send one control entry per server TP rank; return each rank's status."""
+        call = uuid.uuid4().hex
+        status = str(self.status_dir / f"{call}.rank{{rank}}.json")
+        payload = [serialize([(json.dumps({**ctl, "status": status}), t)]) for ctl, t in entries]
+        body = {
+            "serialized_named_tensors": payload,
+            "load_format": DDMA_LOAD_FORMAT,
+            "flush_cache": False,
+        }
+        reply = self._post("/update_weights_from_tensor", body)
+        if reply.get("success") is False:
+            raise SyncError(f"{self.url}: {reply.get('message')}")
+        out = []
+        for rank in range(len(entries)):
+            path = Path(status.format(rank=rank))
+            if not path.exists():
+                raise SyncError(f"{self.url} rank {rank} wrote no status ({path})")
+            out.append(json.loads(path.read_text()))
+            path.unlink()
+        return out
+
+    def _post(self, path: str, body: dict | None = None) -> dict:
+        req = urllib.request.Request(
+            self.url + path,
+            data=json.dumps(body or {}).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        try:
+            with urllib.request.urlopen(req, timeout=self.timeout) as r:
+                raw = r.read()
+        except urllib.error.HTTPError as e:
+            raise SyncError(f"{self.url}{path} answered HTTP {e.code}: {e.read()[:300]!r}") from e
+        except OSError as e:
+            raise TransferError(f"generator {self.url} disconnected during {path}: {e}") from e
+        try:
+            return json.loads(raw) if raw.strip() else {}
+        except ValueError:  # /flush_cache answers in plain text
+            return {"text": raw.decode(errors="replace")}
+
+    def _control(self, op: str, version: int, **extra: object) -> list[dict]:
+        ctl = {"op": op, "plan": self.spec, "version": version, **extra}
+        empty = torch.zeros(1, dtype=torch.uint8)
+        statuses = self._request([(ctl, empty)] * self.plan.dst.tp)
+        errors = [s["error"] for s in statuses if not s.get("ok")]
+        if errors:
+            raise SyncError(f"{self.url} version {version} {op} failed: {errors[0]}")
+        return statuses
+
+    # ------------------------------------------------------------------ trainer side
+    def stage(self, src_rank: int, shards: wire.SrcGetter, version: int) -> TransferStats:
+        """Send this trainer rank's buckets for ``version`` into the server's staging."""
+        plan, tp = self.plan, self.plan.dst.tp
+        mine = plan.sends(src_rank)
+        stats = TransferStats(buckets=len(mine))
+        # Requests carry one bucket per server rank: group this rank's buckets by round.
+        rounds: dict[int, list[Bucket]] = {}
+        for b in mine:
+            rounds.setdefault(b.round, []).append(b)
+        if self._slots is None:  # kept across versions: the server keeps them mapped
+            self._slots = [
+                [
+                    torch.empty(plan.bucket_bytes, dtype=torch.uint8).share_memory_()
+                    for _ in range(tp)
+                ]
+                for _ in range(2)
+            ]
+        slots = self._slots
+        stats.buffer_bytes = 2 * tp * plan.bucket_bytes
+        noop = ({"op": "noop"}, torch.zeros(1, dtype=torch.uint8))
+        t0 = time.perf_counter()
+        pending = None
+        with ThreadPoolExecutor(1) as pool:
+            for i, group in enumerate(rounds.values()):
+                entries = [noop] * tp
+                for b in group:
+                    msg = wire.pack(slots[i % 2][b.dst], plan, b, shards, self.dtype, version)
+                    ctl = {"op": "stage", "plan": self.spec, "version": version}
+                    entries[b.dst] = (ctl, msg)
+                    stats.payload_bytes += sum(plan.piece_bytes(p) for p in b.pieces)
+                    stats.wire_bytes += b.nbytes
+                if pending is not None:
+                    self._check_stage(pending.result())
+                pending = pool.submit(self._request, entries)
+            if pending is not None:
+                self._check_stage(pending.result())
+        stats.seconds = time.perf_counter() - t0
+        return stats
+
+    def _check_stage(self, statuses: list[dict]) -> None:
+        import os
+
+        if os.environ.get("DDMA_DEBUG"):
+            print("   server:", [round(s.get("seconds", -1), 3) for s in statuses])
+        for s in statuses:
+            if not s.get("ok"):
+                raise SyncError(f"{self.url} refused a bucket: {s['error']}")
+
+    def send(self, src_rank: int, shards: wire.SrcGetter, version: int, pg: object):
+        """Point-to-point transport: send this trainer rank's buckets over the DDMA group
+        ``pg`` (see :meth:`open_group`) while the server runs :meth:`receive`."""
+        n = self.plan.src.world
+        dst = [n + r for r in range(self.plan.dst.tp)]
+        return engine.send(self.plan, src_rank, shards, version, self.dtype, pg, dst)
+
+    # ------------------------------------------------------------------ controller side
+    def open_group(self, name: str, address: str, port: int, backend: str = "gloo") -> Future:
+        """Ask every server rank to join the DDMA group ``name`` (trainer ranks join with
+        :func:`rl.ddma.group.join` at the same time; the call returns once all did)."""
+        n = self.plan.src.world
+        body = {
+            "master_address": address,
+            "master_port": port,
+            "rank_offset": n,
+            "world_size": n + self.plan.dst.tp,
+            "group_name": name,
+            "backend": backend,
+        }
+        return self._pool.submit(self._post, "/init_weights_update_group", body)
+
+    def receive(self, version: int, name: str) -> Future:
+        """Have every server rank receive its buckets of ``version`` over group ``name``
+        into staging; resolves when they have (raises :class:`SyncError` on a bad one)."""
+        return self._pool.submit(self._control, "recv", version, group=name)
+
+    def begin(self, version: int) -> None:
+        """Pause generation (requests go back to the queue) and open a weight update."""
+        self._post("/pause_generation", {"mode": "retract"})
+        self._post("/begin_weight_update")
+        self._control("discard", version)  # leftovers of a version that never committed
+
+    def commit(self, version: int) -> None:
+        """Swap the staged version in on every rank (only if all of them hold all of it),
+        set the server's version, drop the KV cache and resume generation."""
+        try:
+            self._control("prepare", version)
+            self._control("commit", version)
+        except BaseException:
+            self.abort(version)
+            raise
+        self._post("/end_weight_update")
+        body = {"new_version": str(version), "abort_all_requests": False}
+        self._post("/update_weight_version", body)
+        self._post("/flush_cache")
+        self._post("/continue_generation")
+
+    def abort(self, version: int) -> None:
+        """Drop the staged version; the server resumes on its previous weights."""
+        try:
+            self._control("discard", version)
+        finally:
+            self._post("/end_weight_update")
+            self._post("/continue_generation")

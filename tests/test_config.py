@@ -136,6 +136,14 @@ def test_llama_param_counts_match_published(preset: str, published: float) -> No
         (["rollout.threads=0"], ["rollout.threads=0"]),
         (["rollout.sampling.temperature=-1"], ["rollout.sampling.temperature=-1"]),
         (["rollout.sampling.max_new_tokens=-4"], ["rollout.sampling.max_new_tokens=-4"]),
+        (["rollout.weight_sync.transport=nccl"], ["rollout.weight_sync.transport='nccl'"]),
+        (["rollout.weight_sync.bucket_mb=0"], ["rollout.weight_sync.bucket_mb=0"]),
+        (["rollout.weight_sync.fp8_block=128"], ["fp8_block=128", "rollout.device=cuda"]),
+        (["rollout.device=cuda", "rollout.tp=4"], ["rollout.tp=4", "num_attention_heads=6"]),
+        (
+            ["rollout.device=cuda", "rollout.weight_sync.fp8_block=128"],
+            ["fp8_block=128", "qkv_proj", "not on block boundaries"],
+        ),
     ],
     ids=[
         "tp-heads",
@@ -163,6 +171,11 @@ def test_llama_param_counts_match_published(preset: str, published: float) -> No
         "rollout-threads",
         "rollout-temperature",
         "rollout-max-new-tokens",
+        "sync-transport",
+        "sync-bucket",
+        "sync-fp8-cpu",
+        "sync-dst-tp-heads",
+        "sync-fp8-blocks",
     ],
 )
 def test_validation_error_names_field_and_value(overrides: list[str], fragments: list[str]) -> None:

@@ -116,6 +116,21 @@ class SamplingConfig:
 
 
 @dataclass
+class WeightSyncConfig:
+    """DDMA: trainer shards straight into the generator's shards after each step (rl/ddma)."""
+
+    # ipc: buckets posted through the servers' HTTP API by reference (shared memory on
+    # CPU, CUDA IPC on GPU; trainer and servers on one host). p2p: the servers join a
+    # process group with the trainer ranks and receive point to point (any host).
+    transport: str = "ipc"
+    bucket_mb: int = 64  # per-rank extra memory of a sync is two buckets
+    # Blockwise FP8 (e4m3, this block size) for the linear weights, for GPU engines started
+    # from an FP8 checkpoint config; null sends them in the trainer's dtype.
+    fp8_block: int | None = None
+    timeout: float = 600.0
+
+
+@dataclass
 class RolloutConfig:
     """The generator executor: the SGLang servers it starts and how it samples."""
 
@@ -136,6 +151,7 @@ class RolloutConfig:
     # Cut rollouts after this many new tokens and resume them later (partial rollouts).
     segment_tokens: int | None = None
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
 
 
 @dataclass

@@ -166,6 +166,31 @@ def validate_rollout(r: Any) -> None:
         SamplingParams.from_dict(dict(r.sampling))
     except RequestError as e:
         raise ConfigError(f"rollout.{e}") from None
+    w = r.weight_sync
+    _require(
+        w.transport in ("ipc", "p2p"),
+        f"rollout.weight_sync.transport={w.transport!r} must be 'ipc' or 'p2p'",
+    )
+    _require(w.bucket_mb >= 1, f"rollout.weight_sync.bucket_mb={w.bucket_mb} must be >= 1")
+    _require(w.timeout > 0, f"rollout.weight_sync.timeout={w.timeout} must be > 0 seconds")
+    fp8 = w.fp8_block
+    _require(
+        fp8 is None or (fp8 >= 1 and r.device == "cuda"),
+        f"rollout.weight_sync.fp8_block={fp8} needs rollout.device=cuda (SGLang's FP8 "
+        "kernels are GPU-only) and a block >= 1",
+    )
+
+
+def validate_weight_sync(cfg: Any) -> None:
+    """Can the trainer's shards be planned into the generator's layout? (rl/ddma/plan.py)"""
+    from rl.ddma.plan import PlanError, plan_for
+
+    try:
+        # One bucket per pair: planning stays fast for 405B presets; layouts, vocab and
+        # FP8 block alignment are all checked.
+        plan_for(cfg.model, cfg.trainer, cfg.rollout, bucket_bytes=1 << 50)
+    except PlanError as e:
+        raise ConfigError(str(e)) from None
 
 
 def validate(cfg: Any, world_size: int | None = None) -> None:
@@ -174,3 +199,4 @@ def validate(cfg: Any, world_size: int | None = None) -> None:
     validate_trainer(cfg.trainer, cfg.model, world_size)
     validate_task(cfg.task, cfg.sft, cfg.model)
     validate_rollout(cfg.rollout)
+    validate_weight_sync(cfg)

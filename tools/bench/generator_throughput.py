@@ -16,16 +16,14 @@ memory (this process, and each server's process tree); writes the same as JSON.
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import resource
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-import psutil
 import torch
+from bench_util import tree_peak_rss_mb, write_result
 
 from rl.generator.client import GeneratorClient
 from rl.generator.launcher import ServerConfig, ServerLauncher, http_json
@@ -51,24 +49,6 @@ def make_model(path: Path, seed: int = 0) -> Path:
     )
     transformers.LlamaForCausalLM(conf).save_pretrained(path)
     return path
-
-
-def tree_peak_rss_mb(pid: int) -> float:
-    """Sum of peak RSS (VmHWM) over a process and its children: an upper bound."""
-    total = 0.0
-    try:
-        procs = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
-    except psutil.NoSuchProcess:
-        return float("nan")
-    for p in procs:
-        try:
-            status = Path(f"/proc/{p.pid}/status").read_text()
-        except OSError:
-            continue
-        for line in status.splitlines():
-            if line.startswith("VmHWM:"):
-                total += int(line.split()[1]) / 1024
-    return total
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -158,15 +138,11 @@ def main(argv: list[str] | None = None) -> dict:
             "servers": server_mb,
         },
         "server_startup_s": startup,
-        "machine": {"cpus": psutil.cpu_count(), "python": platform.python_version()},
     }
     print(f"speedup executor / one-at-a-time: {result['speedup']:.2f}x; peak RSS client "
           f"{result['peak_rss_mb']['client']:.0f} MB, servers "
           f"{', '.join(f'{m:.0f}' for m in server_mb)} MB")  # fmt: skip
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {out}")
+    write_result(result, args.out)
     return result
 
 

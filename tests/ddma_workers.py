@@ -18,8 +18,10 @@ def ddma_rank(
     bucket_bytes: int,
     fault: str | None = None,
     report_dir: str | None = None,
+    fp8_block: int | None = None,
 ) -> dict:
-    """Ranks [0, tp*pp) are the trainer, the next ``dst_tp`` the generator.
+    """Ranks [0, tp*pp) are the trainer, the next ``dst_tp`` the generator (holding FP8
+    linear weights and their scales when ``fp8_block`` is set).
 
     ``fault``: "corrupt" (trainer rank 0 flips a byte of its second bucket after packing),
     "disconnect" (generator rank 0 exits after its first bucket), "version" (the trainer
@@ -33,7 +35,7 @@ def ddma_rank(
 
     rank = dist.get_rank()
     d = model_dims(Path(model_dir), src_tp=src[0])
-    plan = make_plan(d, SrcLayout(*src), DstLayout(dst_tp), 4, bucket_bytes)
+    plan = make_plan(d, SrcLayout(*src), DstLayout(dst_tp), 4, bucket_bytes, fp8_block)
     n_src = plan.src.world
     src_ranks, dst_ranks = list(range(n_src)), [n_src + j for j in range(dst_tp)]
     torch.manual_seed(0)
@@ -46,7 +48,7 @@ def ddma_rank(
     try:
         if rank < n_src:
             shards = megatron_shards(glob, plan, rank)
-            version = 2 if fault == "version" else 1
+            version = 1
             getter = shards.__getitem__ if fault != "corrupt" else _corrupting(shards, rank)
             stats = engine.send(
                 plan, rank, lambda k, i: getter((k, i)), version, torch.float32,
@@ -55,7 +57,10 @@ def ddma_rank(
             report("ok")
             return {"role": "trainer", "stats": stats}
         me = rank - n_src
-        out = {n: torch.full(s, float("nan")) for n, s in plan.dst_shapes.items()}
+        out = {
+            n: torch.full(s, float("nan"), dtype=wire.dst_dtype(plan, n, torch.float32))
+            for n, s in plan.dst_shapes.items()
+        }
         if fault == "disconnect" and me == 0:
             _exit_after_first_bucket(report)
         stats = engine.receive(

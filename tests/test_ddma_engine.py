@@ -2,7 +2,7 @@
 
 Trainer ranks hold Megatron shards of a Hugging Face checkpoint; generator ranks receive
 into buffers in SGLang's layout, which must equal SGLang's own loaders' output. Faults
-(corrupted bucket, wrong version, a generator that vanishes) must surface as errors that
+(a corrupted bucket, a generator that vanishes) must surface as errors that
 name the bucket and the peer, on the side that saw them, instead of hanging.
 """
 
@@ -36,6 +36,22 @@ def test_shards_arrive_in_sglang_layout(llama, src, dst_tp):
             torch.testing.assert_close(o["tensors"][name], t, rtol=0, atol=0, msg=name)
         # Bounded memory: two buckets per rank, whatever the model size.
         assert o["stats"].buffer_bytes == 2 * 3000
+
+
+def test_fp8_buckets_over_gloo(llama):
+    """Each trainer rank quantizes its own slices; the generator receives exactly the
+    blocks and scales of quantizing SGLang's own weights."""
+    from rl.ddma import fp8
+
+    out = spawn(ddma_rank, 3, str(llama), (2, 1), 1, 3000, None, None, 8)
+    got = out[2]["tensors"]
+    for name, t in sglang_rank_params(llama, 1, 0).items():
+        if fp8.is_quantized_weight(name):
+            q, s = fp8.quantize_blockwise(t, 8)
+            assert torch.equal(got[name].view(torch.uint8), q.view(torch.uint8)), name
+            assert torch.equal(got[name + "_scale_inv"], s), name
+        else:
+            assert torch.equal(got[name], t), name
 
 
 def _outcomes(tmp_path, n: int) -> list[str]:

@@ -176,8 +176,8 @@ def handle(model: Any, ctl: dict, tensor: torch.Tensor, rank: int) -> dict:
             f"version {version}: {len(missing)} of {len(expected)} buckets never arrived "
             f"(first missing: {missing[0]})"
         )
+    wire.zero_fill(plan, rank, st.staged.__getitem__)  # padding rows: never sent
     if op == "prepare":
-        wire.zero_fill(plan, rank, st.staged.__getitem__)
         return {"ok": True, "received": len(st.received)}
     if op == "commit":
         params = dict(model.named_parameters())

@@ -1,16 +1,21 @@
-"""DDMA into a live SGLang server through its weight-update API (same host).
+"""DDMA into a live SGLang server through its weight-update API.
 
-Every trainer rank calls :meth:`SGLangTarget.stage` with its own shards: it packs its
-buckets (already in SGLang's layout, one per server TP rank per request) into two
-shared-memory buffers and posts them to ``/update_weights_from_tensor`` with our custom
-load format. Packing the next bucket overlaps the server's verify-and-scatter of the
-current one. The tensors travel by reference (``file_system`` sharing), so a bucket's
-bytes are copied once by the trainer (pack) and once by the server (scatter into
-staging). On GPU the same messages travel as CUDA IPC handles.
+Two transports, one receiver (:mod:`rl.ddma.sglang_receiver`, staging then commit):
 
-The controller (one process) brackets the trainers' staging with :meth:`begin` and
+* ``ipc`` (:meth:`SGLangTarget.stage`, same host): every trainer rank packs its own
+  buckets (already in SGLang's layout, one per server TP rank per request) into two
+  shared-memory buffers and posts them to ``/update_weights_from_tensor`` with our custom
+  load format. Packing the next bucket overlaps the server's verify-and-scatter of the
+  current one. Tensors travel by reference (``file_system`` sharing; CUDA IPC on GPU),
+  so a bucket's bytes are copied once by the trainer and once by the server. The
+  buffers are kept across versions, so the server keeps them mapped.
+* ``p2p`` (:meth:`open_group`, :meth:`receive`, :meth:`send`; any host): trainer ranks
+  and the server's ranks join one process group through ``/init_weights_update_group``
+  and every server rank receives only its own buckets point to point.
+
+The controller (one process) brackets the transfer with :meth:`begin` and
 :meth:`commit` / :meth:`abort`: generation is paused only for that window, and a failed
-version is discarded whole (see :mod:`rl.ddma.sglang_receiver`).
+version is discarded whole.
 """
 
 from __future__ import annotations

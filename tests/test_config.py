@@ -61,6 +61,8 @@ def test_conf_discovery_finds_known_presets() -> None:
         "trainer/cpu_tp1",
         "trainer/cpu_tp2",
         "rollout/cpu",
+        "algorithm/aipo",
+        "algorithm/grpo",
         "experiment/tiny_sft",
     }
     assert expected <= ids
@@ -144,6 +146,11 @@ def test_llama_param_counts_match_published(preset: str, published: float) -> No
             ["rollout.device=cuda", "rollout.weight_sync.fp8_block=128"],
             ["fp8_block=128", "qkv_proj", "not on block boundaries"],
         ),
+        (["algorithm.rho=0"], ["algorithm.rho=0", "> 0"]),
+        (["algorithm.max_policy_lag=-1"], ["algorithm.max_policy_lag=-1", ">= 0"]),
+        (["algorithm.name=dpo"], ["algorithm.name='dpo'"]),
+        (["algorithm.group_size=1"], ["algorithm.group_size=1"]),
+        (["algorithm.stale=wait"], ["algorithm.stale='wait'"]),
     ],
     ids=[
         "tp-heads",
@@ -176,6 +183,11 @@ def test_llama_param_counts_match_published(preset: str, published: float) -> No
         "sync-fp8-cpu",
         "sync-dst-tp-heads",
         "sync-fp8-blocks",
+        "alg-rho",
+        "alg-lag",
+        "alg-name",
+        "alg-group",
+        "alg-stale",
     ],
 )
 def test_validation_error_names_field_and_value(overrides: list[str], fragments: list[str]) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -34,3 +35,96 @@ def nll_loss(logprobs: torch.Tensor, mb: dict[str, torch.Tensor]) -> LossOutput:
         loss_sum=-(logprobs * mask).sum(),
         num_tokens=mask.sum().to(torch.int),
     )
+
+
+# ------------------------------------------------------------------ RL losses
+# Extra microbatch fields, aligned with ``logprobs`` (index t scores token t+1):
+#   behaviour_logprobs  log mu: the log-prob the generator sampled the token with
+#   advantages          the token's advantage (its sequence's, broadcast over its tokens)
+#   ref_logprobs        log pi_ref, only when a KL penalty is asked for
+
+
+def _kl_k3(logprobs: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """Per-token KL(pi || pi_ref) estimate ``exp(r) - r - 1`` with ``r = log pi_ref - log
+    pi``: unbiased, non-negative and low-variance for samples from pi (Schulman's k3)."""
+    r = ref - logprobs
+    return torch.exp(r) - r - 1
+
+
+def _rl_loss(
+    logprobs: torch.Tensor,
+    mb: dict[str, torch.Tensor],
+    surrogate: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+    kl_coef: float,
+    rho: float | None,
+) -> LossOutput:
+    mask = mb["loss_mask"].to(logprobs.dtype)
+    mu = mb["behaviour_logprobs"].to(logprobs.dtype)
+    adv = mb["advantages"].to(logprobs.dtype)
+    log_ratio = logprobs - mu
+    per_token = surrogate(logprobs, log_ratio, adv)
+    ratio = torch.exp(log_ratio.detach())
+    stats = {
+        # Train-vs-rollout mismatch: how far the trainer's log-probs are from the ones the
+        # generator sampled with (policy lag, numerics, sampling temperature).
+        "mismatch_abs_logp": (log_ratio.detach().abs() * mask).sum(),
+        "is_ratio": (ratio * mask).sum(),
+    }
+    if rho is not None:
+        stats["truncated_frac"] = ((ratio > rho).to(mask.dtype) * mask).sum()
+    if kl_coef:
+        kl = _kl_k3(logprobs, mb["ref_logprobs"].to(logprobs.dtype))
+        per_token = per_token + kl_coef * kl
+        stats["kl_ref"] = (kl.detach() * mask).sum()
+    return LossOutput(
+        loss_sum=(per_token * mask).sum(),
+        num_tokens=mask.sum().to(torch.int),
+        stats=stats,
+    )
+
+
+def aipo_loss(rho: float = 4.0, kl_coef: float = 0.0) -> LossFn:
+    """AIPO (LlamaRL): ``-stopgrad(min(pi/mu, rho)) * A * log pi`` per token.
+
+    Why: the generator runs ahead of the trainer, so tokens come from an older policy mu.
+    The importance weight corrects for that; truncating it at ``rho`` bounds the
+    variance, and because it is a constant (no gradient through the ratio) the update is
+    a weighted policy gradient that stays well-behaved far off-policy, where PPO's clip
+    would zero the gradient."""
+    if rho <= 0:
+        raise ValueError(f"aipo rho={rho} must be > 0")
+
+    def surrogate(logprobs, log_ratio, adv):
+        weight = torch.clamp(torch.exp(log_ratio.detach()), max=rho)
+        return -(weight * adv * logprobs)
+
+    def loss(logprobs: torch.Tensor, mb: dict[str, torch.Tensor]) -> LossOutput:
+        return _rl_loss(logprobs, mb, surrogate, kl_coef, rho)
+
+    return loss
+
+
+def ppo_clip_loss(clip_eps: float = 0.2, kl_coef: float = 0.0) -> LossFn:
+    """GRPO/PPO clipped surrogate ``-min(r A, clip(r, 1-eps, 1+eps) A)``, ``r = pi/mu``:
+    the on-policy baseline the paper compares AIPO with."""
+    if not 0 < clip_eps < 1:
+        raise ValueError(f"ppo clip_eps={clip_eps} must be in (0, 1)")
+
+    def surrogate(logprobs, log_ratio, adv):
+        ratio = torch.exp(log_ratio)
+        clipped = torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps)
+        return -torch.minimum(ratio * adv, clipped * adv)
+
+    def loss(logprobs: torch.Tensor, mb: dict[str, torch.Tensor]) -> LossOutput:
+        return _rl_loss(logprobs, mb, surrogate, kl_coef, None)
+
+    return loss
+
+
+def loss_from_config(a: Any) -> LossFn:
+    """The loss an ``AlgorithmConfig`` names."""
+    if a.name == "aipo":
+        return aipo_loss(a.rho, a.kl_coef)
+    if a.name == "grpo":
+        return ppo_clip_loss(a.clip_eps, a.kl_coef)
+    raise ValueError(f"algorithm.name={a.name!r} must be 'aipo' or 'grpo'")

@@ -155,6 +155,22 @@ class RolloutConfig:
 
 
 @dataclass
+class AlgorithmConfig:
+    """The RL objective and how stale a rollout may be (rl/algorithms)."""
+
+    name: str = "aipo"  # aipo | grpo (PPO-clipped ratio)
+    rho: float = 4.0  # AIPO: truncation of the importance weight pi/mu
+    clip_eps: float = 0.2  # GRPO/PPO clip range
+    kl_coef: float = 0.0  # KL(pi || pi_ref) penalty; 0: no reference model
+    group_size: int = 8  # samples per prompt; the group mean is the baseline
+    normalize_std: bool = True  # divide advantages by the group's std
+    # Off-policy bound: train on rollouts at most this many policy versions old (0: fully
+    # synchronous). Older ones are dropped, or the generator is throttled at the source.
+    max_policy_lag: int = 1
+    stale: str = "drop"  # drop | throttle
+
+
+@dataclass
 class RunConfig:
     name: str = "run"
     output_dir: str = "outputs/${run.name}"
@@ -167,6 +183,7 @@ class RootConfig:
     task: TaskConfig = field(default_factory=TaskConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     run: RunConfig = field(default_factory=RunConfig)
 
 
@@ -183,4 +200,5 @@ def register() -> None:
     cs.store(group="model", name="model_schema", node=ModelConfig)
     cs.store(group="trainer", name="trainer_schema", node=TrainerConfig)
     cs.store(group="rollout", name="rollout_schema", node=RolloutConfig)
+    cs.store(group="algorithm", name="algorithm_schema", node=AlgorithmConfig)
     _REGISTERED = True

@@ -181,6 +181,25 @@ def validate_rollout(r: Any) -> None:
     )
 
 
+def validate_algorithm(a: Any) -> None:
+    _require(a.name in ("aipo", "grpo"), f"algorithm.name={a.name!r} must be 'aipo' or 'grpo'")
+    _require(a.rho > 0, f"algorithm.rho={a.rho} must be > 0 (the importance-weight cap)")
+    _require(0 < a.clip_eps < 1, f"algorithm.clip_eps={a.clip_eps} must be in (0, 1)")
+    _require(a.kl_coef >= 0, f"algorithm.kl_coef={a.kl_coef} must be >= 0")
+    _require(
+        a.group_size >= 2,
+        f"algorithm.group_size={a.group_size} must be >= 2 (the group mean is the baseline)",
+    )
+    _require(
+        a.max_policy_lag >= 0,
+        f"algorithm.max_policy_lag={a.max_policy_lag} must be >= 0 (0: synchronous)",
+    )
+    _require(
+        a.stale in ("drop", "throttle"),
+        f"algorithm.stale={a.stale!r} must be 'drop' or 'throttle'",
+    )
+
+
 def validate_weight_sync(cfg: Any) -> None:
     """Can the trainer's shards be planned into the generator's layout? (rl/ddma/plan.py)"""
     from rl.ddma.plan import PlanError, plan_for
@@ -200,3 +219,4 @@ def validate(cfg: Any, world_size: int | None = None) -> None:
     validate_task(cfg.task, cfg.sft, cfg.model)
     validate_rollout(cfg.rollout)
     validate_weight_sync(cfg)
+    validate_algorithm(cfg.algorithm)

@@ -1,0 +1,1 @@
+"""The reward executor: rule-based scorers in a pool of worker processes."""

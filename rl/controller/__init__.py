@@ -1,0 +1,1 @@
+"""The single controller (issue 6): batch assembly and the staleness bound so far."""

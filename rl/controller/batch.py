@@ -1,0 +1,72 @@
+"""Finished rollouts -> the trainer's batch: tokens, masks, behaviour log-probs, advantages.
+
+Alignment follows the trainer's contract (rl/algorithms/losses.py): index ``t`` of every
+per-token tensor scores token ``t+1``. A response of R tokens after a prompt of P tokens
+therefore occupies indices ``[P-1, P-1+R)``. Sequences are right-padded: with causal
+attention the padding comes after every real token, so no real position moves.
+
+Pure logic: torch tensors only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from rl.algorithms.advantages import group_advantages, token_advantages
+
+
+def build_batch(
+    groups: Sequence[Sequence[Any]],
+    rewards: Sequence[Sequence[float]],
+    normalize_std: bool = True,
+    pad_id: int = 0,
+    seq_len: int | None = None,
+) -> dict[str, torch.Tensor]:
+    """``groups[g][k]`` is sample k of prompt g (objects with ``prompt_ids``,
+    ``output_ids``, ``logprobs``, ``versions``), ``rewards[g][k]`` its reward.
+
+    Returns ``tokens`` [B, S] (int64), ``loss_mask``, ``behaviour_logprobs`` and
+    ``advantages`` [B, S] (float32), ``versions`` [B, S] (int64, -1 off the response) and
+    ``rewards`` [B]."""
+    sizes = {len(g) for g in groups}
+    if len(sizes) != 1 or [len(r) for r in rewards] != [len(g) for g in groups]:
+        raise ValueError(
+            f"every group needs the same number of samples and rewards: "
+            f"samples {[len(g) for g in groups]}, rewards {[len(r) for r in rewards]}"
+        )
+    rows = [r for g in groups for r in g]
+    for r in rows:
+        if not (len(r.output_ids) == len(r.logprobs) == len(r.versions)) or not r.output_ids:
+            raise ValueError(
+                f"rollout {getattr(r, 'rid', '?')}: {len(r.output_ids)} tokens, "
+                f"{len(r.logprobs)} log-probs, {len(r.versions)} versions (need equal, > 0)"
+            )
+    need = max(len(r.prompt_ids) + len(r.output_ids) for r in rows)
+    seq = need if seq_len is None else seq_len
+    if seq < need:
+        raise ValueError(f"seq_len={seq_len} is shorter than the longest sequence ({need})")
+    b = len(rows)
+    tokens = torch.full((b, seq), pad_id, dtype=torch.int64)
+    mask = torch.zeros(b, seq)
+    mu = torch.zeros(b, seq)
+    versions = torch.full((b, seq), -1, dtype=torch.int64)
+    for i, r in enumerate(rows):
+        p, n = len(r.prompt_ids), len(r.output_ids)
+        tokens[i, : p + n] = torch.tensor(list(r.prompt_ids) + list(r.output_ids))
+        span = slice(p - 1, p - 1 + n)
+        mask[i, span] = 1.0
+        mu[i, span] = torch.tensor(r.logprobs, dtype=torch.float32)
+        versions[i, span] = torch.tensor(r.versions, dtype=torch.int64)
+    reward = torch.tensor([list(map(float, g)) for g in rewards], dtype=torch.float32)
+    adv = group_advantages(reward, normalize_std).reshape(-1)
+    return {
+        "tokens": tokens,
+        "loss_mask": mask,
+        "behaviour_logprobs": mu,
+        "advantages": token_advantages(adv, mask),
+        "versions": versions,
+        "rewards": reward.reshape(-1),
+    }

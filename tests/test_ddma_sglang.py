@@ -23,7 +23,7 @@ from rl.ddma.sglang_target import SGLangTarget, SyncError
 from rl.dist.launch import spawn
 from rl.generator.client import GeneratorClient
 from rl.generator.hf_reference import HFReferenceGenerator
-from rl.generator.launcher import ServerConfig, ServerLauncher
+from rl.generator.launcher import ServerConfig, ServerError, ServerLauncher
 from rl.generator.types import SamplingParams
 from rl.weights.convert import hf_to_mcore, mcore_to_hf, prepare_hf_to_mcore
 
@@ -85,6 +85,8 @@ def test_trained_step_reaches_sglang_exactly(client, model_dir, synced):
     assert any(changed)
     # ... and SGLang now serves exactly the trainer's new weights.
     _assert_serves(client, synced["ref"], 1)
+    client.adopt_version(1)  # what the controller does after a DDMA commit
+    assert client.version == 1
     # Each trainer rank sent only its part; together, exactly the server's real bytes.
     plan = make_plan(model_dims(model_dir, 2), SrcLayout(2), CPU_DST, 4, 1 << 16)
     assert sum(o["stats"].payload_bytes for o in out) == plan.dst_bytes()
@@ -126,6 +128,11 @@ def test_corrupt_bucket_keeps_previous_version(client, synced, fresh, monkeypatc
     with pytest.raises(SyncError, match="version 2 already failed"):
         target.commit(2)
     _assert_serves(client, synced["ref"], 1)
+    # A controller that assumed the version landed routes nothing to the server.
+    client.adopt_version(2)
+    with pytest.raises(ServerError, match=r"at weight version 2 .*behind: \[0\]"):
+        client.generate(PROMPTS[:1], GREEDY)
+    client.adopt_version(1)
 
 
 def test_architecture_mismatch_is_refused(client, synced, fresh):

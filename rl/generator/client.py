@@ -338,6 +338,15 @@ class GeneratorClient:
                     self._all("/abort_request", {"abort_all": True})
             self.continue_generation()
 
+    def adopt_version(self, version: int) -> None:
+        """Route by ``version`` once weights reached the servers another way (DDMA: trainer
+        ranks push and :class:`rl.ddma.sglang_target.SGLangTarget` commits on each server).
+        A server that does not report ``version`` gets no rollouts until it does."""
+        live = self._live()
+        got = self.weight_versions()
+        self.version = version
+        self._stale = {i for i, v in zip(live, got, strict=True) if v != version}
+
     @staticmethod
     def _check_all(results: list[dict], what: str) -> None:
         for r in results:

@@ -151,6 +151,8 @@ def test_llama_param_counts_match_published(preset: str, published: float) -> No
         (["algorithm.name=dpo"], ["algorithm.name='dpo'"]),
         (["algorithm.group_size=1"], ["algorithm.group_size=1"]),
         (["algorithm.stale=wait"], ["algorithm.stale='wait'"]),
+        (["reward.scorer=regex"], ["reward.scorer 'regex'"]),
+        (["reward.workers=0"], ["reward.workers=0"]),
     ],
     ids=[
         "tp-heads",
@@ -188,6 +190,8 @@ def test_llama_param_counts_match_published(preset: str, published: float) -> No
         "alg-name",
         "alg-group",
         "alg-stale",
+        "reward-scorer",
+        "reward-workers",
     ],
 )
 def test_validation_error_names_field_and_value(overrides: list[str], fragments: list[str]) -> None:

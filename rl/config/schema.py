@@ -171,6 +171,15 @@ class AlgorithmConfig:
 
 
 @dataclass
+class RewardConfig:
+    """The reward executor (rl/reward): scorer and worker processes."""
+
+    scorer: str = "exact"  # exact | math | module:function
+    workers: int = 1
+    timeout_s: float = 5.0  # per item; an overrun scores 0 and is counted
+
+
+@dataclass
 class RunConfig:
     name: str = "run"
     output_dir: str = "outputs/${run.name}"
@@ -184,6 +193,7 @@ class RootConfig:
     sft: SFTConfig = field(default_factory=SFTConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
     run: RunConfig = field(default_factory=RunConfig)
 
 

@@ -200,6 +200,17 @@ def validate_algorithm(a: Any) -> None:
     )
 
 
+def validate_reward(r: Any) -> None:
+    from rl.reward.scorers import resolve
+
+    _require(r.workers >= 1, f"reward.workers={r.workers} must be >= 1")
+    _require(r.timeout_s > 0, f"reward.timeout_s={r.timeout_s} must be > 0 seconds")
+    try:
+        resolve(r.scorer)
+    except ValueError as e:
+        raise ConfigError(f"reward.{e}") from None
+
+
 def validate_weight_sync(cfg: Any) -> None:
     """Can the trainer's shards be planned into the generator's layout? (rl/ddma/plan.py)"""
     from rl.ddma.plan import PlanError, plan_for
@@ -220,3 +231,4 @@ def validate(cfg: Any, world_size: int | None = None) -> None:
     validate_rollout(cfg.rollout)
     validate_weight_sync(cfg)
     validate_algorithm(cfg.algorithm)
+    validate_reward(cfg.reward)

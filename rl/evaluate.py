@@ -7,9 +7,10 @@ from typing import Any
 import torch
 
 
-def greedy_accuracy(trainer: Any, task: Any) -> float:
-    """Fraction of the task's held-out problems answered exactly, decoding greedily."""
-    problems = task.eval_set
+def greedy_accuracy(trainer: Any, task: Any, problems: list | None = None) -> float:
+    """Fraction of ``problems`` (default: the task's held-out set) answered exactly,
+    decoding greedily."""
+    problems = task.eval_set if problems is None else problems
     prompts = torch.tensor([p.prompt(task.digits) for p in problems], dtype=torch.long)
     # Pad the rows up to a whole number of (micro batch x DP) with copies; drop them after.
     unit = trainer.tcfg.micro_batch_size * trainer.layout.dp

@@ -57,8 +57,11 @@ def run_layout(
     return res
 
 
-def convert_then_logits(hf_dir: str, out: str, m, tp: int, pp: int, dtype: str, tokens):
-    """Convert HF -> Megatron on this world, then load it into a trainer and return logits."""
+def convert_then_logits(
+    hf_dir: str, out: str, m, tp: int, pp: int, dtype: str, tokens, temps: tuple = ()
+):
+    """Convert HF -> Megatron on this world, then load it into a trainer and return logits
+    (and per-token log-probs at each temperature in ``temps``)."""
     from rl.config import compose
     from rl.trainer.trainer import build_trainer
     from rl.weights.convert import hf_to_mcore_rank
@@ -70,4 +73,8 @@ def convert_then_logits(hf_dir: str, out: str, m, tp: int, pp: int, dtype: str, 
     cfg = compose(overrides)
     tr = build_trainer(m, cfg.trainer, total_steps=1)
     tr.load(out, load_optimizer=False)
-    return {"logits": tr.logits({"tokens": tokens}), "summary": summary}
+    logprobs = {}
+    for t in temps:
+        tr.temperature = t
+        logprobs[t] = tr.logprobs({"tokens": tokens})
+    return {"logits": tr.logits({"tokens": tokens}), "summary": summary, "logprobs": logprobs}

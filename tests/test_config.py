@@ -23,6 +23,11 @@ FITTING_OVERRIDES: dict[str, list[str]] = {
     "model/llama3_8b": ["trainer.tp=8"],
     "model/llama3_70b": ["trainer.tp=8"],
     "model/llama3_405b": ["trainer.tp=8"],
+    # GPU presets are sized for their model (TP8 does not divide the tiny model's 6 heads).
+    "trainer/gpu_8b": ["model=llama3_8b"],
+    "trainer/gpu_70b": ["model=llama3_70b"],
+    "trainer/gpu_405b": ["model=llama3_405b"],
+    "rollout/gpu_fp8": ["model=llama3_8b", "trainer.tp=8"],
 }
 
 
@@ -36,6 +41,8 @@ def _compose_file(path: Path) -> tuple[DictConfig, list[str]]:
     if rel.parent == Path("."):
         return compose([], config_name=rel.name), []
     overrides = [f"{rel.parent.as_posix()}={rel.name}", *FITTING_OVERRIDES.get(_conf_id(path), [])]
+    if rel.parent.as_posix() != "experiment":  # the group file alone, not what an experiment
+        overrides.insert(1, "~experiment")  # on top of it changes
     return compose(overrides), overrides
 
 
@@ -63,7 +70,9 @@ def test_conf_discovery_finds_known_presets() -> None:
         "rollout/cpu",
         "algorithm/aipo",
         "algorithm/grpo",
+        "cluster/local",
         "experiment/tiny_sft",
+        "experiment/tiny_arithmetic",
     }
     assert expected <= ids
 
@@ -75,6 +84,8 @@ def test_every_conf_file_composes_and_validates(path: Path) -> None:
     validate(cfg)
 
     for override in overrides[1:]:
+        if override.startswith("~") or "." not in override.split("=", 1)[0]:
+            continue  # a deletion or a group choice (model=...), not a value
         key, value = override.split("=", 1)
         assert str(OmegaConf.select(cfg, key)) == value
 
@@ -112,10 +123,10 @@ def test_llama_param_counts_match_published(preset: str, published: float) -> No
             ["model.vocab_size=33"],
             ["trainer.tp=2", "model.vocab_size=33", "model.make_vocab_size_divisible_by=1"],
         ),
-        (["trainer.global_batch_size=48"], ["trainer.global_batch_size=48", "32*1=32"]),
+        (["trainer.global_batch_size=48"], ["trainer.global_batch_size=48", "64*1=64"]),
         (
-            ["trainer.dp=2", "trainer.global_batch_size=32"],
-            ["trainer.global_batch_size=32", "trainer.micro_batch_size*dp=32*2=64"],
+            ["trainer.dp=2", "trainer.global_batch_size=64"],
+            ["trainer.global_batch_size=64", "trainer.micro_batch_size*dp=64*2=128"],
         ),
         (["trainer.device=tpu"], ["trainer.device='tpu'"]),
         (["trainer.params_dtype=float16"], ["trainer.params_dtype='float16'"]),
@@ -153,6 +164,16 @@ def test_llama_param_counts_match_published(preset: str, published: float) -> No
         (["algorithm.stale=wait"], ["algorithm.stale='wait'"]),
         (["reward.scorer=regex"], ["reward.scorer 'regex'"]),
         (["reward.workers=0"], ["reward.workers=0"]),
+        (["rl.mode=fast"], ["rl.mode='fast'"]),
+        (["algorithm.max_policy_lag=0"], ["rl.mode=async", "max_policy_lag=0"]),
+        (["rl.prompts_per_step=3"], ["rl.prompts_per_step*algorithm.group_size=3*8=24", "64*1"]),
+        (["rollout.sampling.temperature=0"], ["rollout.sampling.temperature=0", "explore"]),
+        (["rollout.sampling.n=4"], ["rollout.sampling.n=4", "algorithm.group_size=8"]),
+        (["rollout.sampling.max_new_tokens=3"], ["max_new_tokens=3", "4 tokens", "digits=2"]),
+        (["cluster.roles.reward=0"], ["cluster.roles.reward=0", "rl.steps=400"]),
+        (["cluster.roles.generator=2"], ["rollout.servers=1", "cluster.roles.generator=2"]),
+        (["sft.optim.lr=0"], ["sft.optim.lr=0"]),
+        (["rl.steps=-1"], ["rl.steps=-1"]),
     ],
     ids=[
         "tp-heads",
@@ -192,6 +213,16 @@ def test_llama_param_counts_match_published(preset: str, published: float) -> No
         "alg-stale",
         "reward-scorer",
         "reward-workers",
+        "rl-mode",
+        "rl-async-needs-lag",
+        "rl-batch-mbs",
+        "rl-greedy",
+        "rl-sampling-n",
+        "rl-answer-length",
+        "roles-reward",
+        "roles-servers",
+        "sft-optim",
+        "rl-steps",
     ],
 )
 def test_validation_error_names_field_and_value(overrides: list[str], fragments: list[str]) -> None:
@@ -219,14 +250,15 @@ def test_vocab_padding_fixes_indivisible_vocab() -> None:
 
 
 def test_world_size_mismatch() -> None:
-    """tp*pp*dp must equal the launched world size, or ranks would be left without a role."""
+    """The launched world must be exactly the role map, or ranks would be left without a
+    role (or roles without ranks)."""
     cfg = compose([])
-    validate(cfg, world_size=2)
+    validate(cfg, world_size=5)
     with pytest.raises(ConfigError) as info:
         validate(cfg, world_size=3)
     msg = str(info.value)
-    assert "trainer.tp*pp*dp=2*1*1=2" in msg
-    assert "world size 3" in msg
+    assert "started 3 ranks" in msg
+    assert "controller 1 + trainer 2 + generator 1 + reward 1 = 5 ranks" in msg
 
 
 def test_missing_model_field_raises() -> None:

@@ -1,4 +1,4 @@
-"""Controller logic without processes: batch assembly and the staleness bound (ms)."""
+"""Controller logic without processes: batch assembly, the staleness bound, the role map."""
 
 from __future__ import annotations
 
@@ -7,7 +7,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from rl.config import compose
 from rl.controller.batch import build_batch
+from rl.controller.roles import RoleError, RoleMap
 from rl.controller.staleness import StalenessGate
 
 
@@ -49,7 +51,7 @@ def test_batch_fixed_length_and_errors():
         build_batch([[bad, _r([1], [2])]], [[1, 0]])
 
 
-def test_drop_mode_counts_and_histogram():
+def test_admit_drops_groups_older_than_the_bound():
     gate = StalenessGate(max_lag=1, mode="drop")
     assert gate.admit([5, 5], trainer_version=5)  # lag 0
     assert gate.admit([4, 5], trainer_version=5)  # partial rollout: oldest token counts
@@ -59,15 +61,111 @@ def test_drop_mode_counts_and_histogram():
         gate.admit([6], trainer_version=5)
 
 
-def test_throttle_mode_bounds_the_queue_instead():
-    gate = StalenessGate(max_lag=2, mode="throttle")
-    assert gate.may_start(0) and gate.may_start(1) and not gate.may_start(2)
-    assert gate.admit([1], trainer_version=5)  # throttled at the source, never dropped
-    assert gate.dropped == 0
-    assert StalenessGate(max_lag=0, mode="drop").may_start(10)
+def _simulate(gate: StalenessGate, steps: int, gen_per_tick: int) -> list[int]:
+    """A generator that can finish ``gen_per_tick`` groups while the trainer takes a step,
+    under the gate; returns the lag of every group the trainer used (groups finish in the
+    order they started)."""
+    first = version = 10
+    started: list[int] = []  # start version of each group not yet consumed
+    n_started = consumed = 0
+    lags = []
+    for _ in range(steps):
+        taken = 0
+        while taken < gate.per_step:  # the step's batch (the generator fills any gap)
+            if not started:
+                assert gate.may_start(n_started, consumed, version, first), "deadlock"
+                started.append(version)
+                n_started += 1
+            v = started.pop(0)
+            consumed += 1
+            if gate.admit([v], version):
+                lags.append(version - v)
+                taken += 1
+        for _ in range(gen_per_tick):  # generation while the trainer trains
+            if gate.may_start(n_started, consumed, version, first):
+                started.append(version)
+                n_started += 1
+        version += 1  # the new weights are committed
+    return lags
 
 
-@pytest.mark.parametrize("k,mode,match", [(-1, "drop", "max_policy_lag=-1"), (1, "wait", "stale")])
-def test_bad_settings(k, mode, match):
+@pytest.mark.parametrize("k", [0, 1, 2])
+def test_throttle_never_lets_a_group_get_too_old(k):
+    gate = StalenessGate(max_lag=k, mode="throttle", per_step=4)
+    lags = _simulate(gate, steps=20, gen_per_tick=100)  # a generator far faster than training
+    assert len(lags) == 80 and max(lags) == k and gate.dropped == 0
+    # The generator ran exactly k steps ahead: after the start, every batch has lag k.
+    assert lags[4 * k :] == [k] * (80 - 4 * k)
+
+
+def test_throttle_k0_is_synchronous():
+    gate = StalenessGate(max_lag=0, mode="throttle", per_step=2)
+    assert gate.may_start(1, 0, committed=3, first=3)
+    assert not gate.may_start(2, 0, committed=3, first=3)  # step 2 waits for version 4
+    assert gate.may_start(2, 2, committed=4, first=3)
+
+
+def test_drop_mode_runs_ahead_and_drops_what_got_too_old():
+    gate = StalenessGate(max_lag=1, mode="drop", per_step=4)
+    lags = _simulate(gate, steps=20, gen_per_tick=100)
+    assert len(lags) == 80 and max(lags) <= 1
+    assert gate.dropped > 0  # the price of never making the generator wait
+
+
+def test_drop_mode_window_counts_unconsumed_groups():
+    gate = StalenessGate(max_lag=1, mode="drop", per_step=3)
+    assert gate.may_start(5, 0, committed=0, first=0)
+    assert not gate.may_start(6, 0, committed=0, first=0)
+    assert gate.may_start(6, 1, committed=0, first=0)
+
+
+@pytest.mark.parametrize(
+    "kw,match",
+    [
+        ({"max_lag": -1}, "max_policy_lag=-1"),
+        ({"max_lag": 1, "mode": "wait"}, "stale"),
+        ({"max_lag": 1, "per_step": 0}, "per_step=0"),
+    ],
+)
+def test_bad_settings(kw, match):
     with pytest.raises(ValueError, match=match):
-        StalenessGate(max_lag=k, mode=mode)
+        StalenessGate(**kw)
+
+
+def _cfg(**roles):
+    cfg = compose(["rl.steps=5", *[f"cluster.roles.{k}={v}" for k, v in roles.items()]])
+    return cfg
+
+
+def test_role_map_order_and_lookup():
+    roles = RoleMap.from_config(
+        compose(["rl.steps=5", "rollout.servers=2", "cluster.roles.generator=2"])
+    )
+    assert roles.ranks("controller") == [0]
+    assert roles.ranks("trainer") == [1, 2]
+    assert roles.ranks("generator") == [3, 4]
+    assert roles.ranks("reward") == [5]
+    assert roles.world_size == 6
+    assert roles.role_of(2) == ("trainer", 1)
+    assert roles.role_of(5) == ("reward", 0)
+    with pytest.raises(RoleError, match="rank 6 is outside"):
+        roles.role_of(6)
+
+
+def test_role_map_must_cover_the_launched_world():
+    roles = RoleMap.from_config(_cfg())
+    roles.check_world(5)
+    with pytest.raises(RoleError) as info:
+        roles.check_world(4)
+    assert "started 4 ranks" in str(info.value)
+    assert "controller 1 + trainer 2 + generator 1 + reward 1 = 5 ranks" in str(info.value)
+
+
+def test_role_map_rejects_missing_executors():
+    with pytest.raises(RoleError, match=r"cluster.roles.reward=0: rl.steps=5 needs"):
+        RoleMap.from_config(_cfg(reward=0))
+    with pytest.raises(RoleError, match=r"rollout.servers=1 is not a multiple"):
+        RoleMap.from_config(_cfg(generator=2))
+    # Warm-up only: no generator, no reward.
+    cfg = compose(["rl.steps=0", "cluster.roles.generator=0", "cluster.roles.reward=0"])
+    assert RoleMap.from_config(cfg).world_size == 3

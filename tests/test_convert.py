@@ -45,6 +45,24 @@ def test_megatron_logits_match_transformers(models, tmp_path, kind: str, tp: int
     assert all(len(r["summary"]["peak_rss_mb"]) == tp * pp for r in res)
 
 
+def test_trainer_logprobs_match_transformers_at_sampling_temperature(models, tmp_path):
+    """log softmax(logits / T) of the next token over the real vocabulary (what SGLang
+    reports as the behaviour log-prob), at TP=2 x PP=2 with a padded vocab (99 -> 128)."""
+    hf, tp, pp = models["llama"], 2, 2
+    m, dtype = prepare_hf_to_mcore(str(hf), tp, pp, vocab_multiple=128, dtype=None)
+    temps = (1.0, 0.7)
+    res = spawn(
+        convert_then_logits, tp * pp, str(hf), str(tmp_path / "m"), m, tp, pp, dtype, TOKENS, temps
+    )
+    logits = hf_logits(hf, TOKENS)
+    nxt = torch.roll(TOKENS, -1, dims=1)
+    for t in temps:
+        want = torch.log_softmax(logits / t, -1).gather(-1, nxt[..., None])[..., 0]
+        for r in res:
+            got = r["logprobs"][t]
+            assert (got[:, :-1] - want[:, :-1]).abs().max() < 1e-4, t
+
+
 def _assert_same_tensors(a: Path, b: Path) -> None:
     def load_dir(p: Path) -> dict[str, torch.Tensor]:
         out = {}

@@ -180,11 +180,16 @@ def test_idle_servers_leave_the_cpu_to_others(launcher):
 
 # ---------------------------------------------------------------------------- abort and pause
 def test_aborted_request_returns_its_partial_tokens(client, ref):
-    (future,) = client.submit(PROMPTS[0], LONG)
-    _wait_active(client, future.rollout.rid)
-    time.sleep(0.3)
-    client.abort(future.rollout)
-    r = future.result(timeout=60)
+    # An idle server can finish all 110 tokens before a fixed delay ends: shorten it until
+    # the abort lands mid-request.
+    for delay in (0.3, 0.15, 0.08, 0.04, 0.02):
+        (future,) = client.submit(PROMPTS[0], LONG)
+        _wait_active(client, future.rollout.rid)
+        time.sleep(delay)
+        client.abort(future.rollout)
+        r = future.result(timeout=60)
+        if r.finish_reason == "abort":
+            break
     assert r.finish_reason == "abort" and 0 < len(r.output_ids) < LONG.max_new_tokens
     full = ref.generate(r.prompt_ids, LONG)
     assert r.output_ids == full.output_ids[: len(r.output_ids)]
@@ -192,13 +197,16 @@ def test_aborted_request_returns_its_partial_tokens(client, ref):
 
 
 def test_pause_in_abort_mode_hands_back_resumable_rollouts(client, ref):
-    futures = client.submit(PROMPTS[1], LONG) + client.submit(PROMPTS[3], LONG)
-    time.sleep(0.3)
-    client.pause("abort")
-    try:
-        partial = [f.result(timeout=60) for f in futures]
-    finally:
-        client.continue_generation()
+    for delay in (0.3, 0.15, 0.08, 0.04):  # until the pause lands mid-request (see above)
+        futures = client.submit(PROMPTS[1], LONG) + client.submit(PROMPTS[3], LONG)
+        time.sleep(delay)
+        client.pause("abort")
+        try:
+            partial = [f.result(timeout=60) for f in futures]
+        finally:
+            client.continue_generation()
+        if not any(r.finished for r in partial):
+            break
     assert all(not r.finished and len(r.output_ids) < LONG.max_new_tokens for r in partial)
     for r in partial:
         while not r.finished:

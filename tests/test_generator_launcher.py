@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -74,3 +75,17 @@ def test_server_that_never_gets_healthy_times_out_and_is_killed(model_dir, tmp_p
         launcher.start()
     assert time.monotonic() - t0 < 30
     assert_group_gone(launcher.servers[0].proc.pid)
+
+
+def test_server_whose_port_was_taken_starts_on_another(model_dir, tmp_path):
+    """The port is picked well before SGLang binds it (~10 s of imports); another process
+    can take it meanwhile. The launcher then moves the server to a new port."""
+    launcher = ServerLauncher(ServerConfig(model_path=str(model_dir)), n=1, log_dir=tmp_path)
+    taken = launcher.servers[0].port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as squatter:
+        squatter.bind(("127.0.0.1", taken))
+        squatter.listen()
+        with launcher:
+            s = launcher.servers[0]
+            assert s.port != taken and s.url.endswith(f":{s.port}") and s.healthy()
+    assert "address already in use" in (tmp_path / "server0.log").read_text()

@@ -74,6 +74,7 @@ def test_torchrun_launch_runs_the_same_job(tmp_path):
     res = subprocess.run(
         [
             str(ROOT / "launch" / "local.sh"),
+            "experiment=tiny_sft",
             "trainer.tp=1",
             "trainer.dp=2",
             "sft.steps=3",
@@ -96,7 +97,7 @@ def test_world_size_helper_rejects_bad_config():
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     cmd = [sys.executable, "-m", "rl.config.world_size"]
     ok = subprocess.run([*cmd, "trainer.tp=2", "trainer.dp=2"], env=env, capture_output=True)
-    assert ok.stdout.decode().strip() == "4"
+    assert ok.stdout.decode().strip() == "7"  # controller, 4 trainer, generator, reward
     bad = subprocess.run([*cmd, "trainer.pp=3"], env=env, capture_output=True, text=True)
     assert bad.returncode == 2
     assert "trainer.pp=3 does not divide model.num_layers=4" in bad.stderr

@@ -113,3 +113,24 @@ def test_same_seed_same_task() -> None:
     assert a.sample(64) == b.sample(64)
     c = AdditionTask(2, seed=8, eval_size=32)
     assert c.eval_set != a.eval_set
+
+
+def test_reward_executor_text_scoring_equals_the_task_reward():
+    """The RL loop scores responses as text in the reward ranks (exact scorer); that must
+    be the task's own token-level reward for every kind of response."""
+    import random
+
+    from rl.reward.scorers import exact_answer
+    from rl.tasks.arithmetic import EOS
+
+    task = AdditionTask(digits=2, seed=0, eval_size=16)
+    rng = random.Random(0)
+    p = task.sample(1)[0]
+    right = p.answer(2)
+    cases = [right, right[:-1], [*right[:-1], 5], [*right, 7], [EOS], [*right[:2], EOS]]
+    cases += [[rng.randrange(3, 13) for _ in range(4)] for _ in range(50)]
+    cases += [[*right[:3], rng.randrange(0, 15)] for _ in range(20)]
+    for ids in cases:
+        text = exact_answer(task.response_text(ids), task.answer_text(p))
+        assert text == task.reward(p, ids), ids
+    assert task.reward(p, right) == 1.0

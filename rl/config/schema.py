@@ -98,9 +98,16 @@ class TaskConfig:
 class SFTConfig:
     """Supervised warm-up on the task's answers (loss on answer tokens only)."""
 
-    steps: int = 100
+    steps: int = 100  # at most
     log_every: int = 1
     eval_every: int = 50
+    # End the warm-up once greedy accuracy on fresh training problems reaches this (checked
+    # every check_every steps); null: always run all the steps.
+    stop_at_accuracy: float | None = None
+    check_every: int = 10
+    # The warm-up's optimizer and LR schedule; null: trainer.optim. RL runs on
+    # trainer.optim with a fresh optimizer state (RL wants a far smaller LR).
+    optim: OptimConfig | None = None
 
 
 @dataclass
@@ -134,6 +141,9 @@ class WeightSyncConfig:
 class RolloutConfig:
     """The generator executor: the SGLang servers it starts and how it samples."""
 
+    # A Hugging Face directory the servers start from; null: one written from model/ (the
+    # trainer pushes its weights before the first rollout either way).
+    model_path: str | None = None
     servers: int = 1
     tp: int = 1  # SGLang tensor parallelism per server (CPU: 1)
     device: str = "cpu"
@@ -180,6 +190,39 @@ class RewardConfig:
 
 
 @dataclass
+class RLConfig:
+    """The RL stage driven by the single controller (rl/train.py)."""
+
+    steps: int = 0  # optimizer steps; 0: warm-up only (no generator, no reward ranks)
+    # async: the generator samples the next batches (up to algorithm.max_policy_lag policy
+    # versions ahead) while the trainer trains; sync: generate -> score -> train -> push
+    # weights, in sequence (the DeepSpeed-Chat-like baseline), with the same code.
+    mode: str = "async"
+    prompts_per_step: int = 16  # x algorithm.group_size samples = the trainer's batch
+    eval_every: int = 25  # held-out greedy accuracy from the generator; 0: start and end
+    log_every: int = 1
+    save_interval: int = 0  # RL checkpoints every N steps (0: at the end only)
+    # A reply from another executor that takes longer than this is an error (seconds).
+    channel_timeout: float = 1800.0
+
+
+@dataclass
+class RolesConfig:
+    """Ranks per executor besides the controller (1) and the trainer (tp*pp*dp)."""
+
+    generator: int = 1  # ranks that own SGLang servers; rollout.servers is split among them
+    reward: int = 1  # ranks that run a reward worker pool
+
+
+@dataclass
+class ClusterConfig:
+    """Where the job runs and how its ranks are split between executors."""
+
+    name: str = "local"
+    roles: RolesConfig = field(default_factory=RolesConfig)
+
+
+@dataclass
 class RunConfig:
     name: str = "run"
     output_dir: str = "outputs/${run.name}"
@@ -194,6 +237,8 @@ class RootConfig:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
+    rl: RLConfig = field(default_factory=RLConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
     run: RunConfig = field(default_factory=RunConfig)
 
 
@@ -211,4 +256,5 @@ def register() -> None:
     cs.store(group="trainer", name="trainer_schema", node=TrainerConfig)
     cs.store(group="rollout", name="rollout_schema", node=RolloutConfig)
     cs.store(group="algorithm", name="algorithm_schema", node=AlgorithmConfig)
+    cs.store(group="cluster", name="cluster_schema", node=ClusterConfig)
     _REGISTERED = True

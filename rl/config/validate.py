@@ -76,34 +76,28 @@ def validate_model(m: Any) -> None:
             )
 
 
-def validate_trainer(t: Any, m: Any, world_size: int | None = None) -> None:
+def _optim(where: str, o: Any) -> None:
+    _require(
+        o.decay_style in DECAY_STYLES,
+        f"{where}.decay_style={o.decay_style!r} must be one of {DECAY_STYLES}",
+    )
+    _require(o.lr > 0, f"{where}.lr={o.lr} must be > 0")
+    _require(0 <= o.min_lr <= o.lr, f"{where}.min_lr={o.min_lr} must be in [0, {where}.lr={o.lr}]")
+    _require(o.clip_grad >= 0, f"{where}.clip_grad={o.clip_grad} must be >= 0")
+    for name in ("warmup_steps", "decay_steps"):
+        v = getattr(o, name)
+        _require(v is None or v >= 0, f"{where}.{name}={v} must be >= 0")
+
+
+def validate_trainer(t: Any, m: Any) -> None:
     _positive("trainer", t, "tp", "pp", "dp", "micro_batch_size", "global_batch_size")
     _positive("trainer", t, "threads_per_rank")
     _require(t.device in DEVICES, f"trainer.device={t.device!r} must be one of {DEVICES}")
     _require(
         t.params_dtype in DTYPES, f"trainer.params_dtype={t.params_dtype!r} must be one of {DTYPES}"
     )
-    _require(
-        t.optim.decay_style in DECAY_STYLES,
-        f"trainer.optim.decay_style={t.optim.decay_style!r} must be one of {DECAY_STYLES}",
-    )
-    _require(t.optim.lr > 0, f"trainer.optim.lr={t.optim.lr} must be > 0")
-    _require(
-        0 <= t.optim.min_lr <= t.optim.lr,
-        f"trainer.optim.min_lr={t.optim.min_lr} must be in [0, trainer.optim.lr={t.optim.lr}]",
-    )
-    _require(t.optim.clip_grad >= 0, f"trainer.optim.clip_grad={t.optim.clip_grad} must be >= 0")
-    for name in ("warmup_steps", "decay_steps"):
-        v = getattr(t.optim, name)
-        _require(v is None or v >= 0, f"trainer.optim.{name}={v} must be >= 0")
+    _optim("trainer.optim", t.optim)
     _require(t.save_interval >= 0, f"trainer.save_interval={t.save_interval} must be >= 0")
-    size = t.tp * t.pp * t.dp
-    if world_size is not None:
-        _require(
-            size == world_size,
-            f"trainer.tp*pp*dp={t.tp}*{t.pp}*{t.dp}={size} does not match the world size "
-            f"{world_size}",
-        )
     for field, value in (
         ("num_attention_heads", m.num_attention_heads),
         ("num_query_groups", m.num_query_groups),
@@ -141,7 +135,11 @@ def validate_task(task: Any, sft: Any, m: Any) -> None:
         f"model.max_position_embeddings={m.max_position_embeddings}",
     )
     _require(sft.steps >= 0, f"sft.steps={sft.steps} must be >= 0")
-    _positive("sft", sft, "log_every", "eval_every")
+    _positive("sft", sft, "log_every", "eval_every", "check_every")
+    t = sft.stop_at_accuracy
+    _require(t is None or 0 < t <= 1, f"sft.stop_at_accuracy={t} must be in (0, 1] or null")
+    if sft.optim is not None:
+        _optim("sft.optim", sft.optim)
 
 
 def validate_rollout(r: Any) -> None:
@@ -223,12 +221,72 @@ def validate_weight_sync(cfg: Any) -> None:
         raise ConfigError(str(e)) from None
 
 
+def validate_rl(cfg: Any) -> None:
+    """The RL stage: its mode, batch shape and sampling must fit the task and trainer."""
+    from rl.tasks.arithmetic import AdditionTask
+
+    rl, a, t, s = cfg.rl, cfg.algorithm, cfg.trainer, cfg.rollout.sampling
+    _require(rl.steps >= 0, f"rl.steps={rl.steps} must be >= 0")
+    _require(rl.mode in ("async", "sync"), f"rl.mode={rl.mode!r} must be 'async' or 'sync'")
+    _positive("rl", rl, "prompts_per_step", "log_every")
+    for name in ("eval_every", "save_interval"):
+        v = getattr(rl, name)
+        _require(v >= 0, f"rl.{name}={v} must be >= 0")
+    _require(rl.channel_timeout > 0, f"rl.channel_timeout={rl.channel_timeout} must be > 0")
+    if rl.steps == 0:
+        return
+    _require(
+        rl.mode == "sync" or a.max_policy_lag >= 1,
+        f"rl.mode=async with algorithm.max_policy_lag={a.max_policy_lag}: async needs a lag "
+        ">= 1 (a lag of 0 is rl.mode=sync)",
+    )
+    rows = rl.prompts_per_step * a.group_size
+    unit = t.micro_batch_size * t.dp
+    _require(
+        rows % unit == 0,
+        f"rl.prompts_per_step*algorithm.group_size={rl.prompts_per_step}*{a.group_size}={rows} "
+        f"is not a multiple of trainer.micro_batch_size*dp={t.micro_batch_size}*{t.dp}",
+    )
+    _require(
+        s.temperature > 0,
+        f"rollout.sampling.temperature={s.temperature} must be > 0 for RL (greedy sampling "
+        "does not explore)",
+    )
+    _require(
+        s.n == 1,
+        f"rollout.sampling.n={s.n} must be 1 in RL: samples per prompt are "
+        f"algorithm.group_size={a.group_size}",
+    )
+    need = AdditionTask.answer_length(cfg.task.digits)
+    _require(
+        s.max_new_tokens >= need,
+        f"rollout.sampling.max_new_tokens={s.max_new_tokens} is shorter than the task's "
+        f"answer ({need} tokens for task.digits={cfg.task.digits})",
+    )
+
+
+def validate_roles(cfg: Any, world_size: int | None = None) -> None:
+    """Every rank of the launch must get exactly one executor (rl/controller/roles.py)."""
+    from rl.controller.roles import RoleError, RoleMap
+
+    try:
+        roles = RoleMap.from_config(cfg)
+        if world_size is not None:
+            roles.check_world(world_size)
+    except RoleError as e:
+        raise ConfigError(str(e)) from None
+
+
 def validate(cfg: Any, world_size: int | None = None) -> None:
-    """Validate a composed RootConfig; raise ConfigError on the first bad field."""
+    """Validate a composed RootConfig; raise ConfigError on the first bad field.
+
+    ``world_size``: the number of ranks a launcher started, checked against the role map."""
     validate_model(cfg.model)
-    validate_trainer(cfg.trainer, cfg.model, world_size)
+    validate_trainer(cfg.trainer, cfg.model)
     validate_task(cfg.task, cfg.sft, cfg.model)
     validate_rollout(cfg.rollout)
     validate_weight_sync(cfg)
     validate_algorithm(cfg.algorithm)
     validate_reward(cfg.reward)
+    validate_rl(cfg)
+    validate_roles(cfg, world_size)

@@ -1,4 +1,4 @@
-"""Print the number of trainer ranks a config needs (tp*pp*dp), after validating it.
+"""Print the number of ranks a config's job needs (its role map), after validating it.
 
 Used by launch scripts so that the rank count given to torchrun/srun comes from the same
 composed config the ranks will read: ``python -m rl.config.world_size [overrides...]``.
@@ -9,17 +9,17 @@ from __future__ import annotations
 import sys
 
 from rl.config import ConfigError, compose, validate
+from rl.controller.roles import RoleMap
 
 
 def main(argv: list[str]) -> int:
     cfg = compose(argv)
-    t = cfg.trainer
     try:
-        validate(cfg, world_size=t.tp * t.pp * t.dp)
+        validate(cfg)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
-    print(t.tp * t.pp * t.dp)
+    print(RoleMap.from_config(cfg).world_size)
     return 0
 
 

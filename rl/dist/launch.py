@@ -62,6 +62,19 @@ def setup_rank(device: str, threads: int, timeout_s: float = 600.0) -> None:
         dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
 
 
+def die_with_parent(parent: int) -> None:
+    """SIGTERM this rank when the launching process dies, even by SIGKILL (Linux
+    PR_SET_PDEATHSIG), so killing a run never leaves ranks (or their servers: a generator
+    rank stops them on SIGTERM) behind."""
+    import ctypes
+    import signal
+
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    if os.getppid() != parent:  # the parent died before the line above
+        os._exit(1)
+
+
 def under_launcher() -> bool:
     """True when torchrun/srun already started this process as one rank of a world."""
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
@@ -76,7 +89,10 @@ def _child(
     fn: Callable[..., Any],
     args: tuple,
     results: Any,
+    setup: bool = True,
+    parent: int = 0,
 ) -> None:
+    die_with_parent(parent)
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -85,7 +101,11 @@ def _child(
         WORLD_SIZE=str(world_size),
     )
     try:
-        setup_rank(device, threads)
+        if setup:
+            setup_rank(device, threads)
+        else:  # fn joins process groups itself (rl.controller.job)
+            quiet_known_warnings()
+            torch.set_num_threads(threads)
         out = fn(*args)
         buf = io.BytesIO()
         torch.save(out, buf)
@@ -105,11 +125,14 @@ def spawn(
     device: str = "cpu",
     threads: int = 1,
     timeout_s: float = 900.0,
+    setup: bool = True,
 ) -> list[Any]:
     """Run ``fn(*args)`` on ``world_size`` fresh local ranks; return each rank's result.
 
     ``fn`` must be importable (module level). If any rank raises, the others are killed and
-    a RuntimeError carries the first failing rank's traceback.
+    a RuntimeError carries the first failing rank's traceback. With ``setup`` every rank
+    joins one default process group over all ranks first; without, ``fn`` sets up its own
+    (e.g. one group per executor role).
     """
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
@@ -117,7 +140,7 @@ def spawn(
     procs = [
         ctx.Process(
             target=_child,
-            args=(r, world_size, port, device, threads, fn, args, results),
+            args=(r, world_size, port, device, threads, fn, args, results, setup, os.getpid()),
             daemon=False,
         )
         for r in range(world_size)

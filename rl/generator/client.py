@@ -89,6 +89,14 @@ class GeneratorClient:
         limits = ModelLimits.from_model_dir(Path(cfg.model_path), cfg.context_length)
         return cls(launcher.urls, limits, launcher=launcher, tp=cfg.tp, **kw)
 
+    @classmethod
+    def for_urls(cls, urls: list[str], model_path: str, rollout: Any) -> GeneratorClient:
+        """A client for servers started elsewhere (the generator ranks of an RL job) from
+        ``model_path``, with a ``rollout`` config's limits."""
+        limits = ModelLimits.from_model_dir(Path(model_path), rollout.context_length)
+        return cls(urls, limits, max_in_flight=rollout.max_in_flight,
+                   request_timeout=rollout.request_timeout, tp=rollout.tp)  # fmt: skip
+
     async def _make_session(self) -> aiohttp.ClientSession:
         conn = aiohttp.TCPConnector(limit=0)
         return aiohttp.ClientSession(connector=conn, timeout=self._timeout)
@@ -110,22 +118,39 @@ class GeneratorClient:
         group: Any = None,
         segment_tokens: int | None = None,
     ) -> list[cf.Future[Rollout]]:
-        """Start ``sampling.n`` rollouts of one prompt. Validation happens here, so a bad
-        request raises before anything is sent. With ``segment_tokens``, each future
-        resolves after at most that many new tokens; resume it with ``resume``."""
+        """Start ``sampling.n`` rollouts of one prompt, sent as one request (see
+        ``resume_many``). Validation happens here, so a bad request raises before anything
+        is sent. With ``segment_tokens``, each future resolves after at most that many new
+        tokens; resume it with ``resume``."""
         self.limits.check(prompt_ids, sampling)
         if segment_tokens is not None and segment_tokens < 1:
             raise RequestError(f"segment_tokens={segment_tokens} must be >= 1")
         rollouts = [Rollout(list(prompt_ids), sampling, i, group) for i in range(sampling.n)]
-        return [self.resume(r, segment_tokens) for r in rollouts]
+        return self.resume_many(rollouts, segment_tokens)
 
     def resume(self, rollout: Rollout, segment_tokens: int | None = None) -> cf.Future[Rollout]:
         """Continue an unfinished rollout (prompt + tokens so far go back in). The future
         carries the rollout as ``future.rollout`` (to ``abort`` it while it runs)."""
-        rollout.next_request(segment_tokens)  # raises on a finished rollout
-        fut = asyncio.run_coroutine_threadsafe(self._segment(rollout, segment_tokens), self._loop)
-        fut.rollout = rollout  # type: ignore[attr-defined]
-        return fut
+        return self.resume_many([rollout], segment_tokens)[0]
+
+    def resume_many(
+        self, rollouts: list[Rollout], segment_tokens: int | None = None
+    ) -> list[cf.Future[Rollout]]:
+        """Continue several rollouts in one request to one server: SGLang batches them and
+        prefills a shared prompt once, and the HTTP cost is paid once (for a GRPO group of
+        n samples, n times less of it). Each rollout keeps its own seed, request id (so
+        ``abort`` works per rollout) and future; the futures resolve together."""
+        for r in rollouts:
+            r.next_request(segment_tokens)  # raises on a finished rollout
+        futures: list[cf.Future[Rollout]] = []
+        for r in rollouts:
+            f: cf.Future[Rollout] = cf.Future()
+            f.rollout = r  # type: ignore[attr-defined]
+            futures.append(f)
+        asyncio.run_coroutine_threadsafe(
+            self._segments(rollouts, segment_tokens, futures), self._loop
+        )
+        return futures
 
     def generate(
         self, prompts: list[list[int]], sampling: SamplingParams, segment_tokens: int | None = None
@@ -156,35 +181,57 @@ class GeneratorClient:
         for f in cf.as_completed(list(futures), timeout=timeout):
             yield f.result()
 
-    async def _segment(self, rollout: Rollout, segment_tokens: int | None) -> Rollout:
-        ids, budget, seed = rollout.next_request(segment_tokens)
+    async def _segments(
+        self, rollouts: list[Rollout], segment_tokens: int | None, futures: list[cf.Future]
+    ) -> None:
+        try:
+            for r, out in zip(rollouts, await self._request(rollouts, segment_tokens), strict=True):
+                if out is not None:
+                    r.append(*parse_result(out))
+                if r.rid in self._user_aborted:  # aborted while queued or running
+                    self._user_aborted.discard(r.rid)
+                    if not r.finished:
+                        r.finish("abort")
+        except BaseException as e:
+            for f in futures:
+                f.set_exception(e)
+            return
+        for f, r in zip(futures, rollouts, strict=True):
+            f.set_result(r)
+
+    async def _request(self, rollouts: list[Rollout], segment_tokens: int | None) -> list:
+        """One /generate request for the rollouts still wanted; their results (None for a
+        rollout aborted before it was sent)."""
         server = self._pick()
-        self._in_flight[server] += 1  # queued requests count: routing sees the backlog
-        sgl_rid = f"{rollout.rid}.{rollout.segments}.{next(_seq)}"
+        self._in_flight[server] += len(rollouts)  # queued requests count: routing sees them
         try:
             async with self._slots[server]:
-                if rollout.rid in self._user_aborted:  # aborted while it waited for a slot
-                    self._user_aborted.discard(rollout.rid)
-                    rollout.finish("abort")
-                    return rollout
-                self._active[rollout.rid] = (server, sgl_rid)
+                live = [r for r in rollouts if r.rid not in self._user_aborted]
+                if not live:
+                    return [None] * len(rollouts)
+                ids, sps, rids = [], [], []
+                for r in live:
+                    prompt, budget, seed = r.next_request(segment_tokens)
+                    ids.append(prompt)
+                    sps.append(r.sampling.to_sglang(budget, seed))
+                    rids.append(f"{r.rid}.{r.segments}.{next(_seq)}")
+                    self._active[r.rid] = (server, rids[-1])
+                    r.server = server
+                one = len(live) == 1
                 body = {
-                    "input_ids": ids,
-                    "sampling_params": rollout.sampling.to_sglang(budget, seed),
+                    "input_ids": ids[0] if one else ids,
+                    "sampling_params": sps[0] if one else sps,
                     "return_logprob": True,
-                    "rid": sgl_rid,
+                    "rid": rids[0] if one else rids,
                 }
                 out = await self._post(server, "/generate", body)
         finally:
-            self._in_flight[server] -= 1
-            self._active.pop(rollout.rid, None)
-        rollout.append(*parse_result(out))
-        rollout.server = server
-        if rollout.rid in self._user_aborted:
-            self._user_aborted.discard(rollout.rid)
-            if not rollout.finished:
-                rollout.finish("abort")
-        return rollout
+            self._in_flight[server] -= len(rollouts)
+            for r in rollouts:
+                self._active.pop(r.rid, None)
+        results = iter([out] if one else out)
+        sent = {id(r) for r in live}
+        return [next(results) if id(r) in sent else None for r in rollouts]
 
     def in_flight(self) -> set[str]:
         """Ids of the rollouts whose request is on a server right now."""

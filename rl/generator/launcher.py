@@ -38,6 +38,8 @@ LOG_TAIL_LINES = 40
 GUARD = Path(__file__).with_name("server_guard.py")
 # How long a stopping server may drain before its process group is SIGKILLed.
 STOP_GRACE_S = 20.0
+# Starts of a server on fresh ports when its port was taken before it could bind.
+PORT_ATTEMPTS = 3
 # Weights are served in these; FP8 is a quantisation of them (GPU only), not a dtype.
 SERVER_DTYPES = ("float32", "bfloat16")
 # The DDMA receiver, imported by every server process from this checkout.
@@ -156,6 +158,7 @@ class Server:
     port: int
     log_path: Path
     proc: subprocess.Popen | None = None
+    log_start: int = 0  # where this start's lines begin in the (appended) log
 
     def log_tail(self, n: int = LOG_TAIL_LINES) -> str:
         try:
@@ -166,6 +169,12 @@ class Server:
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
+
+    def lost_port(self) -> bool:
+        """Did this start of the server fail to bind its port?"""
+        with open(self.log_path, "rb") as f:
+            f.seek(self.log_start)
+            return b"address already in use" in f.read()
 
     def error(self, what: str) -> ServerError:
         """``what`` happened to this server, with the end of its log (the actual cause)."""
@@ -253,7 +262,19 @@ class ServerLauncher:
             for s in self.servers:
                 self._spawn(s)
             for s in self.servers:
-                self._wait_ready(s)
+                for attempt in range(PORT_ATTEMPTS):
+                    try:
+                        self._wait_ready(s)
+                        break
+                    except ServerError:
+                        # Another process bound the port between our pick and the server's
+                        # bind (seconds later): no client has the URL yet, so move it.
+                        if attempt + 1 == PORT_ATTEMPTS or not s.lost_port():
+                            raise
+                        self._kill([s])
+                        s.port = free_port(self.config.host)
+                        s.url = f"http://{self.config.host}:{s.port}"
+                        self._spawn(s)
         except BaseException:
             self.stop()
             raise
@@ -266,6 +287,7 @@ class ServerLauncher:
         guard = [sys.executable, "-I", str(GUARD), "--owner", str(os.getpid())]
         guard += ["--grace", str(STOP_GRACE_S), "--"]
         with open(s.log_path, "ab") as log:
+            s.log_start = log.tell()
             s.proc = subprocess.Popen(
                 guard + self.config.argv(s.port),
                 stdout=log,

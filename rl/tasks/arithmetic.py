@@ -72,6 +72,13 @@ class AdditionTask:
         self.eval_set = sorted(held, key=lambda p: (p.a, p.b))
         self._held = held
         self._rng = random.Random(seed + 1)
+        # Fresh training problems for decisions made during training (when to end the
+        # warm-up), so the held-out set only ever measures.
+        self.validation_set = self._draw(random.Random(seed + 2), eval_size)
+
+    @staticmethod
+    def answer_length(digits: int) -> int:
+        return digits + 2  # digits+1 sum digits, then EOS
 
     @property
     def prompt_len(self) -> int:
@@ -79,13 +86,27 @@ class AdditionTask:
 
     @property
     def answer_len(self) -> int:
-        return self.digits + 2  # digits+1 sum digits, then EOS
+        return self.answer_length(self.digits)
+
+    # The reward executor scores text: the response up to EOS against the answer. With
+    # generation stopping at EOS this is exactly ``reward``: a response scores 1 only if it
+    # is the answer's digits followed by EOS.
+    def answer_text(self, p: Problem) -> str:
+        return decode(p.answer(self.digits))
+
+    @staticmethod
+    def response_text(ids: list[int]) -> str:
+        text = decode(ids)
+        return text if EOS in ids else text + "?"  # no EOS: never an exact answer
 
     def sample(self, count: int) -> list[Problem]:
         """Training problems drawn uniformly, never from the held-out set."""
+        return self._draw(self._rng, count)
+
+    def _draw(self, rng: random.Random, count: int) -> list[Problem]:
         n, out = 10**self.digits, []
         while len(out) < count:
-            p = Problem(self._rng.randrange(n), self._rng.randrange(n))
+            p = Problem(rng.randrange(n), rng.randrange(n))
             if p not in self._held:
                 out.append(p)
         return out

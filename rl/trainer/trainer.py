@@ -25,18 +25,23 @@ from rl.trainer.parallel import Layout
 
 
 class MegatronTrainer:
-    def __init__(self, model_cfg: Any, trainer_cfg: Any, layout: Layout, total_steps: int):
-        from megatron.core.distributed import (
-            DistributedDataParallel,
-            DistributedDataParallelConfig,
-            finalize_model_grads,
-        )
-        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+    def __init__(
+        self,
+        model_cfg: Any,
+        trainer_cfg: Any,
+        layout: Layout,
+        total_steps: int,
+        frozen: bool = False,
+    ):
+        """``frozen``: forward passes only (a reference policy), no optimizer state."""
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
         self.mcfg, self.tcfg, self.layout = model_cfg, trainer_cfg, layout
         self.step = 0
-        t, o = trainer_cfg, trainer_cfg.optim
+        # Log-probs are log softmax(logits / temperature): an RL loss must score tokens
+        # with the distribution they were sampled from (SGLang reports it at its T).
+        self.temperature = 1.0
+        t = trainer_cfg
         # Same seed on every rank: CPU init builds each full weight and splits it.
         torch.manual_seed(t.seed)
         model = build_gpt(model_cfg, t, layout.first_stage, layout.last_stage, layout.pg_collection)
@@ -51,6 +56,17 @@ class MegatronTrainer:
             self.model = DistributedDataParallel(
                 config=self.config, ddp_config=ddp_config, module=model
             )
+        self.optimizer = self.scheduler = None
+        if not frozen:
+            self._build_optimizer(total_steps)
+
+    def _build_optimizer(self, total_steps: int) -> None:
+        from megatron.core.distributed import finalize_model_grads
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+        t, o = self.tcfg, self.tcfg.optim
+        with cuda_to_cpu():
             self.optimizer = get_megatron_optimizer(
                 OptimizerConfig(
                     optimizer="adam",
@@ -116,6 +132,7 @@ class MegatronTrainer:
         mbs, n = self._microbatches(batch)
         seq = batch["tokens"].shape[1]
         forward_only = loss_fn is None
+        own_ce = self.temperature != 1.0 or self._padded_vocab > self.mcfg.vocab_size
 
         def forward_step(data_iterator, model):
             mb = next(data_iterator)
@@ -123,9 +140,11 @@ class MegatronTrainer:
             positions = torch.arange(seq).unsqueeze(0).expand_as(tokens)
             want_logits = collect in ("logits", "last_logits")
             labels = None if want_logits else torch.roll(tokens, -1, dims=1)
-            out = model(tokens, positions, None, labels=labels)
+            out = model(tokens, positions, None, labels=None if own_ce else labels)
 
             def loss_func(output: torch.Tensor):
+                if own_ce and not want_logits:
+                    output = self._cross_entropy(output, labels)
                 if forward_only:
                     if collect == "last_logits":
                         value = output[:, -1, :].float()
@@ -152,6 +171,23 @@ class MegatronTrainer:
                 micro_batch_size=self.tcfg.micro_batch_size,
                 forward_only=forward_only,
             )
+
+    def _cross_entropy(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """``-log softmax(logits / T)[label]`` over the *real* vocabulary, from this TP
+        rank's vocab shard. Megatron's own loss (used when neither applies) would count
+        the padding rows' logits in the softmax, so the trainer's pi would not be the
+        distribution the generator samples from (SGLang serves the unpadded vocab)."""
+        from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+        logits = logits.float()
+        if self.temperature != 1.0:
+            logits = logits / self.temperature
+        part = logits.shape[-1]
+        first_pad = self.mcfg.vocab_size - self.layout.tp_rank * part
+        if first_pad < part:  # this shard holds padding columns: they never get mass
+            cols = torch.arange(part) >= max(first_pad, 0)
+            logits = logits.masked_fill(cols, -1e9)
+        return vocab_parallel_cross_entropy(logits, labels)
 
     def _collect(self, per_mb: list[dict], key: str, shape: tuple[int, ...]) -> torch.Tensor:
         """Assemble a forward-only result from every DP rank and share it with all ranks."""
@@ -245,12 +281,14 @@ class MegatronTrainer:
         checkpoint.load(self, path, load_optimizer)
 
 
-def build_trainer(model_cfg: Any, trainer_cfg: Any, total_steps: int) -> MegatronTrainer:
+def build_trainer(
+    model_cfg: Any, trainer_cfg: Any, total_steps: int, frozen: bool = False
+) -> MegatronTrainer:
     """Initialise model parallelism on this rank's world and build the trainer."""
     from rl.trainer.parallel import init_model_parallel
 
     layout = init_model_parallel(trainer_cfg.tp, trainer_cfg.pp, trainer_cfg.seed)
-    return MegatronTrainer(model_cfg, trainer_cfg, layout, total_steps)
+    return MegatronTrainer(model_cfg, trainer_cfg, layout, total_steps, frozen)
 
 
 __all__ = ["MegatronTrainer", "build_trainer"]

@@ -249,3 +249,29 @@ def _copy_tokenizer(src: str, dst: Path) -> list[str]:
     for f in copied:
         shutil.copy2(srcp / f, dst / f)
     return copied
+
+
+# --------------------------------------------------------------------------- fresh HF dir
+def init_hf_dir(m: ModelConfig, out_dir: str, token_ids: dict, dtype: str = "float32") -> Path:
+    """A Hugging Face directory of ``m`` with small random weights, for generator servers to
+    start from when there is no HF checkpoint (the embedded default): the RL loop pushes
+    the trainer's weights into every server before the first rollout, so only the shapes
+    and the token ids (``bos_token_id``/``eos_token_id``/``pad_token_id``) matter here.
+    Written to a temporary directory and renamed, so a reader never sees half of it."""
+    arch = "Qwen2ForCausalLM" if m.qkv_bias else "LlamaForCausalLM"
+    config = hf_config_from_model(m, arch, dtype, extra=token_ids)
+    shapes = km.hf_shapes(km.Dims.of(m))
+    g = torch.Generator().manual_seed(0)
+    out = Path(out_dir)
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    tensors = [
+        (n, (0.02 * torch.randn(s, generator=g)).to(DTYPES[dtype])) for n, s in shapes.items()
+    ]
+    write_safetensors(tmp, iter(tensors), [list(shapes)])
+    (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    (tmp / "generation_config.json").write_text(json.dumps(_generation_config(config)) + "\n")
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    return out

@@ -1,0 +1,231 @@
+"""The controller's generation side: keep the servers busy within the staleness bound.
+
+A background thread starts groups (one prompt x ``group_size`` samples) whenever the
+:class:`~rl.controller.staleness.StalenessGate` allows, hands every finished group to the
+reward executor, and queues scored groups for the trainer in the order they finish. The
+trainer's side, :meth:`RolloutStream.next_batch`, takes the next ``per_step`` groups that
+are fresh enough; it blocks only when none are ready, which is exactly when the staleness
+bound (or a slow generator) requires it.
+
+Partial rollouts: with ``segment_tokens`` a response is cut after that many new tokens
+and parked; it resumes (prompt + tokens so far) once a newer policy version is committed,
+or at once if the generator would otherwise sit idle. Every token keeps the behaviour
+log-prob and the version it was sampled with, so one response can span versions.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import itertools
+import threading
+import time
+from collections import Counter, deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from rl.controller.staleness import StalenessGate
+from rl.generator.types import Rollout, SamplingParams
+
+
+@dataclass
+class Group:
+    gid: int
+    item: Any  # the task's problem; its answer scores the group
+    start_version: int
+    rollouts: list[Rollout] = field(default_factory=list)
+    rewards: list[float] | None = None
+    done: int = 0
+
+    @property
+    def versions(self) -> list[int]:
+        return [v for r in self.rollouts for v in r.versions]
+
+
+class RolloutStream:
+    def __init__(
+        self,
+        client: Any,
+        score: Callable[[Group], cf.Future],
+        next_item: Callable[[], Any],
+        prompt_of: Callable[[Any], list[int]],
+        sampling: SamplingParams,
+        gate: StalenessGate,
+        version: int,
+        segment_tokens: int | None = None,
+        eager_resume: bool = True,
+    ) -> None:
+        """``eager_resume=False``: parked rollouts wait for a newer version even when the
+        generator has nothing else to do (each segment then runs on a newer policy)."""
+        self.client, self.score, self.gate = client, score, gate
+        self.eager_resume = eager_resume
+        self.next_item, self.prompt_of = next_item, prompt_of
+        self.sampling, self.segment_tokens = sampling, segment_tokens
+        self.first = self.committed = version
+        self.started = self.consumed = 0
+        self._ids = itertools.count()
+        self._gen: dict[cf.Future, tuple[Group, int]] = {}  # segment -> (group, tokens before)
+        self._scoring: dict[cf.Future, Group] = {}
+        self._parked: list[tuple[Group, Rollout]] = []
+        self._ready: deque[Group] = deque()
+        self._cv = threading.Condition()
+        self._wake: cf.Future = cf.Future()
+        self._error: BaseException | None = None
+        self._closed = False
+        # Per-window counters (reset by each next_batch).
+        self._tokens = self._resumed = 0
+        self._idle_s = 0.0
+        self._idle_since: float | None = time.perf_counter()
+        self._window_start = time.perf_counter()
+        self._thread = threading.Thread(target=self._run, name="rollout-stream", daemon=True)
+
+    def start(self) -> RolloutStream:
+        self._thread.start()
+        return self
+
+    # ------------------------------------------------------------------ trainer side
+    def commit(self, version: int) -> None:
+        """The servers now serve ``version``: parked rollouts resume under it, and the
+        throttle may let more groups start."""
+        with self._cv:
+            self.committed = version
+            self._resume_parked()
+            self._poke()
+
+    def next_batch(self, trainer_version: int) -> tuple[list[Group], dict[str, float]]:
+        """The next ``gate.per_step`` groups fresh enough for ``trainer_version`` (older
+        ones are dropped and counted), and the generation stats since the last call."""
+        t0 = time.perf_counter()
+        batch: list[Group] = []
+        dropped = self.gate.dropped
+        with self._cv:
+            while len(batch) < self.gate.per_step:
+                if self._error is not None:
+                    raise self._error
+                if not self._ready:
+                    self._cv.wait()
+                    continue
+                group = self._ready.popleft()
+                self.consumed += 1
+                if self.gate.admit(group.versions, trainer_version):
+                    batch.append(group)
+                self._poke()  # room for more groups
+            now = time.perf_counter()
+            since = self._idle_since
+            idle = self._idle_s + (now - since if since is not None else 0.0)
+            span = now - self._window_start
+            lags = Counter(trainer_version - min(g.versions) for g in batch)
+            stats = {
+                "wait_batch_s": now - t0,
+                "gen_tokens_per_s": self._tokens / max(span, 1e-9),
+                "gen_idle_frac": min(idle / max(span, 1e-9), 1.0),
+                "dropped": float(self.gate.dropped - dropped),
+                "dropped_total": float(self.gate.dropped),
+                "resumed_segments": float(self._resumed),
+                "lag_mean": sum(k * n for k, n in lags.items()) / len(batch),
+                "lag_max": float(max(lags)),
+                **{f"lag_{k}": float(n) for k, n in sorted(lags.items())},
+            }
+            self._tokens = self._resumed = 0
+            self._idle_s, self._window_start = 0.0, now
+            if since is not None:
+                self._idle_since = now
+        return batch, stats
+
+    @property
+    def parked(self) -> int:
+        with self._cv:
+            return len(self._parked)
+
+    def close(self) -> None:
+        with self._cv:
+            self._closed = True
+            self._poke()
+        self._thread.join(timeout=30)
+        if self._gen:
+            self.client.abort_all()
+
+    # ------------------------------------------------------------------ the thread
+    def _poke(self) -> None:
+        if not self._wake.done():
+            self._wake.set_result(None)
+
+    def _run(self) -> None:
+        try:
+            while True:
+                with self._cv:
+                    if self._closed:
+                        return
+                    if self._wake.done():
+                        self._wake = cf.Future()
+                    self._start_groups()
+                    if self.eager_resume and not self._gen and self._parked:  # else idle
+                        self._resume_parked()
+                    self._mark_idle(not self._gen)
+                    waiting = [*self._gen, *self._scoring, self._wake]
+                done, _ = cf.wait(waiting, return_when=cf.FIRST_COMPLETED)
+                with self._cv:
+                    for f in done:
+                        if f in self._gen:
+                            self._on_segment(f)
+                        elif f in self._scoring:
+                            group = self._scoring.pop(f)
+                            group.rewards = list(f.result())
+                            self._ready.append(group)
+                            self._cv.notify_all()
+        except BaseException as e:
+            with self._cv:
+                self._error = e
+                self._cv.notify_all()
+
+    def _start_groups(self) -> None:
+        while self.gate.may_start(self.started, self.consumed, self.committed, self.first):
+            item = self.next_item()
+            group = Group(next(self._ids), item, self.committed)
+            futures = self.client.submit(
+                self.prompt_of(item),
+                self.sampling,
+                group=group.gid,
+                segment_tokens=self.segment_tokens,
+            )
+            for f in futures:
+                group.rollouts.append(f.rollout)
+                self._gen[f] = (group, 0)
+            self.started += 1
+
+    def _resume(self, group: Group, rollouts: list[Rollout]) -> None:
+        """One request per group: its parked samples continue together."""
+        self._resumed += len(rollouts)
+        futures = self.client.resume_many(rollouts, self.segment_tokens)
+        for f, r in zip(futures, rollouts, strict=True):
+            self._gen[f] = (group, len(r.output_ids))
+
+    def _resume_parked(self) -> None:
+        by_group: dict[int, tuple[Group, list[Rollout]]] = {}
+        for group, r in self._parked:
+            by_group.setdefault(group.gid, (group, []))[1].append(r)
+        self._parked = []
+        for group, rollouts in by_group.values():
+            self._resume(group, rollouts)
+
+    def _on_segment(self, f: cf.Future) -> None:
+        group, before = self._gen.pop(f)
+        r: Rollout = f.result()
+        self._tokens += len(r.output_ids) - before
+        if not r.finished:  # cut at a segment boundary
+            if r.versions and r.versions[-1] < self.committed:
+                self._resume(group, [r])  # a newer policy is already there
+            else:
+                self._parked.append((group, r))
+            return
+        group.done += 1
+        if group.done == len(group.rollouts):
+            self._scoring[self.score(group)] = group
+
+    def _mark_idle(self, idle: bool) -> None:
+        now = time.perf_counter()
+        if idle and self._idle_since is None:
+            self._idle_since = now
+        elif not idle and self._idle_since is not None:
+            self._idle_s += now - self._idle_since
+            self._idle_since = None

@@ -1,0 +1,86 @@
+"""The generator executor in the RL job: ranks that own SGLang servers, and the handle.
+
+Each generator rank starts its share of ``rollout.servers`` on its own host (through the
+one launcher, which health-checks them against a deadline), tells the controller their
+URLs, and then watches them until told to stop. Rollouts do not pass through these ranks:
+the controller's client talks to the servers directly (token ids in, tokens with
+log-probs and versions out), and trainer ranks push weights to them directly (DDMA).
+A server that dies fails the job with the end of its own log.
+"""
+
+from __future__ import annotations
+
+import threading
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rl.controller.channel import Failed
+
+
+@dataclass
+class Up:
+    rank: int
+    urls: list[str]
+    model_path: str  # the HF directory the servers started from (limits, EOS ids)
+
+
+@dataclass
+class Stop:
+    pass
+
+
+WATCH_S = 2.0  # how often a generator rank checks its servers
+
+
+def _model_path(cfg: Any, out: Path) -> str:
+    if cfg.rollout.model_path:
+        return str(cfg.rollout.model_path)
+    from rl.tasks.arithmetic import BOS, EOS, PAD
+    from rl.weights.convert import init_hf_dir
+
+    ids = {"bos_token_id": BOS, "eos_token_id": EOS, "pad_token_id": PAD}
+    return str(init_hf_dir(cfg.model, str(out / "hf_init"), ids, cfg.rollout.dtype))
+
+
+def serve(cfg: Any, job: Any) -> None:
+    from rl.generator.launcher import ServerConfig, ServerLauncher
+
+    inbox = job.channel(f"generator/in/{job.role_rank}", Stop)
+    reply = job.channel("generator/out", Up)
+    try:
+        out = Path(cfg.run.output_dir) / "generator" / f"rank{job.role_rank}"
+        path = _model_path(cfg, out)
+        n = cfg.rollout.servers // job.role_size()
+        server = ServerConfig.from_rollout(cfg.rollout, path)
+        with ServerLauncher(server, n=n, log_dir=out / "logs") as launcher:
+            reply.put(Up(job.role_rank, launcher.urls, path))
+            stop = threading.Event()
+            listen = threading.Thread(target=lambda: (inbox.get(), stop.set()), daemon=True)
+            listen.start()
+            # The main thread waits on an Event, not on the store, so a SIGTERM (e.g. the
+            # launcher died) runs the launcher's handler, which stops the servers.
+            while not stop.wait(WATCH_S):
+                for s in launcher.servers:
+                    if not s.alive():
+                        raise s.error(f"died (exit code {s.exit_code})")
+    except BaseException:
+        reply.put(Failed("generator", job.role_rank, traceback.format_exc()))
+        raise
+
+
+class GeneratorHandle:
+    def __init__(self, job: Any):
+        n = job.role_size("generator")
+        self._to = [job.channel(f"generator/in/{r}", Stop) for r in range(n)]
+        self._from = job.channel("generator/out", Up)
+
+    def wait_up(self) -> tuple[list[str], str]:
+        """URLs of every server (in generator rank order) and the model path."""
+        ups = sorted((self._from.expect(Up) for _ in self._to), key=lambda u: u.rank)
+        return [u for up in ups for u in up.urls], ups[0].model_path
+
+    def stop(self) -> None:
+        for ch in self._to:
+            ch.put(Stop())

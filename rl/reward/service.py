@@ -1,0 +1,127 @@
+"""The reward executor in the RL job: ranks with scorer worker pools, and the handle.
+
+The controller sends a group's (response, answer) texts to a reward rank (round robin)
+and gets a future back at once; the rank scores the items in its worker processes
+(rl/reward/executor.py: a raising, hanging or dying scorer gives 0 and a counter, never
+a crash) and answers when the whole group is scored. So scoring runs in parallel with
+generation and training, on ranks of its own.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import traceback
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+from rl.controller.channel import Failed
+
+
+@dataclass
+class Score:
+    request: int
+    pairs: list[tuple[str, str]]  # (response, reference answer)
+
+
+@dataclass
+class Scored:
+    request: int
+    rewards: list[float]
+    failures: int  # scorer errors and dead workers so far on this rank
+    timeouts: int
+
+
+@dataclass
+class Stop:
+    pass
+
+
+def serve(cfg: Any, job: Any) -> None:
+    from rl.reward.executor import RewardExecutor
+
+    inbox = job.channel(f"reward/in/{job.role_rank}", Score, Stop)
+    reply = job.channel("reward/out", Scored)
+    lock = threading.Lock()  # answers come from the executor's dispatch thread
+    r = cfg.reward
+    try:
+        with RewardExecutor(r.scorer, r.workers, r.timeout_s) as ex:
+            while isinstance(msg := inbox.get(), Score):
+                futures = [ex.submit(resp, ans) for resp, ans in msg.pairs]
+                _answer_when_done(msg.request, futures, ex, reply, lock)
+    except BaseException:
+        reply.put(Failed("reward", job.role_rank, traceback.format_exc()))
+        raise
+
+
+def _answer_when_done(request: int, futures: list[Future], ex: Any, reply: Any, lock: Any):
+    left = [len(futures)]
+
+    def one_done(_: Future) -> None:
+        with lock:
+            left[0] -= 1
+            if left[0] == 0:
+                st = ex.stats
+                rewards = [f.result() for f in futures]
+                reply.put(Scored(request, rewards, st.failures, st.timeouts))
+
+    for f in futures:
+        f.add_done_callback(one_done)
+
+
+class RewardHandle:
+    """``score(pairs)`` -> Future[list[float]], answered by the reward ranks."""
+
+    def __init__(self, job: Any):
+        n = job.role_size("reward")
+        self._to = [job.channel(f"reward/in/{r}", Score, Stop) for r in range(n)]
+        self._from = job.channel("reward/out", Scored)  # read by the reply thread only
+        self._wake = job.channel("reward/out", Scored)
+        self._ids = itertools.count()
+        self._next = itertools.cycle(range(n))
+        self._pending: dict[int, Future] = {}
+        self._lock = threading.Lock()
+        self._per_rank: dict[int, tuple[int, int]] = {}
+        self._thread = threading.Thread(target=self._receive, name="reward-replies", daemon=True)
+        self._thread.start()
+
+    def score(self, pairs: list[tuple[str, str]]) -> Future:
+        fut: Future = Future()
+        with self._lock:
+            request, rank = next(self._ids), next(self._next)
+            self._pending[request] = fut
+            self._to[rank].put(Score(request, pairs))
+        fut.rank = rank  # type: ignore[attr-defined]
+        return fut
+
+    def _receive(self) -> None:
+        while True:
+            try:
+                msg = self._from.get()
+            except BaseException as e:  # a reward rank failed: fail everything waiting
+                with self._lock:
+                    waiting, self._pending = list(self._pending.values()), {}
+                for f in waiting:
+                    f.set_exception(e)
+                return
+            if msg.request < 0:  # stop() woke us
+                return
+            with self._lock:
+                fut = self._pending.pop(msg.request)
+            self._per_rank[fut.rank] = (msg.failures, msg.timeouts)  # type: ignore[attr-defined]
+            fut.set_result(msg.rewards)
+
+    @property
+    def failures(self) -> int:
+        return sum(f for f, _ in self._per_rank.values())
+
+    @property
+    def timeouts(self) -> int:
+        return sum(t for _, t in self._per_rank.values())
+
+    def stop(self) -> None:
+        for ch in self._to:
+            ch.put(Stop())
+        self._wake.put(Scored(-1, [], 0, 0))  # wakes the reply thread
+        self._thread.join(timeout=5)

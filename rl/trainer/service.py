@@ -1,0 +1,249 @@
+"""The trainer executor in the RL job: its ranks' command loop and the controller's handle.
+
+Every trainer rank runs :func:`serve`: it builds the Megatron trainer on the trainer's own
+process group, runs the supervised warm-up if configured (its progress goes to the
+controller's log), then obeys the controller: train a step on a batch, push the weights
+(DDMA) as a version, save. Every rank receives every command and acts on its own shards;
+rank 0 of the trainer answers for all of them. Both sides of the protocol are here.
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+import os
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rl.controller.channel import Failed
+
+
+@dataclass
+class Train:
+    step: int
+    batch: dict[str, torch.Tensor]
+
+
+@dataclass
+class Connect:
+    """Prepare DDMA into these servers (p2p: then join their groups)."""
+
+    urls: list[str]
+
+
+@dataclass
+class Join:
+    """p2p: join the servers' DDMA groups at ``address``/``ports`` (the controller has
+    asked the servers to join them too)."""
+
+    address: str
+    ports: list[int]
+
+
+@dataclass
+class Push:
+    version: int
+
+
+@dataclass
+class Save:
+    path: str
+
+
+@dataclass
+class Stop:
+    pass
+
+
+@dataclass
+class Log:
+    """Warm-up progress, logged by the controller (the one writer of metrics)."""
+
+    step: int
+    metrics: dict[str, float]
+    phase: str
+    echo: bool
+
+
+@dataclass
+class Ready:
+    warmup_accuracy: float | None
+    checkpoint: str | None  # where the warm-up was saved
+
+
+@dataclass
+class Done:
+    result: dict[str, Any] = field(default_factory=dict)
+
+
+COMMANDS = (Train, Connect, Join, Push, Save, Stop)
+REPLIES = (Log, Ready, Done)
+
+
+class _ChannelLog:
+    """A MetricsLogger look-alike that forwards to the controller."""
+
+    def __init__(self, reply: Any):
+        self.reply = reply
+
+    def log(self, step: int, metrics: dict, phase: str, echo: bool = True) -> None:
+        self.reply.put(Log(step, {k: float(v) for k, v in metrics.items()}, phase, echo))
+
+
+# ---------------------------------------------------------------------- trainer ranks
+def _prepare(cfg: Any, log: Any) -> tuple[Any, Any, Ready]:
+    """Build the trainer; run the warm-up first if ``sft.steps`` > 0. The RL stage gets a
+    fresh trainer (optimizer state and LR schedule of its own) loaded from the warm-up,
+    and, with a KL penalty, a frozen copy of that starting policy as the reference."""
+    from rl.tasks.arithmetic import AdditionTask
+    from rl.trainer.trainer import build_trainer
+    from rl.warmup import supervised_warmup
+
+    t, sft, out = cfg.trainer, cfg.sft, Path(cfg.run.output_dir)
+    load, load_optim, acc, ckpt = t.load_dir, t.load_optimizer, None, None
+    if sft.steps > 0:
+        wt = copy.deepcopy(t)
+        if sft.optim is not None:
+            wt.optim = sft.optim
+        tr = build_trainer(cfg.model, wt, total_steps=sft.steps)
+        if load:
+            tr.load(load, load_optim)
+        task = AdditionTask(cfg.task.digits, cfg.task.seed, cfg.task.eval_size)
+        warm_only = cfg.rl.steps == 0
+        ckpt = t.save_dir or str(out / "checkpoint") if warm_only else str(out / "warmup")
+        acc = supervised_warmup(tr, task, sft, log, ckpt, t.save_interval)
+        tr.save(ckpt)
+        if warm_only:
+            return tr, None, Ready(acc, ckpt)
+        del tr
+        gc.collect()
+        load, load_optim = ckpt, False
+    temperature = float(cfg.rollout.sampling.temperature)
+    tr = build_trainer(cfg.model, t, total_steps=max(cfg.rl.steps, 1))
+    ref = None
+    if cfg.algorithm.kl_coef > 0:  # same seed: without a checkpoint it is the same init
+        ref = build_trainer(cfg.model, t, total_steps=1, frozen=True)
+        ref.temperature = temperature
+    if load:
+        tr.load(load, load_optim)
+        if ref is not None:
+            ref.load(load, load_optimizer=False)
+    tr.temperature = temperature
+    return tr, ref, Ready(acc, ckpt)
+
+
+def serve(cfg: Any, job: Any) -> None:
+    """The trainer ranks' main loop (each rank of the trainer's process group)."""
+    import torch.distributed as dist
+
+    import megatron_patches
+
+    megatron_patches.apply_all(cfg.trainer.device)  # before anything imports Megatron
+    torch.set_num_threads(cfg.trainer.threads_per_rank)
+    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")  # Megatron's advice for TP
+    from rl.algorithms.losses import loss_from_config
+    from rl.ddma.live import TrainerSide
+    from rl.ddma.plan import plan_for
+    from rl.metrics import MetricsLogger
+
+    inbox = job.channel(f"trainer/in/{job.role_rank}", *COMMANDS)
+    reply = job.channel("trainer/out", *REPLIES)
+    lead = job.role_rank == 0
+    answer = reply.put if lead else (lambda msg: None)
+    try:
+        log = _ChannelLog(reply) if lead else MetricsLogger("", enabled=False)
+        tr, ref, ready = _prepare(cfg, log)
+        answer(ready)
+        loss_fn = loss_from_config(cfg.algorithm)
+        dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.trainer.params_dtype]
+        sender = None
+        while not isinstance(msg := inbox.get(), Stop):
+            if isinstance(msg, Train):
+                if ref is not None:  # log pi_ref of every token, for the KL penalty
+                    msg.batch["ref_logprobs"] = ref.logprobs(msg.batch)
+                answer(Done(tr.train_step(msg.batch, loss_fn)))
+            elif isinstance(msg, Connect):
+                plan = plan_for(cfg.model, cfg.trainer, cfg.rollout, dp=tr.layout.dp)
+                w = cfg.rollout.weight_sync
+                sender = TrainerSide(tr.model.module, tr.layout, plan, dtype, msg.urls, w.timeout)
+                answer(Done({"address": _address(), "ports": _ports(len(msg.urls))}))
+            elif isinstance(msg, Join):
+                assert sender is not None, "Join before Connect"
+                sender.join(msg.address, msg.ports)
+                answer(Done())
+            elif isinstance(msg, Push):
+                assert sender is not None, "Push before Connect"
+                s = sender.push(msg.version)
+                # Sum over ranks; the all-reduce is also the barrier that makes every
+                # rank's buckets land before the controller commits.
+                v = torch.tensor(
+                    [s.payload_bytes, s.wire_bytes, s.buffer_bytes], dtype=torch.float64
+                )
+                dist.all_reduce(v)
+                answer(Done({"sync_bytes": v[0].item(), "sync_wire_bytes": v[1].item()}))
+            elif isinstance(msg, Save):
+                tr.save(msg.path)
+                answer(Done({"path": msg.path}))
+    except BaseException:
+        reply.put(Failed("trainer", job.role_rank, traceback.format_exc()))
+        raise
+
+
+def _address() -> str:
+    """This host's address as the generator servers reach it (the DDMA group's master)."""
+    import socket
+
+    return os.environ.get("MSRL_DDMA_ADDRESS") or socket.gethostbyname(socket.gethostname())
+
+
+def _ports(n: int) -> list[int]:
+    from rl.dist.net import free_port
+
+    return [free_port("0.0.0.0") for _ in range(n)]
+
+
+# ---------------------------------------------------------------------- the controller
+class TrainerHandle:
+    """The controller's view of the trainer: each call sends a command to every trainer
+    rank and returns trainer rank 0's answer."""
+
+    def __init__(self, job: Any):
+        n = job.role_size("trainer")
+        self._to = [job.channel(f"trainer/in/{r}", *COMMANDS) for r in range(n)]
+        self._from = job.channel("trainer/out", *REPLIES)
+
+    def _call(self, msg: Any) -> dict[str, Any]:
+        for ch in self._to:
+            ch.put(msg)
+        return self._from.expect(Done).result
+
+    def wait_ready(self, log: Any) -> Ready:
+        """Wait for the trainer to be built (and warmed up), logging the warm-up's lines."""
+        while isinstance(msg := self._from.get(), Log):
+            log.log(msg.step, msg.metrics, phase=msg.phase, echo=msg.echo)
+        if not isinstance(msg, Ready):
+            raise RuntimeError(f"trainer answered {type(msg).__name__} before it was ready")
+        return msg
+
+    def train(self, step: int, batch: dict[str, torch.Tensor]) -> dict[str, float]:
+        return self._call(Train(step, batch))
+
+    def connect(self, urls: list[str]) -> dict[str, Any]:
+        return self._call(Connect(urls))
+
+    def join(self, address: str, ports: list[int]) -> None:
+        self._call(Join(address, ports))
+
+    def push(self, version: int) -> dict[str, float]:
+        return self._call(Push(version))
+
+    def save(self, path: str) -> None:
+        self._call(Save(path))
+
+    def stop(self) -> None:
+        for ch in self._to:
+            ch.put(Stop())

@@ -1,0 +1,140 @@
+"""Asynchronous vs synchronous RL on the same tiny workload, measured in one run.
+
+    PYTHONPATH=. $(tools/setup_env.sh)/bin/python tools/bench/async_vs_sync.py [--steps 100]
+
+Both modes run the real job (`python -m rl.train`: Megatron trainer, SGLang server, DDMA,
+reward ranks) with the same config, the same warm-up checkpoint, the same prompts (the
+task's seeded sampler) and the same number of samples and steps; only ``rl.mode``
+differs. sync is the DeepSpeed-Chat-like baseline (generate -> score -> train -> push
+weights, in sequence); async lets the generator sample the next batch with the previous
+policy while the trainer trains (AIPO corrects the one-step lag).
+
+Two hardware splits of this 2-core machine are measured:
+* ``split``: trainer TP=1 and a one-thread SGLang server, each executor on a core of its
+  own, like LlamaRL's separate trainer and generator GPUs;
+* ``default``: the embedded default's TP=2 trainer, whose two ranks already take both
+  cores, so in async mode the executors compete for the same cores.
+
+Reports per-step time (mean over the RL steps after the first few), its ratio, the idle
+fractions of trainer and generator, the held-out accuracy at the end, and the peak
+memory of the whole job (sum of RSS over its processes); writes them as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from bench_util import tree_rss_mb, write_result
+
+ROOT = Path(__file__).resolve().parents[2]
+SPLITS = {"split": ["trainer.tp=1"], "default": []}
+SKIP = 3  # first steps: caches warm up, the async pipeline fills
+
+
+def job(args: list[str], out: Path) -> tuple[float, float]:
+    """Run the RL job; return (wall seconds, peak summed RSS in MB of its processes)."""
+    cmd = [sys.executable, "-m", "rl.train", *args, f"run.output_dir={out}"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    t0 = time.perf_counter()
+    with open(out.with_suffix(".log"), "w") as log:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+        peak = [0.0]
+
+        def sample() -> None:
+            while proc.poll() is None:
+                peak[0] = max(peak[0], tree_rss_mb(proc.pid))
+                time.sleep(0.5)
+
+        watcher = threading.Thread(target=sample, daemon=True)
+        watcher.start()
+        code = proc.wait()
+        watcher.join()
+    if code:
+        tail = out.with_suffix(".log").read_text().splitlines()[-30:]
+        raise SystemExit(f"{' '.join(cmd)} failed ({code}):\n" + "\n".join(tail))
+    return time.perf_counter() - t0, peak[0]
+
+
+def summarize(out: Path) -> dict:
+    recs = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in recs if r["phase"] == "rl"]
+    evals = [r for r in recs if r["phase"] == "rl_eval"]
+    timed = [r for r in steps[SKIP:] if "eval_accuracy" not in r]
+
+    def mean(key: str) -> float:
+        return statistics.mean(r[key] for r in timed)
+
+    return {
+        "step_s": mean("step_s"),
+        "step_s_stdev": statistics.stdev(r["step_s"] for r in timed),
+        "train_s": mean("train_s"),
+        "sync_s": mean("sync_s"),
+        "wait_batch_s": mean("wait_batch_s"),
+        "trainer_idle_frac": mean("trainer_idle_frac"),
+        "gen_idle_frac": mean("gen_idle_frac"),
+        "lag_mean": mean("lag_mean"),
+        "reward_mean_last20": statistics.mean(r["reward_mean"] for r in steps[-20:]),
+        "start_accuracy": evals[0]["eval_accuracy"],
+        "final_accuracy": evals[-1]["eval_accuracy"],
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--steps", type=int, default=100, help="RL steps per mode")
+    ap.add_argument("--splits", nargs="+", default=list(SPLITS), choices=list(SPLITS))
+    ap.add_argument("--out", default=str(ROOT / "tools/bench/results/async_vs_sync.json"))
+    ap.add_argument("overrides", nargs="*", help="Hydra overrides for every run")
+    a = ap.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="async-vs-sync-"))
+    print(f"[bench] warm-up checkpoint (runs in {work})", flush=True)
+    warm = work / "warmup"
+    job(["rl.steps=0", "cluster.roles.generator=0", "cluster.roles.reward=0", *a.overrides], warm)
+    result: dict = {"steps": a.steps, "overrides": a.overrides, "splits": {}}
+    for split in a.splits:
+        runs = {}
+        for mode in ("sync", "async"):
+            args = [
+                *SPLITS[split],
+                *a.overrides,
+                f"rl.mode={mode}",
+                f"rl.steps={a.steps}",
+                f"rl.eval_every={a.steps}",
+                "sft.steps=0",
+                f"trainer.load_dir={warm}/checkpoint",
+                "trainer.load_optimizer=false",
+            ]
+            print(f"[bench] {split}: {mode}, {a.steps} steps", flush=True)
+            wall, peak = job(args, work / f"{split}-{mode}")
+            runs[mode] = {
+                **summarize(work / f"{split}-{mode}"),
+                "job_wall_s": wall,
+                "peak_rss_mb": peak,
+            }
+        s, y = runs["sync"], runs["async"]
+        runs["speedup_per_step"] = s["step_s"] / y["step_s"]
+        runs["accuracy_gap_points"] = 100 * (y["final_accuracy"] - s["final_accuracy"])
+        result["splits"][split] = runs
+        print(
+            f"[bench] {split}: sync {s['step_s']:.3f} s/step, async {y['step_s']:.3f} s/step "
+            f"-> {runs['speedup_per_step']:.2f}x; idle trainer {s['trainer_idle_frac']:.0%} "
+            f"-> {y['trainer_idle_frac']:.0%}, generator {s['gen_idle_frac']:.0%} -> "
+            f"{y['gen_idle_frac']:.0%}; final accuracy {s['final_accuracy']:.3f} vs "
+            f"{y['final_accuracy']:.3f}; peak RSS {s['peak_rss_mb']:.0f} / "
+            f"{y['peak_rss_mb']:.0f} MB",
+            flush=True,
+        )
+    write_result(result, a.out)
+
+
+if __name__ == "__main__":
+    main()

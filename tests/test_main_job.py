@@ -96,7 +96,11 @@ def test_torchrun_launch_runs_the_same_job(tmp_path):
 def test_world_size_helper_rejects_bad_config():
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     cmd = [sys.executable, "-m", "rl.config.world_size"]
-    ok = subprocess.run([*cmd, "trainer.tp=2", "trainer.dp=2"], env=env, capture_output=True)
+    ok = subprocess.run(
+        [*cmd, "trainer.tp=2", "trainer.dp=2", "trainer.micro_batch_size=32"],
+        env=env,
+        capture_output=True,
+    )
     assert ok.stdout.decode().strip() == "7"  # controller, 4 trainer, generator, reward
     bad = subprocess.run([*cmd, "trainer.pp=3"], env=env, capture_output=True, text=True)
     assert bad.returncode == 2

@@ -9,6 +9,7 @@ same temperature), so the importance ratio is 1. Bad launches fail before any ra
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import subprocess
@@ -90,8 +91,9 @@ def test_async_job_streams_rollouts_within_the_lag_bound(tmp_path):
         assert not missing, missing
         assert r["lag_max"] <= 1 and r["sync_s"] > 0 and 0 <= r["gen_idle_frac"] <= 1
     assert any(r["lag_max"] == 1 for r in steps)  # the generator really ran ahead
-    # Answers are 4 tokens and segments 2: every response was cut and resumed in the loop.
-    assert sum(r["resumed_segments"] for r in steps) >= 6 * 8 * 8
+    # Answers are 4 tokens and segments 2: every response that did not end (EOS) within
+    # its first 2 tokens was cut and resumed in the loop; after this warm-up that is most.
+    assert sum(r["resumed_segments"] for r in steps) >= 6 * 8 * 8 // 2
     assert [r["step"] for r in _records(out, "rl_eval")] == [0, 3, 6]
     assert (out / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert list((out / "tensorboard").glob("events.out.tfevents.*"))
@@ -109,11 +111,15 @@ def test_sync_job_trains_on_exactly_the_sampled_distribution(tmp_path):
     out = tmp_path / "run"
     res = _run(
         *SHORT,
+        "sft.steps=150",  # some answers right (~6%), so most batches have a gradient
         "rl.steps=3",
         "rl.mode=sync",
         "rl.eval_every=0",
         "rollout.sampling.temperature=0.7",
         "algorithm.kl_coef=0.05",
+        # Steps big enough for a KL that float32 resolves (the default ramps the LR up).
+        "trainer.optim.lr=1e-3",
+        "trainer.optim.warmup_steps=0",
         f"run.output_dir={out}",
     )
     assert res.returncode == 0, res.stderr[-4000:]
@@ -123,7 +129,11 @@ def test_sync_job_trains_on_exactly_the_sampled_distribution(tmp_path):
         assert r["lag_max"] == 0 and r["dropped_total"] == 0
         assert r["mismatch_abs_logp"] < 1e-4, r
         assert abs(r["is_ratio"] - 1) < 1e-4 and r["truncated_frac"] == 0
-    assert steps[0]["kl_ref"] < 1e-9 < steps[-1]["kl_ref"]
+    assert steps[0]["kl_ref"] < 1e-9
+    # The policy leaves the reference once a step had a gradient (all-wrong batches have
+    # zero advantages, so none).
+    moved = [r["kl_ref"] for prev, r in itertools.pairwise(steps) if prev["grad_norm"] > 0]
+    assert moved and min(moved) > 1e-9, steps
     _no_server_left(out)
 
 

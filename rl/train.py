@@ -46,12 +46,17 @@ SHOW = (
 
 def controller(cfg: DictConfig, job: Any) -> dict[str, float]:
     """Rank 0: wait for the warm-up, run the RL loop, then stop every executor."""
+    from rl.controller import resume
     from rl.generator.service import GeneratorHandle
     from rl.metrics import MetricsLogger, plot_curves, plot_rl
     from rl.reward.service import RewardHandle
     from rl.trainer.service import TrainerHandle
 
     out = Path(cfg.run.output_dir)
+    point = resume.read(out) if cfg.rl.steps > 0 else None  # a restarted (requeued) job
+    if point is not None:  # what the lost attempt logged after its checkpoint goes
+        resume.truncate_metrics(out / "metrics.jsonl", point.step)
+        print(f"resuming from RL step {point.step} ({point.checkpoint})", flush=True)
     log = MetricsLogger(out, totals={"warmup": cfg.sft.steps, "rl": cfg.rl.steps})
     trainer = TrainerHandle(job)
     handles = [trainer]
@@ -63,7 +68,7 @@ def controller(cfg: DictConfig, job: Any) -> dict[str, float]:
             print(f"done: held-out accuracy {acc:.3f}; checkpoint {ready.checkpoint}")
             return {"warmup_accuracy": acc}
         handles += [GeneratorHandle(job), RewardHandle(job)]
-        result = rl_loop(cfg, *handles, log)
+        result = rl_loop(cfg, *handles, log, ready.warmup_accuracy, point)
         plot_rl(out / "metrics.jsonl", out / "curves.png")
         print(
             f"done: held-out accuracy {result['start_accuracy']:.3f} -> "
@@ -77,7 +82,17 @@ def controller(cfg: DictConfig, job: Any) -> dict[str, float]:
         log.close()
 
 
-def rl_loop(cfg: DictConfig, trainer: Any, gen: Any, reward: Any, log: Any) -> dict[str, float]:
+def rl_loop(
+    cfg: DictConfig,
+    trainer: Any,
+    gen: Any,
+    reward: Any,
+    log: Any,
+    warmup_accuracy: float | None,
+    point: Any = None,
+) -> dict[str, float]:
+    """RL steps ``first``..``rl.steps`` (``first`` > 1 when resuming ``point``)."""
+    from rl.controller import resume
     from rl.controller.batch import build_batch
     from rl.controller.rollouts import RolloutStream
     from rl.controller.staleness import StalenessGate
@@ -89,13 +104,28 @@ def rl_loop(cfg: DictConfig, trainer: Any, gen: Any, reward: Any, log: Any) -> d
     steps, r, a = cfg.rl.steps, cfg.rollout, cfg.algorithm
     task = AdditionTask(cfg.task.digits, cfg.task.seed, cfg.task.eval_size)
     sampling = SamplingParams.from_dict({**r.sampling, "n": a.group_size})
+    out, first = Path(cfg.run.output_dir), point.step + 1 if point else 1
+    if point is not None:  # fresh problems, the same on every attempt resumed here
+        task.reseed(first)
     urls, model_path = gen.wait_up()
     client = GeneratorClient.for_urls(urls, model_path, r)
     sync = connect(cfg, trainer, urls)
-    version = 1  # the trainer's weights as they are now (the warm-up's)
+    version = first  # the trainer's weights as they are now (after step first - 1)
     push(sync, trainer, client, version)
-    start = evaluate(client, task)
-    log.log(0, {"eval_accuracy": start}, phase="rl_eval")
+    if point is None:
+        start = evaluate(client, task)
+        log.log(0, {"eval_accuracy": start}, phase="rl_eval")
+    else:
+        start = point.start_accuracy
+
+    if first > steps:  # the lost attempt had finished all its steps (and saved them)
+        final = evaluate(client, task)
+        client.close()
+        return {"start_accuracy": start, "final_accuracy": final}
+
+    def save(step: int, path: str) -> None:
+        trainer.save(path)
+        resume.write(out, resume.ResumePoint(step, path, start, warmup_accuracy))
 
     def score(g):
         pairs = [(task.response_text(x.output_ids), task.answer_text(g.item)) for x in g.rollouts]
@@ -117,7 +147,7 @@ def rl_loop(cfg: DictConfig, trainer: Any, gen: Any, reward: Any, log: Any) -> d
     seq_len = task.prompt_len + sampling.max_new_tokens
     t_last = time.perf_counter()
     try:
-        for step in range(1, steps + 1):
+        for step in range(first, steps + 1):
             groups, m = stream.next_batch(version)  # waits only if nothing is fresh enough
             batch = build_batch(
                 [g.rollouts for g in groups],
@@ -142,12 +172,12 @@ def rl_loop(cfg: DictConfig, trainer: Any, gen: Any, reward: Any, log: Any) -> d
             m["trainer_idle_frac"] = 1 - min((m["train_s"] + m["sync_s"]) / m["step_s"], 1.0)
             echo = step % cfg.rl.log_every == 0 or step == steps
             log.log(step, m, phase="rl", echo=echo, show=SHOW)
-            if cfg.rl.save_interval and step % cfg.rl.save_interval == 0:
-                trainer.save(str(Path(cfg.run.output_dir) / "checkpoint"))
+            if cfg.rl.save_interval and step % cfg.rl.save_interval == 0 and step < steps:
+                save(step, str(out / "checkpoint"))
     finally:
         stream.close()
         client.close()
-    trainer.save(cfg.trainer.save_dir or str(Path(cfg.run.output_dir) / "checkpoint"))
+    save(steps, cfg.trainer.save_dir or str(out / "checkpoint"))
     return {"start_accuracy": start, "final_accuracy": m["eval_accuracy"]}
 
 
@@ -177,6 +207,8 @@ def run(cfg: DictConfig) -> dict[str, float]:
     quiet_known_warnings()
     job = join(cfg, cfg.trainer.device)
     _title(f"msrl:{job.role}:{job.role_rank}")
+    if node := os.environ.get("SLURMD_NODENAME"):  # where each rank runs, for operators
+        print(f"[job] {job.role} {job.role_rank} on {node} (rank {job.rank})", flush=True)
     try:
         if job.role == "controller":
             return controller(cfg, job)

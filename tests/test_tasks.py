@@ -134,3 +134,15 @@ def test_reward_executor_text_scoring_equals_the_task_reward():
         text = exact_answer(task.response_text(ids), task.answer_text(p))
         assert text == task.reward(p, ids), ids
     assert task.reward(p, right) == 1.0
+
+
+def test_reseed_gives_a_reproducible_stream_apart_from_the_default() -> None:
+    """A resumed job draws from stream <step>: the same on every attempt, not a replay."""
+    default = AdditionTask(2, seed=0).sample(64)
+    a, b = AdditionTask(2, seed=0), AdditionTask(2, seed=0)
+    a.reseed(5)
+    b.reseed(5)
+    resumed = a.sample(64)
+    assert resumed == b.sample(64)
+    assert resumed != default
+    assert not set(resumed) & a._held

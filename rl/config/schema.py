@@ -216,10 +216,24 @@ class RolesConfig:
 
 @dataclass
 class ClusterConfig:
-    """Where the job runs and how its ranks are split between executors."""
+    """Where the job runs and how its ranks are split between executors.
 
-    name: str = "local"
+    The hardware fields are read by the placement planner (``python -m rl.plan``), which
+    puts trainer ranks and SGLang servers on disjoint nodes and refuses a split or a
+    memory budget that cannot work; the defaults describe this one CPU machine."""
+
+    name: str = "local"  # local (every rank on this machine) | slurm (multi-node)
     roles: RolesConfig = field(default_factory=RolesConfig)
+    nodes: int = 1
+    gpus_per_node: int = 0  # 0: CPU only (ranks are processes; no GPU memory to check)
+    gpu_memory_gb: float = 80.0  # per GPU; a plan needing more is refused
+    cpus_per_node: int | None = None  # null: not checked
+    # Nodes for the trainer (tp*pp*dp GPUs) and for the SGLang servers (servers*rollout.tp
+    # GPUs); they must add up to nodes. 0 and 0: every executor shares every node (local).
+    train_nodes: int = 0
+    generation_nodes: int = 0
+    # Network bandwidth per GPU (its NIC), for the planner's DDMA time estimate.
+    interconnect_gbps: float = 400.0
 
 
 @dataclass

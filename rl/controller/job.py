@@ -18,7 +18,7 @@ from datetime import timedelta
 from typing import Any
 
 from rl.controller.channel import Channel
-from rl.controller.roles import RoleMap
+from rl.controller.roles import RoleError, RoleMap
 
 EXIT_KEY = "job/exited"
 
@@ -50,6 +50,31 @@ class Job:
             time.sleep(0.05)
 
 
+def placed_rank(cfg: Any, env: Any, rank: int) -> int:
+    """The role-map rank this process plays.
+
+    Why not the launcher's rank: under ``srun torchrun --rdzv_backend c10d`` the global
+    ranks follow the rendezvous order of the nodes' agents, not the nodes' order, so
+    launch/slurm/train.sbatch sets MSRL_PLACED=1 and each process finds its place from its
+    node (SLURM_NODEID) and its local rank in the planner's placement (rl/plan: trainer
+    ranks on the training nodes, generator ranks next to their servers). Elsewhere the
+    launcher's rank is the role-map rank."""
+    if env.get("MSRL_PLACED") != "1":
+        return rank
+    from rl.plan.placement import place
+
+    per_node = place(cfg).node_ranks()
+    node, local = int(env["SLURM_NODEID"]), int(env["LOCAL_RANK"])
+    started = int(env["LOCAL_WORLD_SIZE"])
+    if node >= len(per_node) or started != len(per_node[node]):
+        expected = len(per_node[node]) if node < len(per_node) else 0
+        raise RoleError(
+            f"node {node} started {started} ranks but the placement of cluster.nodes="
+            f"{len(per_node)} puts {expected} there (python -m rl.plan --ranks-per-node)"
+        )
+    return per_node[node][local]
+
+
 def join(cfg: Any, device: str = "cpu") -> Job:
     """Join the job as the rank the launcher says this process is (RANK, WORLD_SIZE)."""
     import torch
@@ -58,13 +83,13 @@ def join(cfg: Any, device: str = "cpu") -> Job:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     roles = RoleMap.from_config(cfg)
     roles.check_world(world)
-    role, role_rank = roles.role_of(rank)
+    role, role_rank = roles.role_of(placed_rank(cfg, os.environ, rank))
     timeout = float(cfg.rl.channel_timeout)
     store, _, _ = next(dist.rendezvous("env://", timeout=timedelta(seconds=timeout)))
     # The trainer is the one executor with heavy collectives: NCCL on GPUs.
     backend = "nccl" if (role == "trainer" and device == "cuda") else "gloo"
-    if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    if backend == "nccl":  # trainer ranks fill their nodes' GPUs in order (rl/plan)
+        torch.cuda.set_device(role_rank % torch.cuda.device_count())
     dist.init_process_group(
         backend,
         store=dist.PrefixStore(f"role/{role}", store),

@@ -48,3 +48,11 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:  # let the OS pick
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def host_address() -> str:
+    """This host's address as other nodes reach it (MSRL_HOST_ADDRESS overrides it, e.g.
+    for a node whose hostname resolves to the wrong interface)."""
+    import os
+
+    return os.environ.get("MSRL_HOST_ADDRESS") or socket.gethostbyname(socket.gethostname())

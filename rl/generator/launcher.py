@@ -58,7 +58,10 @@ class ServerConfig:
     device: str = "cpu"
     dtype: str = "float32"
     tp: int = 1
-    host: str = "127.0.0.1"
+    host: str = "127.0.0.1"  # the interface the server listens on
+    # The host in the URLs handed to clients (other nodes reach a server listening on
+    # 0.0.0.0 through its node's address); None: ``host``.
+    advertise: str | None = None
     max_total_tokens: int | None = 8192
     max_running_requests: int | None = 64
     context_length: int | None = None
@@ -241,7 +244,7 @@ class ServerLauncher:
         self.servers: list[Server] = []
         for i in range(n):
             port = free_port(config.host)
-            url = f"http://{config.host}:{port}"
+            url = f"http://{config.advertise or config.host}:{port}"
             self.servers.append(Server(i, url, port, self.log_dir / f"server{i}.log"))
 
     @property
@@ -273,7 +276,7 @@ class ServerLauncher:
                             raise
                         self._kill([s])
                         s.port = free_port(self.config.host)
-                        s.url = f"http://{self.config.host}:{s.port}"
+                        s.url = f"http://{self.config.advertise or self.config.host}:{s.port}"
                         self._spawn(s)
         except BaseException:
             self.stop()

@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import threading
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from rl.controller.channel import Failed
+from rl.dist.net import host_address
 
 
 @dataclass
@@ -54,6 +55,8 @@ def serve(cfg: Any, job: Any) -> None:
         path = _model_path(cfg, out)
         n = cfg.rollout.servers // job.role_size()
         server = ServerConfig.from_rollout(cfg.rollout, path)
+        if cfg.cluster.nodes > 1:  # the controller and the trainer may be on other nodes
+            server = replace(server, host="0.0.0.0", advertise=host_address())
         with ServerLauncher(server, n=n, log_dir=out / "logs") as launcher:
             reply.put(Up(job.role_rank, launcher.urls, path))
             stop = threading.Event()

@@ -71,6 +71,7 @@ class AdditionTask:
             held.add(Problem(rng.randrange(n), rng.randrange(n)))
         self.eval_set = sorted(held, key=lambda p: (p.a, p.b))
         self._held = held
+        self.seed = seed
         self._rng = random.Random(seed + 1)
         # Fresh training problems for decisions made during training (when to end the
         # warm-up), so the held-out set only ever measures.
@@ -102,6 +103,12 @@ class AdditionTask:
     def sample(self, count: int) -> list[Problem]:
         """Training problems drawn uniformly, never from the held-out set."""
         return self._draw(self._rng, count)
+
+    def reseed(self, stream: int) -> None:
+        """Switch :meth:`sample` to the training stream ``stream`` (reproducible, and apart
+        from the default one): a job resumed at a step must not replay the problems its
+        lost attempt already trained on."""
+        self._rng = random.Random(f"{self.seed}/{stream}")
 
     def _draw(self, rng: random.Random, count: int) -> list[Problem]:
         n, out = 10**self.digits, []

@@ -98,20 +98,24 @@ class _ChannelLog:
 def _prepare(cfg: Any, log: Any) -> tuple[Any, Any, Ready]:
     """Build the trainer; run the warm-up first if ``sft.steps`` > 0. The RL stage gets a
     fresh trainer (optimizer state and LR schedule of its own) loaded from the warm-up,
-    and, with a KL penalty, a frozen copy of that starting policy as the reference."""
+    and, with a KL penalty, a frozen copy of that starting policy as the reference. A
+    restarted job (rl/controller/resume.py) skips the warm-up and loads its last RL
+    checkpoint, optimizer, LR schedule and step count included."""
+    from rl.controller import resume
     from rl.tasks.arithmetic import AdditionTask
     from rl.trainer.trainer import build_trainer
     from rl.warmup import supervised_warmup
 
     t, sft, out = cfg.trainer, cfg.sft, Path(cfg.run.output_dir)
-    load, load_optim, acc, ckpt = t.load_dir, t.load_optimizer, None, None
-    if sft.steps > 0:
+    start, acc, ckpt = t.load_dir, None, None  # start: the RL stage's starting policy
+    point = resume.read(out) if cfg.rl.steps > 0 else None
+    if point is None and sft.steps > 0:
         wt = copy.deepcopy(t)
         if sft.optim is not None:
             wt.optim = sft.optim
         tr = build_trainer(cfg.model, wt, total_steps=sft.steps)
-        if load:
-            tr.load(load, load_optim)
+        if start:
+            tr.load(start, t.load_optimizer)
         task = AdditionTask(cfg.task.digits, cfg.task.seed, cfg.task.eval_size)
         warm_only = cfg.rl.steps == 0
         ckpt = t.save_dir or str(out / "checkpoint") if warm_only else str(out / "warmup")
@@ -121,17 +125,21 @@ def _prepare(cfg: Any, log: Any) -> tuple[Any, Any, Ready]:
             return tr, None, Ready(acc, ckpt)
         del tr
         gc.collect()
-        load, load_optim = ckpt, False
+        start = ckpt
+    elif point is not None and sft.steps > 0:
+        start, acc, ckpt = str(out / "warmup"), point.warmup_accuracy, point.checkpoint
     temperature = float(cfg.rollout.sampling.temperature)
     tr = build_trainer(cfg.model, t, total_steps=max(cfg.rl.steps, 1))
     ref = None
     if cfg.algorithm.kl_coef > 0:  # same seed: without a checkpoint it is the same init
         ref = build_trainer(cfg.model, t, total_steps=1, frozen=True)
         ref.temperature = temperature
-    if load:
-        tr.load(load, load_optim)
-        if ref is not None:
-            ref.load(load, load_optimizer=False)
+        if start:
+            ref.load(start, load_optimizer=False)
+    if point is not None:
+        tr.load(point.checkpoint, load_optimizer=True)
+    elif start:  # the warm-up's optimizer state is not RL's (t.load_optimizer: a load_dir's)
+        tr.load(start, t.load_optimizer and start == t.load_dir)
     tr.temperature = temperature
     return tr, ref, Ready(acc, ckpt)
 
@@ -195,9 +203,9 @@ def serve(cfg: Any, job: Any) -> None:
 
 def _address() -> str:
     """This host's address as the generator servers reach it (the DDMA group's master)."""
-    import socket
+    from rl.dist.net import host_address
 
-    return os.environ.get("MSRL_DDMA_ADDRESS") or socket.gethostbyname(socket.gethostname())
+    return host_address()
 
 
 def _ports(n: int) -> list[int]:

@@ -14,17 +14,20 @@ a time. Two fused layouts matter:
   concatenating TP shards is *not* the global tensor (see :func:`tp_shard`).
 
 Vocab rows are padded to ``make_vocab_size_divisible_by`` on the Megatron side and the
-padding is stripped on the Hugging Face side. Pure logic (torch tensors only).
+padding is stripped on the Hugging Face side. Pure logic (torch tensors only). torch is
+imported inside the tensor functions, so the shape half (names, shapes, TP split dims) that
+the DDMA planner and ``python -m rl.plan`` use loads in milliseconds without it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from rl.models.shapes import kv_channels, padded_vocab_size
+
+if TYPE_CHECKING:
+    import torch
 
 EMBED = "embedding.word_embeddings.weight"
 OUTPUT = "output_layer.weight"
@@ -169,6 +172,8 @@ def hf_shapes(d: Dims) -> dict[str, tuple[int, ...]]:
 # ---------------------------------------------------------------------- fused layouts
 def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, d: Dims) -> torch.Tensor:
     """HF q/k/v (weights or biases) -> Megatron's per-query-group ``[q_g | k_g | v_g]``."""
+    import torch
+
     per = d.heads // d.groups
     rest = q.shape[1:]
     qg = q.reshape(d.groups, per * d.head_dim, *rest)
@@ -178,6 +183,8 @@ def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, d: Dims) -> torc
 
 
 def split_qkv(qkv: torch.Tensor, d: Dims) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    import torch
+
     per = d.heads // d.groups
     rest = qkv.shape[1:]
     g = qkv.reshape(d.groups, (per + 2) * d.head_dim, *rest)
@@ -191,6 +198,8 @@ def split_qkv(qkv: torch.Tensor, d: Dims) -> tuple[torch.Tensor, torch.Tensor, t
 
 def to_megatron(key: str, hf: list[torch.Tensor], d: Dims) -> torch.Tensor:
     """Build the global Megatron tensor ``key`` from its HF parts (see :func:`hf_names`)."""
+    import torch
+
     if key in (QKV_W, QKV_B):
         return fuse_qkv(*hf, d)
     if key == FC1:
@@ -204,6 +213,8 @@ def to_megatron(key: str, hf: list[torch.Tensor], d: Dims) -> torch.Tensor:
 
 def to_hf(key: str, t: torch.Tensor, d: Dims) -> list[torch.Tensor]:
     """Split the global Megatron tensor ``key`` into its HF parts (padding stripped)."""
+    import torch
+
     if key in (QKV_W, QKV_B):
         return [x.contiguous() for x in split_qkv(t, d)]
     if key == FC1:
@@ -216,6 +227,8 @@ def to_hf(key: str, t: torch.Tensor, d: Dims) -> list[torch.Tensor]:
 # ---------------------------------------------------------------------- tensor parallel
 def tp_shard(key: str, t: torch.Tensor, tp: int, rank: int) -> torch.Tensor:
     """This TP rank's Megatron shard of the global tensor ``key``."""
+    import torch
+
     dim = TP_DIM[key]
     if dim is None or tp == 1:
         return t
@@ -227,6 +240,8 @@ def tp_shard(key: str, t: torch.Tensor, tp: int, rank: int) -> torch.Tensor:
 
 def tp_unshard(key: str, shards: list[torch.Tensor]) -> torch.Tensor:
     """Inverse of :func:`tp_shard` over all ranks' shards (in rank order)."""
+    import torch
+
     dim = TP_DIM[key]
     if dim is None or len(shards) == 1:
         return shards[0]

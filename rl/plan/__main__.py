@@ -1,0 +1,82 @@
+"""``python -m rl.plan [--json | --ranks-per-node] [hydra overrides...]``: print a job's
+placement and memory.
+
+``--ranks-per-node`` prints only the processes to start on each node, comma-separated
+(launch/slurm/train.sbatch starts that many on each node, and refuses a plan that does
+not fit before anything is allocated to it).
+
+Exit status: 0 the plan fits, 1 refused (cannot be placed or does not fit), 2 the config
+itself is wrong (a Hydra typo, a bad value), each with a one-line reason on stderr.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+USAGE = """usage: python -m rl.plan [--json | --ranks-per-node] [overrides...]
+
+Compose the config (same overrides as python -m rl.train, e.g. experiment=llama3_8b_256gpu
+trainer.pp=2) and print where every rank and GPU goes, the DDMA volume per step and the
+memory each GPU needs; refuse a plan that does not fit."""
+
+
+def _composition_error(e: BaseException) -> str:
+    parts, err = [], e
+    while err is not None:
+        text = str(err).strip()
+        if text and text not in parts:
+            parts.append(text)
+        err = err.__cause__
+    return " | ".join(" ".join(p.split()) for p in parts)
+
+
+def main(argv: list[str]) -> int:
+    if any(a in ("-h", "--help") for a in argv):
+        print(USAGE)
+        return 0
+    as_json, per_node = "--json" in argv, "--ranks-per-node" in argv
+    overrides = [a for a in argv if a not in ("--json", "--ranks-per-node")]
+    bad = [a for a in overrides if a.startswith("--")]
+    if bad:
+        print(
+            f"unknown option {bad[0]} (options: --json, --ranks-per-node)\n{USAGE}", file=sys.stderr
+        )
+        return 2
+
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    from rl.config import ConfigError, compose
+    from rl.plan.cluster import plan_cluster
+    from rl.plan.placement import PlanRefused
+    from rl.plan.report import render, to_json
+
+    try:
+        cfg = compose(overrides)
+    except (HydraException, OmegaConfBaseException) as e:
+        print(f"config error: {_composition_error(e)}", file=sys.stderr)
+        return 2
+    try:
+        plan = plan_cluster(cfg, strict=False)
+    except PlanRefused as e:
+        if as_json:
+            print(json.dumps({"fits": False, "problems": [str(e)]}))
+        print(f"plan refused: {e}", file=sys.stderr)
+        return 1
+    except (ConfigError, OmegaConfBaseException) as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    if per_node:
+        if plan.fits:
+            print(",".join(str(len(r)) for r in plan.placement.node_ranks()))
+    else:
+        print(json.dumps(to_json(plan), indent=1) if as_json else render(plan, cfg))
+    if not plan.fits:
+        print(f"plan refused: {plan.problems[0]}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

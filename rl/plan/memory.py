@@ -1,0 +1,181 @@
+"""Per-GPU memory of trainer and generator GPUs, from shapes and layouts alone.
+
+Why: a layout that does not fit is found out at step 1 on a few hundred GPUs, after the
+queue wait and minutes of start-up. These estimates are deliberately simple, each term a
+formula over the config (below), so a reader can check them by hand; they model what this
+project's trainer actually builds (rl/models/megatron_gpt.py, rl/trainer/trainer.py).
+
+Trainer GPU of pipeline stage p (P = its parameters, on this TP rank):
+
+* weights ``P * w`` (w = 2 for bf16, 4 for fp32 ``trainer.params_dtype``);
+* grads ``P * 4``: the DDP grad buffer is fp32 (``grad_reduce_in_fp32=True``);
+* Adam ``P * (8 + 4 if bf16) / dp``: fp32 m and v, plus fp32 main weights when training
+  in bf16, sharded over DP by the distributed optimizer (``/1`` without it);
+* activations ``b * s * layers_per_stage * min(pp - p, microbatches) * a`` with b the
+  micro-batch, s the sequence (``rollout.context_length``, else the model's maximum) and
+  1F1B keeping ``pp - p`` micro-batches in flight on stage p. Per token and layer,
+  ``a = w * (4h + (2q + 2kv + 3f) / tp)`` bytes: without sequence parallelism or
+  recomputation (neither is enabled) the two norm inputs and the two column-parallel
+  inputs (4h) are replicated across TP; the q/k/v tensors and the attention output kept
+  by fused (flash) attention (2q + 2kv) and SwiGLU's gate, up and output (3f) are split.
+  No s^2 term: Transformer Engine's fused attention keeps no score matrix;
+* logits (last stage) ``b * s * vocab / tp * (w + 8)``: the logits plus the fp32 copy and
+  softmax the vocab-parallel cross-entropy keeps;
+* a frozen reference copy ``P * w`` when ``algorithm.kl_coef > 0``; two DDMA buckets;
+  and a fixed 4 GiB for the CUDA context, NCCL buffers and allocator fragmentation.
+
+Generator GPU (one SGLang TP rank): its weight shards in ``rollout.dtype`` (linear weights
+1 byte plus a float32 scale per 128x128 block with ``weight_sync.fp8_block``), SGLang's
+own reserve for activations and CUDA graphs, and the KV cache in what is left:
+``2 * layers * kv_heads_per_rank * head_dim * w`` bytes per token.
+GB in this package means GiB (2**30 bytes), as ``nvidia-smi`` reports. Pure logic.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from rl.models.shapes import kv_channels, padded_vocab_size
+
+GIB = 1 << 30
+MIB = 1 << 20
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
+GRAD_BYTES = 4  # rl/trainer/trainer.py: DistributedDataParallelConfig(grad_reduce_in_fp32=True)
+TRAINER_OVERHEAD = 4 * GIB  # CUDA context, NCCL communicators, allocator fragmentation
+# SGLang 0.5's static-memory heuristic (sglang/srt/arg_groups/memory_hook.py) on an 80 GB
+# GPU: 512 MiB + 1.5 MiB per chunked-prefill token (8192) + tp/8 GiB + 2 MiB per CUDA-graph
+# batch (256 below tp 4, else 512), and at least 10 GiB on GPUs over 60 GiB.
+SGLANG_PREFILL_TOKENS = 8192
+
+
+@dataclass(frozen=True)
+class TrainerGPU:
+    """Bytes one trainer GPU of pipeline stage ``stage`` needs."""
+
+    stage: int
+    params: int
+    weights: int
+    grads: int
+    optimizer: int
+    activations: int
+    logits: int
+    reference: int
+    buffers: int
+    overhead: int
+
+    @property
+    def static(self) -> int:
+        return self.weights + self.grads + self.optimizer + self.reference
+
+    @property
+    def total(self) -> int:
+        return self.static + self.activations + self.logits + self.buffers + self.overhead
+
+
+@dataclass(frozen=True)
+class GeneratorGPU:
+    """Bytes one SGLang TP rank needs, and the KV cache the rest holds."""
+
+    weights: int
+    reserved: int
+    kv_bytes_per_token: int
+    kv_tokens: int  # the KV pool: rollout.max_total_tokens, or what the free memory holds
+    kv_capacity: int | None  # tokens the free memory could hold (None on CPU: not checked)
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.reserved + self.kv_tokens * self.kv_bytes_per_token
+
+
+def sequence_length(cfg: Any) -> int:
+    """Tokens per sample the trainer and servers are sized for (prompt + response)."""
+    return cfg.rollout.context_length or cfg.model.max_position_embeddings
+
+
+def stage_params(m: Any, tp: int, pp: int, stage: int) -> int:
+    """Parameters on one TP rank of pipeline stage ``stage`` (Megatron's padded vocab)."""
+    h, q = m.hidden_size, m.num_attention_heads * kv_channels(m)
+    kv = m.num_query_groups * kv_channels(m)
+    split = h * (q + 2 * kv) + q * h + 3 * h * m.ffn_hidden_size
+    if m.qkv_bias:
+        split += q + 2 * kv
+    n = (m.num_layers // pp) * (split // tp + 2 * h)  # the two norms are replicated
+    vocab = padded_vocab_size(m) * h // tp
+    if stage == 0:
+        n += vocab
+    if stage == pp - 1:
+        n += h  # final norm
+        if not m.tie_embeddings or pp > 1:  # tied: the last stage keeps its own copy
+            n += vocab
+    return n
+
+
+def activation_bytes_per_token_layer(m: Any, tp: int, itemsize: int) -> int:
+    """``w * (4h + (2q + 2kv + 3f) / tp)``: see the module docstring."""
+    h, q = m.hidden_size, m.num_attention_heads * kv_channels(m)
+    kv = m.num_query_groups * kv_channels(m)
+    return itemsize * (4 * h + (2 * q + 2 * kv + 3 * m.ffn_hidden_size) // tp)
+
+
+def microbatches(cfg: Any) -> int:
+    """Micro-batches per step per DP rank: the larger of the warm-up and RL batches."""
+    t = cfg.trainer
+    rows = t.global_batch_size
+    if cfg.rl.steps > 0:
+        rows = max(rows, cfg.rl.prompts_per_step * cfg.algorithm.group_size)
+    return max(1, rows // (t.micro_batch_size * t.dp))
+
+
+def trainer_gpu(cfg: Any, stage: int) -> TrainerGPU:
+    m, t = cfg.model, cfg.trainer
+    w = DTYPE_BYTES[t.params_dtype]
+    p = stage_params(m, t.tp, t.pp, stage)
+    adam = 8 + (4 if w != 4 else 0)
+    shards = t.dp if t.use_distributed_optimizer else 1
+    tokens = t.micro_batch_size * sequence_length(cfg)
+    in_flight = min(t.pp - stage, microbatches(cfg))
+    layers = m.num_layers // t.pp
+    acts = tokens * layers * in_flight * activation_bytes_per_token_layer(m, t.tp, w)
+    logits = tokens * (padded_vocab_size(m) // t.tp) * (w + 8) if stage == t.pp - 1 else 0
+    syncing = cfg.rl.steps > 0
+    return TrainerGPU(
+        stage=stage,
+        params=p,
+        weights=p * w,
+        grads=p * GRAD_BYTES,
+        optimizer=-(-p * adam // shards),
+        activations=acts,
+        logits=logits,
+        reference=p * w if cfg.algorithm.kl_coef > 0 else 0,
+        buffers=2 * cfg.rollout.weight_sync.bucket_mb * MIB if syncing else 0,
+        overhead=TRAINER_OVERHEAD if t.device == "cuda" else 0,
+    )
+
+
+def sglang_reserved(gpu_bytes: int, tp: int) -> int:
+    """SGLang's reserve for activations and CUDA graphs (its default mem_fraction_static)."""
+    graph_bs = 256 if tp < 4 else 512
+    mib = 512 + 1.5 * SGLANG_PREFILL_TOKENS + 1024 * tp / 8 + 2 * graph_bs
+    reserve = int(mib * MIB)
+    return max(reserve, 10 * GIB) if gpu_bytes > 60 * GIB else reserve
+
+
+def kv_bytes_per_token(m: Any, tp: int, itemsize: int) -> int:
+    """K and V of every layer for one token on one TP rank (KV heads replicated when
+    tp > num_query_groups, as SGLang does)."""
+    heads = max(1, m.num_query_groups // tp)
+    return 2 * m.num_layers * heads * kv_channels(m) * itemsize
+
+
+def generator_gpu(cfg: Any, weight_bytes: int, gpu_bytes: int | None) -> GeneratorGPU:
+    """``weight_bytes``: one TP rank's weights (from the DDMA plan's destination shapes);
+    ``gpu_bytes``: the GPU's memory (None on CPU, where nothing is sized from it)."""
+    r = cfg.rollout
+    per_token = kv_bytes_per_token(cfg.model, r.tp, DTYPE_BYTES[r.dtype])
+    if gpu_bytes is None:
+        return GeneratorGPU(weight_bytes, 0, per_token, r.max_total_tokens or 0, None)
+    reserved = sglang_reserved(gpu_bytes, r.tp)
+    capacity = max(0, (gpu_bytes - reserved - weight_bytes) // per_token)
+    pool = r.max_total_tokens if r.max_total_tokens is not None else capacity
+    return GeneratorGPU(weight_bytes, reserved, per_token, pool, capacity)

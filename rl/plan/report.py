@@ -1,0 +1,208 @@
+"""A :class:`ClusterPlan` as text for people and as JSON for tools.
+
+Why both: the text answers "where does everything go and does it fit" at a glance (long
+per-node lists are shortened); the JSON carries every node, rank and stage, so a launcher
+or a dashboard never re-derives the placement. Sizes: GB/TB here are GiB/TiB.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from typing import Any
+
+from rl.plan.cluster import ClusterPlan
+from rl.plan.memory import GIB, microbatches
+
+SHOW = 6  # longer lists print their first and last few lines
+
+
+def fmt_bytes(n: float) -> str:
+    for unit, size in (("TB", GIB << 10), ("GB", GIB), ("MB", 1 << 20), ("KB", 1 << 10)):
+        if n >= size:
+            return f"{n / size:.{2 if unit == 'TB' else 1}f} {unit}"
+    return f"{int(n)} B"
+
+
+def _span(a: int, b: int) -> str:
+    return str(a) if a == b else f"{a}-{b}"
+
+
+def _nodes(a: int, b: int) -> str:
+    return f"node {a}" if a == b else f"nodes {a}-{b}"
+
+
+def _ranks(ranks: list[int]) -> str:
+    if not ranks:
+        return "none"
+    if ranks == list(range(ranks[0], ranks[-1] + 1)):
+        return _span(ranks[0], ranks[-1])
+    return ",".join(map(str, ranks))
+
+
+def _shorten(lines: list[str]) -> list[str]:
+    if len(lines) <= SHOW + 1:
+        return lines
+    cut = len(lines) - SHOW
+    return [*lines[: SHOW - 2], f"    ... {cut} more like these ...", *lines[-2:]]
+
+
+def _params(n: int) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
+
+
+def render(plan: ClusterPlan, cfg: Any) -> str:
+    p, t, r = plan.placement, cfg.trainer, cfg.rollout
+    gpus = p.gpus_per_node
+    hw = f"{gpus} GPUs ({cfg.cluster.gpu_memory_gb:g} GB)" if gpus else "CPU only"
+    out = [
+        f"plan {plan.run}: model {plan.model} ({_params(plan.params)} params), "
+        f"cluster {p.cluster}: {p.nodes} node(s) x {hw}, {plan.sequence} tokens per sample",
+        f"placement ({p.world_size} ranks: "
+        + " + ".join(f"{role} {len(ranks)}" for role, ranks in p.ranks.items() if ranks)
+        + ")",
+    ]
+    tn = p.train_nodes
+    where = _nodes(*tn)
+    n_gpus = f" ({t.tp * t.pp * t.dp} GPUs)" if gpus else ""
+    out.append(
+        f"  trainer    {where}{n_gpus}: Megatron TP{t.tp} x PP{t.pp} x DP{t.dp}, "
+        f"{t.params_dtype}, global ranks {_ranks(p.ranks['trainer'])}"
+    )
+    out += _shorten(
+        [
+            f"    stage {s.index}: layers {_span(*s.layers)}, ranks {_span(*s.ranks)}, "
+            f"{_nodes(*s.nodes)}"
+            for s in p.stages
+        ]
+    )
+    if p.servers:
+        gn = p.generation_nodes or (0, 0)
+        fp8 = r.weight_sync.fp8_block
+        weights = f"FP8 weights (block {fp8})" if fp8 else f"{r.dtype} weights"
+        out.append(
+            f"  generator  {_nodes(*gn)}"
+            + (f" ({len(p.servers) * r.tp} GPUs)" if gpus else "")
+            + f": {len(p.servers)} SGLang server(s) x TP{r.tp} ({r.device}), {weights}"
+        )
+        lines = []
+        for g in p.ranks["generator"]:
+            mine = [s for s in p.servers if s.owner == g]
+            text = (
+                f"    rank {g} on node {p.node_of[g]}: server(s) {_ranks([s.index for s in mine])}"
+            )
+            if gpus:
+                first, last = mine[0].gpus or (0, 0), mine[-1].gpus or (0, 0)
+                text += f" on GPUs {_span(first[0], last[1])}"
+            lines.append(text)
+        out += _shorten(lines)
+    out.append(f"  controller rank 0 on node {p.node_of[0]} (CPU)")
+    if p.ranks["reward"]:
+        nodes = sorted({p.node_of[x] for x in p.ranks["reward"]})
+        out.append(
+            f"  reward     ranks {_ranks(p.ranks['reward'])} on node(s) {_ranks(nodes)} "
+            f"(CPU, {cfg.reward.workers} scorer process(es) each)"
+        )
+    if plan.transfer is not None:
+        x = plan.transfer
+        fp8 = f", linear weights FP8 block {x.fp8_block}" if x.fp8_block else ""
+        out.append(
+            f"DDMA per step ({x.wire_dtype}{fp8}): {fmt_bytes(x.total)} = {x.servers} "
+            f"server(s) x {fmt_bytes(x.per_server)}"
+        )
+        rank, most = x.busiest_trainer_rank
+        mean = sum(x.per_trainer_rank.values()) / len(x.per_trainer_rank)
+        gpu, recv = x.busiest_server_gpu
+        line = (
+            f"  per trainer rank: busiest (trainer rank {rank}, global {p.ranks['trainer'][rank]})"
+            f" sends {fmt_bytes(most)} (mean "
+            f"{fmt_bytes(mean)}); per server GPU: busiest TP rank {gpu} receives {fmt_bytes(recv)}"
+        )
+        if x.seconds is not None:
+            line += f"; >= {x.seconds:.2f} s at {cfg.cluster.interconnect_gbps:g} Gb/s per GPU"
+        out.append(line)
+    budget = f" GPU (of {fmt_bytes(plan.gpu_bytes)})" if plan.gpu_bytes else " rank (host memory)"
+    g = plan.busiest_trainer
+    dist = f"/DP{t.dp}" if t.use_distributed_optimizer else ""
+    in_flight = min(t.pp - g.stage, microbatches(cfg))
+    out += [
+        f"memory per trainer{budget}, busiest: stage {g.stage}, {_params(g.params)} params",
+        f"  weights {fmt_bytes(g.weights)} + grads {fmt_bytes(g.grads)} + Adam "
+        f"{fmt_bytes(g.optimizer)}{dist} + activations {fmt_bytes(g.activations)} "
+        f"({t.micro_batch_size}x{plan.sequence} tokens x {cfg.model.num_layers // t.pp} layers x "
+        f"{in_flight} in flight) + logits {fmt_bytes(g.logits)} + reference "
+        f"{fmt_bytes(g.reference)} + DDMA buckets {fmt_bytes(g.buffers)} + overhead "
+        f"{fmt_bytes(g.overhead)} = {fmt_bytes(g.total)}",
+    ]
+    if plan.generator is not None:
+        k = plan.generator
+        seqs = k.kv_tokens // plan.sequence
+        out += [
+            f"memory per generator{budget}",
+            f"  weights {fmt_bytes(k.weights)} + SGLang reserve {fmt_bytes(k.reserved)} + KV "
+            f"cache {fmt_bytes(k.kv_tokens * k.kv_bytes_per_token)} = {fmt_bytes(k.total)}: "
+            f"{k.kv_tokens:,} tokens per server ({seqs:,} sequences of {plan.sequence})",
+        ]
+    if plan.gpu_bytes is None:
+        out.append("fits: not checked (CPU only: ranks share the host's memory)")
+    else:
+        out.append("fits: yes" if plan.fits else f"fits: NO: {plan.problems[0]}")
+    return "\n".join(out)
+
+
+def to_json(plan: ClusterPlan) -> dict[str, Any]:
+    p = plan.placement
+    nodes = []
+    for n in range(p.nodes):
+        kind = "shared"
+        if p.split:
+            kind = "train" if p.train_nodes[0] <= n <= p.train_nodes[1] else "generation"
+        nodes.append(
+            {
+                "node": n,
+                "kind": kind,
+                "ranks": {role: p.ranks_on(n, role) for role in p.ranks if p.ranks_on(n, role)},
+                "servers": [s.index for s in p.servers if s.node == n],
+                "busy_cpus": plan.busy_cpus.get(n, 0),
+            }
+        )
+    x = plan.transfer
+    ddma = None
+    if x is not None:
+        ddma = {
+            **{
+                k: v
+                for k, v in asdict(x).items()
+                if k not in ("per_trainer_rank", "per_server_gpu")
+            },
+            "total": x.total,
+            "per_trainer_rank": {str(k): v for k, v in x.per_trainer_rank.items()},
+            "per_server_gpu": {str(k): v for k, v in x.per_server_gpu.items()},
+        }
+    return {
+        "run": plan.run,
+        "model": {"name": plan.model, "params": plan.params},
+        "sequence_tokens": plan.sequence,
+        "placement": {
+            "cluster": p.cluster,
+            "nodes": p.nodes,
+            "gpus_per_node": p.gpus_per_node,
+            "world_size": p.world_size,
+            "ranks": p.ranks,
+            "node_of": {str(k): v for k, v in sorted(p.node_of.items())},
+            "stages": [asdict(s) for s in p.stages],
+            "servers": [asdict(s) for s in p.servers],
+            "nodes_detail": nodes,
+        },
+        "ddma": ddma,
+        "memory": {
+            "gpu_bytes": plan.gpu_bytes,
+            "trainer": [{**asdict(g), "total": g.total} for g in plan.trainer],
+            "generator": (
+                {**asdict(plan.generator), "total": plan.generator.total}
+                if plan.generator
+                else None
+            ),
+        },
+        "fits": plan.fits,
+        "problems": plan.problems,
+    }

@@ -1,0 +1,371 @@
+"""The placement planner (rl/plan): paper-scale presets plan and fit, numbers match hand
+formulas, impossible plans are refused naming the field, and the CLI works."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from functools import cache
+from pathlib import Path
+
+import pytest
+from omegaconf import DictConfig
+
+from rl.config import CONF_DIR, ConfigError, compose
+from rl.controller.job import placed_rank
+from rl.controller.roles import RoleError, RoleMap
+from rl.models.shapes import padded_vocab_size, param_count
+from rl.plan import PlanRefused, plan_cluster
+from rl.plan.__main__ import main
+from rl.plan.memory import GIB, MIB, stage_params
+
+ROOT = Path(__file__).resolve().parents[1]
+PAPER = ["llama3_8b_256gpu", "llama3_70b_512gpu", "llama3_405b_1024gpu"]
+
+
+@cache
+def _cfg(*overrides: str) -> DictConfig:
+    return compose(list(overrides))
+
+
+def test_paper_experiments_exist() -> None:
+    """Guards the parametrisation below against a renamed or missing preset."""
+    for name in PAPER:
+        assert (CONF_DIR / "experiment" / f"{name}.yaml").is_file()
+
+
+@pytest.mark.parametrize("name", PAPER)
+def test_paper_experiment_plans_and_fits(name: str) -> None:
+    """Every GPU of the cluster is used exactly once, TP groups stay inside a node, each
+    generator rank sits with its servers, and both kinds of GPU fit in memory."""
+    cfg = _cfg(f"experiment={name}")
+    plan = plan_cluster(cfg)
+    assert plan.fits and plan.problems == []
+    c, t, r, p = cfg.cluster, cfg.trainer, cfg.rollout, plan.placement
+    gpn = c.gpus_per_node
+    assert c.nodes * gpn == int(name.split("_")[-1].removesuffix("gpu"))
+    assert p.world_size == RoleMap.from_config(cfg).world_size
+
+    used: list[tuple[int, int]] = []
+    trainer = p.ranks["trainer"]
+    for i, rank in enumerate(trainer):
+        assert p.node_of[rank] < c.train_nodes
+        used.append((p.node_of[rank], i % gpn))
+    for start in range(0, len(trainer), t.tp):  # Megatron's TP groups: consecutive ranks
+        assert len({p.node_of[x] for x in trainer[start : start + t.tp]}) == 1
+    for s in p.servers:
+        assert s.gpus is not None and s.gpus[1] - s.gpus[0] + 1 == r.tp
+        assert s.node >= c.train_nodes and p.node_of[s.owner] == s.node
+        used += [(s.node, g) for g in range(s.gpus[0], s.gpus[1] + 1)]
+    assert sorted(used) == [(n, g) for n in range(c.nodes) for g in range(gpn)]
+
+    layers = [x for st in p.stages for x in range(st.layers[0], st.layers[1] + 1)]
+    assert layers == list(range(cfg.model.num_layers))
+    assert plan.busiest_trainer.total <= plan.gpu_bytes
+    assert plan.generator is not None and plan.generator.total <= plan.gpu_bytes
+    assert plan.generator.kv_tokens >= plan.sequence
+
+
+def _llama3_8b_params() -> int:
+    """Llama 3.1 8B from its published shapes, written out by hand."""
+    h, kv, f, vocab, layers = 4096, 8 * 128, 14336, 128256, 32
+    per_layer = h * (h + 2 * kv) + h * h + 3 * h * f + 2 * h
+    return 2 * vocab * h + layers * per_layer + h
+
+
+def test_8b_bf16_numbers_by_hand() -> None:
+    """bf16 weights are 2 bytes x params on the server and on the wire (TP1: no padding,
+    no replicated KV heads); Adam is 12 bytes per parameter over DP; activations follow the
+    documented per-token formula."""
+    cfg = _cfg("experiment=llama3_8b_256gpu")
+    plan = plan_cluster(cfg)
+    n = _llama3_8b_params()
+    assert n == param_count(cfg.model)
+    x = plan.transfer
+    assert x is not None and x.fp8_block is None
+    assert x.per_server == 2 * n and x.server_weight_bytes == 2 * n
+    assert x.total == cfg.rollout.servers * 2 * n == sum(x.per_trainer_rank.values())
+    assert sum(x.per_server_gpu.values()) == x.per_server
+
+    t, g = cfg.trainer, plan.trainer[0]
+    assert (t.tp, t.pp, t.dp) == (2, 1, 32)
+    # TP2 halves everything but the norms (2 per layer + the final one), which it copies.
+    norms = 32 * 2 * 4096 + 4096
+    assert g.params == (n - norms) // 2 + norms
+    assert (g.weights, g.grads) == (2 * g.params, 4 * g.params)
+    assert g.optimizer == math.ceil(12 * g.params / 32)  # fp32 main + m + v, over DP32
+    per_token_layer = 2 * (4 * 4096 + (2 * 4096 + 2 * 1024 + 3 * 14336) // 2)
+    assert per_token_layer == 86016
+    assert g.activations == 1 * 8192 * 32 * 1 * per_token_layer
+    assert g.logits == 8192 * (128256 // 2) * (2 + 8)
+
+
+def test_70b_fp8_volume_by_hand() -> None:
+    """FP8: linear weights 1 byte + a float32 scale per 128x128 block (every per-rank dim
+    is a multiple of 128 here); norms and embeddings stay bf16, norms copied to each of
+    the server's TP ranks."""
+    cfg = _cfg("experiment=llama3_70b_512gpu")
+    plan = plan_cluster(cfg)
+    h, q, kv, f, vocab, layers, tp = 8192, 8192, 1024, 28672, 128256, 80, cfg.rollout.tp
+    assert tp == 4 and cfg.rollout.weight_sync.fp8_block == 128
+    linear = h * (q + 2 * kv) + q * h + 3 * f * h
+    per_layer = linear + 4 * linear // (128 * 128) + tp * 2 * h * 2
+    expected = layers * per_layer + 2 * vocab * h * 2 + tp * h * 2
+    x = plan.transfer
+    assert x is not None and x.per_server == expected
+    assert x.server_weight_bytes * tp == expected  # vocab 128256 splits 4 ways unpadded
+    assert x.total == cfg.rollout.servers * expected
+
+
+def test_405b_generator_kv_cache_by_hand() -> None:
+    """KV bytes per token per GPU: K and V x 126 layers x one KV head (8 heads over TP8)
+    x 128 x bf16; the cache gets what weights and SGLang's reserve leave."""
+    cfg = _cfg("experiment=llama3_405b_1024gpu")
+    g = plan_cluster(cfg).generator
+    assert g is not None
+    assert g.kv_bytes_per_token == 2 * 126 * 1 * 128 * 2
+    assert g.reserved == int((512 + 1.5 * 8192 + 1024 + 2 * 512) * MIB)
+    assert g.kv_capacity == (80 * GIB - g.reserved - g.weights) // g.kv_bytes_per_token
+    assert g.kv_tokens == g.kv_capacity  # rollout.max_total_tokens: null
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        [],
+        ["model=llama3_70b", "trainer.tp=8", "trainer.pp=4"],
+        ["experiment=llama3_405b_1024gpu"],
+        ["model.tie_embeddings=true", "trainer.pp=2"],
+    ],
+    ids=["tiny-tp2", "70b-tp8-pp4", "405b-tp8-pp18", "tiny-tied-pp2"],
+)
+def test_stage_params_add_up_to_the_model(overrides: list[str]) -> None:
+    """Over all stages and TP ranks, the trainer holds every (padded) parameter once, plus
+    TP copies of the norms and, with tied embeddings over PP, the last stage's copy."""
+    cfg = _cfg(*overrides)
+    m, t = cfg.model, cfg.trainer
+    held = sum(stage_params(m, t.tp, t.pp, p) for p in range(t.pp)) * t.tp
+    copies = (t.tp - 1) * (2 * m.hidden_size * m.num_layers + m.hidden_size)
+    if m.tie_embeddings and t.pp > 1:  # the last stage's output layer
+        copies += padded_vocab_size(m) * m.hidden_size
+    assert held == param_count(m, padded=True) + copies
+
+
+def test_local_default_plans_on_one_node() -> None:
+    """The embedded CPU job: every rank on node 0, nothing GPU-sized to refuse."""
+    plan = plan_cluster(_cfg())
+    p = plan.placement
+    assert not p.split and p.world_size == 5
+    assert set(p.node_of.values()) == {0}
+    assert plan.gpu_bytes is None and plan.fits and plan.generator is not None
+    assert [s.gpus for s in p.servers] == [None]
+    sft = plan_cluster(_cfg("experiment=tiny_sft"))
+    assert sft.transfer is None and sft.generator is None and sft.placement.servers == []
+
+
+@pytest.mark.parametrize(
+    ("overrides", "fragments"),
+    [
+        (
+            ["experiment=llama3_70b_512gpu", "trainer.pp=1", "trainer.dp=16"],
+            ["trainer GPU", "> cluster.gpu_memory_gb=80", "raise trainer.pp=1"],
+        ),
+        (
+            ["experiment=llama3_70b_512gpu", "rollout.context_length=16384"],
+            ["> cluster.gpu_memory_gb=80", "lower rollout.context_length=16384"],
+        ),
+        (
+            ["experiment=llama3_405b_1024gpu", "rollout.weight_sync.fp8_block=null"],
+            ["generator GPU", "rollout.tp=8", "rollout.weight_sync.fp8_block=128"],
+        ),
+        (
+            ["experiment=llama3_405b_1024gpu", "rollout.max_total_tokens=10000000"],
+            ["rollout.max_total_tokens=10000000", "KV cache"],
+        ),
+        (
+            ["experiment=llama3_405b_1024gpu", "cluster.train_nodes=70"],
+            ["cluster.train_nodes + generation_nodes = 70 + 56 = 126 != cluster.nodes=128"],
+        ),
+        (
+            ["experiment=llama3_8b_256gpu", "trainer.dp=16"],
+            ["trainer.tp*pp*dp = 2*1*16 = 32 GPUs", "cluster.train_nodes*gpus_per_node = 8*8"],
+        ),
+        (
+            ["experiment=llama3_8b_256gpu", "rollout.servers=96"],
+            ["rollout.servers*tp = 96*1 = 96 GPUs", "generation_nodes*gpus_per_node = 24*8"],
+        ),
+        (
+            [
+                "experiment=llama3_405b_1024gpu",
+                "rollout.tp=16",
+                "rollout.servers=28",
+                "cluster.roles.generator=28",
+            ],
+            ["rollout.tp=16", "cluster.gpus_per_node=8"],
+        ),
+        (["experiment=llama3_8b_256gpu", "trainer.tp=3"], ["trainer.tp=3", "heads=32"]),
+        (
+            ["experiment=llama3_70b_512gpu", "cluster.roles.generator=24"],
+            ["cluster.roles.generator=24", "cluster.generation_nodes=48"],
+        ),
+        (
+            ["experiment=llama3_8b_256gpu", "rollout.weight_sync.transport=ipc"],
+            ["rollout.weight_sync.transport='ipc'", "p2p"],
+        ),
+        (["experiment=llama3_8b_256gpu", "trainer.device=cpu"], ["trainer.device='cpu'"]),
+        (
+            ["experiment=llama3_8b_256gpu", "cluster.train_nodes=0", "cluster.generation_nodes=0"],
+            ["cluster.nodes=32", "cluster.train_nodes=0"],
+        ),
+        (["experiment=llama3_8b_256gpu", "cluster.cpus_per_node=8"], ["cluster.cpus_per_node=8"]),
+        (["cluster.name=k8s"], ["cluster.name='k8s'"]),
+        (["cluster.nodes=2"], ["cluster.nodes=2"]),
+    ],
+    ids=[
+        "trainer-static",
+        "trainer-activations",
+        "generator-weights",
+        "generator-kv-pool",
+        "node-sum",
+        "trainer-gpus",
+        "server-gpus",
+        "tp-past-node",
+        "tp-heads",
+        "owner-straddles",
+        "ipc-across-nodes",
+        "device",
+        "shared-multinode",
+        "cpus",
+        "cluster-name",
+        "local-multinode",
+    ],
+)
+def test_refused_plans_name_the_field(overrides: list[str], fragments: list[str]) -> None:
+    with pytest.raises(ConfigError) as info:
+        plan_cluster(_cfg(*overrides))
+    msg = str(info.value)
+    for fragment in fragments:
+        assert fragment in msg, f"{fragment!r} not in {msg!r}"
+
+
+def test_kv_cache_shorter_than_one_sequence_is_refused() -> None:
+    """Shrink the GPU until the KV cache holds one token less than a sample."""
+    cfg = _cfg("experiment=llama3_405b_1024gpu")
+    g = plan_cluster(cfg).generator
+    assert g is not None
+    need = g.weights + g.reserved + (cfg.rollout.context_length - 1) * g.kv_bytes_per_token
+    small = _cfg("experiment=llama3_405b_1024gpu", f"cluster.gpu_memory_gb={need / GIB}")
+    plan = plan_cluster(small, strict=False)
+    assert any("KV cache holds" in p and "rollout.context_length=2048" in p for p in plan.problems)
+    with pytest.raises(PlanRefused):
+        plan.check()
+
+
+def _run(*args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.run(
+        [sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120
+    )
+
+
+def test_cli_prints_the_placement() -> None:
+    cfg = _cfg("experiment=llama3_8b_256gpu")
+    t, r, c = cfg.trainer, cfg.rollout, cfg.cluster
+    out = _run("-m", "rl.plan", "experiment=llama3_8b_256gpu")
+    assert out.returncode == 0, out.stderr
+    text = out.stdout
+    gen_gpus = c.generation_nodes * c.gpus_per_node
+    for fragment in (
+        f"trainer    nodes 0-{c.train_nodes - 1} ({t.tp * t.pp * t.dp} GPUs)",
+        f"Megatron TP{t.tp} x PP{t.pp} x DP{t.dp}",
+        f"generator  nodes {c.train_nodes}-{c.nodes - 1} ({gen_gpus} GPUs)",
+        f"{r.servers} SGLang server(s) x TP{r.tp}",
+        "controller rank 0 on node 0",
+        "DDMA per step",
+        "memory per trainer GPU",
+        "memory per generator GPU",
+        "fits: yes",
+    ):
+        assert fragment in text, f"{fragment!r} not in:\n{text}"
+
+
+def test_planner_imports_no_torch() -> None:
+    """Pure logic, so it runs on a laptop in well under a second."""
+    code = (
+        "import sys; from rl.config import compose; from rl.plan import plan_cluster; "
+        "plan_cluster(compose(['experiment=llama3_405b_1024gpu'])); "
+        "print(sorted(m for m in ('torch', 'megatron', 'sglang') if m in sys.modules))"
+    )
+    out = _run("-c", code)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
+
+
+def test_cli_json(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["experiment=llama3_405b_1024gpu", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    cfg = _cfg("experiment=llama3_405b_1024gpu")
+    assert data["fits"] is True
+    assert data["placement"]["world_size"] == RoleMap.from_config(cfg).world_size
+    assert len(data["placement"]["servers"]) == cfg.rollout.servers
+    assert len(data["placement"]["nodes_detail"]) == cfg.cluster.nodes
+    assert len(data["memory"]["trainer"]) == cfg.trainer.pp
+    assert data["ddma"]["total"] == cfg.rollout.servers * data["ddma"]["per_server"]
+
+
+def test_cli_refuses_a_plan_that_does_not_fit(capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["experiment=llama3_70b_512gpu", "rollout.context_length=16384"])
+    captured = capsys.readouterr()
+    assert code == 1
+    assert "fits: NO" in captured.out
+    assert "plan refused: trainer GPU" in captured.err
+    assert "cluster.gpu_memory_gb=80" in captured.err
+
+
+@pytest.mark.parametrize(
+    ("override", "needle"),
+    [("trainer.tpp=8", "tpp"), ("cluster.nodez=4", "nodez"), ("trainer.tp=two", "two")],
+)
+def test_cli_hydra_error_names_the_key(
+    override: str, needle: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["experiment=llama3_8b_256gpu", override]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("config error:") and needle in err
+
+
+# ---------------------------------------------------------------------- placed ranks
+def _placed(cfg: DictConfig, node: int, local: int, started: int) -> tuple[str, int]:
+    env = {"MSRL_PLACED": "1", "SLURM_NODEID": str(node), "LOCAL_RANK": str(local)}
+    env["LOCAL_WORLD_SIZE"] = str(started)
+    return RoleMap.from_config(cfg).role_of(placed_rank(cfg, env, rank=-1))
+
+
+def test_sbatch_ranks_find_their_role_from_node_and_local_rank() -> None:
+    """torchrun's c10d ranks follow the agents' rendezvous order, so under the sbatch
+    script a process takes its role from (node, local rank) in the planner's placement."""
+    tiny = _cfg("experiment=tiny_arithmetic_slurm")
+    assert main(["--ranks-per-node", "experiment=tiny_arithmetic_slurm"]) == 0
+    assert [_placed(tiny, 0, i, 3) for i in range(3)] == [
+        ("controller", 0),
+        ("trainer", 0),
+        ("trainer", 1),
+    ]
+    assert [_placed(tiny, 1, i, 2) for i in range(2)] == [("generator", 0), ("reward", 0)]
+    big = _cfg("experiment=llama3_405b_1024gpu")
+    per_node = plan_cluster(big).placement.node_ranks()
+    assert sum(map(len, per_node)) == RoleMap.from_config(big).world_size == 641
+    assert _placed(big, 0, 8, 9) == ("trainer", 7)  # node 0: the controller + 8 GPUs
+    assert _placed(big, 71, 7, 8) == ("trainer", 575)
+    assert _placed(big, 72, 0, 2) == ("generator", 0)
+    assert _placed(big, 72, 1, 2) == ("reward", 0)  # scores next to the servers
+    assert _placed(big, 127, 0, 1) == ("generator", 55)
+    with pytest.raises(RoleError, match=r"node 1 started 3 ranks but .* puts 2 there"):
+        _placed(tiny, 1, 0, 3)
+
+
+def test_without_the_sbatch_marker_the_launcher_rank_is_the_role_map_rank() -> None:
+    assert placed_rank(_cfg(), {"SLURM_NODEID": "1", "LOCAL_RANK": "0"}, rank=3) == 3

@@ -1,6 +1,7 @@
 """Asynchronous vs synchronous RL on the same tiny workload, measured in one run.
 
     PYTHONPATH=. $(tools/setup_env.sh)/bin/python tools/bench/async_vs_sync.py [--steps 100]
+        [--splits split default] [--lags 1 2] [hydra overrides for every run]
 
 Both modes run the real job (`python -m rl.train`: Megatron trainer, SGLang server, DDMA,
 reward ranks) with the same config, the same warm-up checkpoint, the same prompts (the
@@ -15,7 +16,8 @@ Two hardware splits of this 2-core machine are measured:
 * ``default``: the embedded default's TP=2 trainer, whose two ranks already take both
   cores, so in async mode the executors compete for the same cores.
 
-Reports per-step time (mean over the RL steps after the first few), its ratio, the idle
+``--lags``: async runs at each lag bound k (``algorithm.max_policy_lag``); sync is run
+once. Reports per-step time (mean over the RL steps after the first few), its ratio, the idle
 fractions of trainer and generator, the held-out accuracy at the end, and the peak
 memory of the whole job (sum of RSS over its processes); writes them as JSON.
 """
@@ -92,6 +94,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=100, help="RL steps per mode")
     ap.add_argument("--splits", nargs="+", default=list(SPLITS), choices=list(SPLITS))
+    ap.add_argument(
+        "--lags", nargs="+", type=int, default=[1], help="async runs at these lag bounds k"
+    )
     ap.add_argument("--out", default=str(ROOT / "tools/bench/results/async_vs_sync.json"))
     ap.add_argument("overrides", nargs="*", help="Hydra overrides for every run")
     a = ap.parse_args()
@@ -99,10 +104,13 @@ def main() -> None:
     print(f"[bench] warm-up checkpoint (runs in {work})", flush=True)
     warm = work / "warmup"
     job(["rl.steps=0", "cluster.roles.generator=0", "cluster.roles.reward=0", *a.overrides], warm)
-    result: dict = {"steps": a.steps, "overrides": a.overrides, "splits": {}}
+    result: dict = {"steps": a.steps, "lags": a.lags, "overrides": a.overrides, "splits": {}}
     for split in a.splits:
         runs = {}
-        for mode in ("sync", "async"):
+        # sync, then async at each lag bound k (the first is the headline "async").
+        for name, mode, lag in [("sync", "sync", 0)] + [
+            ("async" if i == 0 else f"async_k{k}", "async", k) for i, k in enumerate(a.lags)
+        ]:
             args = [
                 *SPLITS[split],
                 *a.overrides,
@@ -113,26 +121,30 @@ def main() -> None:
                 f"trainer.load_dir={warm}/checkpoint",
                 "trainer.load_optimizer=false",
             ]
-            print(f"[bench] {split}: {mode}, {a.steps} steps", flush=True)
-            wall, peak = job(args, work / f"{split}-{mode}")
-            runs[mode] = {
-                **summarize(work / f"{split}-{mode}"),
+            if mode == "async":
+                args.append(f"algorithm.max_policy_lag={lag}")
+            print(f"[bench] {split}: {name}, {a.steps} steps", flush=True)
+            wall, peak = job(args, work / f"{split}-{name}")
+            runs[name] = {
+                **summarize(work / f"{split}-{name}"),
                 "job_wall_s": wall,
                 "peak_rss_mb": peak,
             }
-        s, y = runs["sync"], runs["async"]
-        runs["speedup_per_step"] = s["step_s"] / y["step_s"]
-        runs["accuracy_gap_points"] = 100 * (y["final_accuracy"] - s["final_accuracy"])
+        s = runs["sync"]
+        for name in [n for n in runs if n.startswith("async")]:
+            y = runs[name]
+            y["speedup_per_step"] = s["step_s"] / y["step_s"]
+            y["accuracy_gap_points"] = 100 * (y["final_accuracy"] - s["final_accuracy"])
+            print(
+                f"[bench] {split}: sync {s['step_s']:.3f} s/step, {name} {y['step_s']:.3f} "
+                f"s/step -> {y['speedup_per_step']:.2f}x; idle trainer "
+                f"{s['trainer_idle_frac']:.0%} -> {y['trainer_idle_frac']:.0%}, generator "
+                f"{s['gen_idle_frac']:.0%} -> {y['gen_idle_frac']:.0%}; final accuracy "
+                f"{s['final_accuracy']:.3f} vs {y['final_accuracy']:.3f}; peak RSS "
+                f"{s['peak_rss_mb']:.0f} / {y['peak_rss_mb']:.0f} MB",
+                flush=True,
+            )
         result["splits"][split] = runs
-        print(
-            f"[bench] {split}: sync {s['step_s']:.3f} s/step, async {y['step_s']:.3f} s/step "
-            f"-> {runs['speedup_per_step']:.2f}x; idle trainer {s['trainer_idle_frac']:.0%} "
-            f"-> {y['trainer_idle_frac']:.0%}, generator {s['gen_idle_frac']:.0%} -> "
-            f"{y['gen_idle_frac']:.0%}; final accuracy {s['final_accuracy']:.3f} vs "
-            f"{y['final_accuracy']:.3f}; peak RSS {s['peak_rss_mb']:.0f} / "
-            f"{y['peak_rss_mb']:.0f} MB",
-            flush=True,
-        )
     write_result(result, a.out)
 
 

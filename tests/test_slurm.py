@@ -5,7 +5,9 @@ One job runs the tiny experiment on 2 nodes (`srun torchrun --rdzv_backend c10d`
 controller and the trainer on one node, the generator and the reward rank on the other,
 DDMA point to point) and is requeued with `scontrol requeue` after its first RL
 checkpoint, as a preemption would: the second attempt must resume from that checkpoint (no
-second warm-up, no step trained twice in the metrics) and the job must end COMPLETED.
+second warm-up, no step trained twice in the metrics) and the job must end COMPLETED. Bad
+jobs (a wrong config, a plan for more nodes than allocated) must fail in the batch script,
+with the reason in the job's output, before any rank starts.
 
 Installing SLURM needs root and apt-get. CI sets MSRL_REQUIRE_SLURM=1, which turns a
 machine without them into a failure rather than a skip.
@@ -123,3 +125,40 @@ def test_sbatch_job_is_requeued_resumes_from_its_checkpoint_and_completes(
     evals = [r for r in recs if r["phase"] == "rl_eval"]
     assert [r["step"] for r in evals] == [0, 4, 8]
     assert (out / "curves.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["trainer.tp=4"], "config error: trainer.tp=4 does not divide"),
+        (
+            [
+                "cluster.nodes=3",
+                "cluster.generation_nodes=2",
+                "cluster.roles.generator=2",
+                "rollout.servers=2",
+            ],
+            "the plan places ranks on 3 nodes (cluster.nodes) but the job has 2",
+        ),
+    ],
+    ids=["bad-config", "node-count"],
+)
+def test_sbatch_refuses_a_bad_job_before_any_rank_starts(
+    slurm: None, tmp_path: Path, overrides: list[str], message: str
+) -> None:
+    out, log = tmp_path / "out", tmp_path / "job.out"
+    env = {**os.environ, "MSRL_VENV": sys.prefix, "MSRL_OUTPUT_DIR": str(out)}
+    cmd = ["sbatch", "--wait", "--parsable", "--nodes=2", f"--output={log}", str(SBATCH)]
+    res = subprocess.run(
+        [*cmd, "experiment=tiny_arithmetic_slurm", *overrides],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    job = res.stdout.strip().split(";")[0]
+    assert res.returncode != 0
+    assert message in log.read_text(), log.read_text()
+    assert _job_state(job).startswith("FAILED"), _job_state(job)
+    assert not out.exists()  # no rank started, nothing written

@@ -235,10 +235,17 @@ def _title(title: str) -> None:
 
 @hydra.main(config_path="../conf", config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> None:
+    from rl.controller import resume
+
     try:  # under a launcher, its world must be exactly the role map's
         validate(cfg, world_size=int(os.environ["WORLD_SIZE"]) if under_launcher() else None)
     except ConfigError as e:
         sys.exit(f"config error: {e}")
+    try:  # a restarted job's state, checked before any rank starts
+        if cfg.rl.steps > 0:
+            resume.read(cfg.run.output_dir)
+    except resume.ResumeError as e:
+        sys.exit(f"resume error: {e}")
     if under_launcher():
         run(cfg)
         return

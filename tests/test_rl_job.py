@@ -160,3 +160,14 @@ def test_launcher_world_must_match_the_role_map():
     last = res.stderr.strip().splitlines()[-1]
     assert last.startswith("config error: the launcher started 3 ranks but the role map needs")
     assert "controller 1 + trainer 2 + generator 1 + reward 1 = 5 ranks" in last
+
+
+def test_corrupt_resume_state_fails_before_any_rank_starts(tmp_path):
+    """A requeued job whose resume state was cut short says which file and what to do."""
+    (tmp_path / "rl_state.json").write_text('{"step": 4, "checkp')
+    res = _run(f"run.output_dir={tmp_path}", timeout=120)
+    assert res.returncode != 0
+    last = res.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"resume error: {tmp_path}/rl_state.json: unreadable resume state")
+    assert "delete it to start over" in last
+    assert "starting" not in res.stdout

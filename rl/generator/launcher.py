@@ -104,6 +104,9 @@ class ServerConfig:
             startup_timeout=r.startup_timeout,
         )
 
+    def url(self, port: int) -> str:
+        return f"http://{self.advertise or self.host}:{port}"
+
     def argv(self, port: int) -> list[str]:
         """The SGLang server command (the launcher runs it behind ``server_guard.py``)."""
         args = [sys.executable, "-m", "sglang.launch_server", "--model-path", self.model_path]
@@ -244,7 +247,7 @@ class ServerLauncher:
         self.servers: list[Server] = []
         for i in range(n):
             port = free_port(config.host)
-            url = f"http://{config.advertise or config.host}:{port}"
+            url = config.url(port)
             self.servers.append(Server(i, url, port, self.log_dir / f"server{i}.log"))
 
     @property
@@ -276,7 +279,7 @@ class ServerLauncher:
                             raise
                         self._kill([s])
                         s.port = free_port(self.config.host)
-                        s.url = f"http://{self.config.advertise or self.config.host}:{s.port}"
+                        s.url = self.config.url(s.port)
                         self._spawn(s)
         except BaseException:
             self.stop()

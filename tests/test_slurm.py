@@ -9,8 +9,10 @@ second warm-up, no step trained twice in the metrics) and the job must end COMPL
 jobs (a wrong config, a plan for more nodes than allocated) must fail in the batch script,
 with the reason in the job's output, before any rank starts.
 
-Installing SLURM needs root and apt-get. CI sets MSRL_REQUIRE_SLURM=1, which turns a
-machine without them into a failure rather than a skip.
+Installing SLURM needs root and apt-get (it writes /etc/slurm and adds node1/node2 to
+/etc/hosts; it never overwrites a slurm.conf it did not write). CI sets
+MSRL_REQUIRE_SLURM=1, which turns a machine without them into a failure rather than a
+skip; MSRL_SKIP_SLURM=1 skips these tests on a machine that should not get a SLURM.
 """
 
 from __future__ import annotations
@@ -45,9 +47,12 @@ JOB = [
 
 @pytest.fixture(scope="module")
 def slurm() -> Iterator[None]:
+    required = os.environ.get("MSRL_REQUIRE_SLURM") == "1"
+    if os.environ.get("MSRL_SKIP_SLURM") == "1" and not required:
+        pytest.skip("MSRL_SKIP_SLURM=1: not installing a local SLURM on this machine")
     if os.geteuid() != 0 or shutil.which("apt-get") is None:
         reason = "a local SLURM needs root and apt-get (CI sets MSRL_REQUIRE_SLURM=1)"
-        if os.environ.get("MSRL_REQUIRE_SLURM") == "1":
+        if required:
             pytest.fail(reason)
         pytest.skip(reason)
     was_up = subprocess.run([CLUSTER, "status"], capture_output=True).returncode == 0

@@ -174,6 +174,9 @@ def test_llama_param_counts_match_published(preset: str, published: float) -> No
         (["cluster.roles.generator=2"], ["rollout.servers=1", "cluster.roles.generator=2"]),
         (["sft.optim.lr=0"], ["sft.optim.lr=0"]),
         (["rl.steps=-1"], ["rl.steps=-1"]),
+        (["cluster.nodes=0"], ["cluster.nodes=0", "integer >= 1"]),
+        (["cluster.gpu_memory_gb=0"], ["cluster.gpu_memory_gb=0"]),
+        (["cluster.nodes=2"], ["cluster.nodes=2", "cluster.name=local"]),
     ],
     ids=[
         "tp-heads",
@@ -223,6 +226,9 @@ def test_llama_param_counts_match_published(preset: str, published: float) -> No
         "roles-servers",
         "sft-optim",
         "rl-steps",
+        "cluster-nodes",
+        "cluster-gpu-memory",
+        "cluster-local-multinode",
     ],
 )
 def test_validation_error_names_field_and_value(overrides: list[str], fragments: list[str]) -> None:

@@ -26,15 +26,24 @@ class ConfigError(ValueError):
     """A config value that cannot work; the message names the field and the value."""
 
 
+CLUSTERS = ("local", "slurm")
+
+
 def _require(ok: bool, msg: str) -> None:
     if not ok:
         raise ConfigError(msg)
 
 
-def _positive(section: str, obj: Any, *names: str) -> None:
+def _at_least(section: str, obj: Any, low: int, *names: str) -> None:
     for n in names:
         v = getattr(obj, n)
-        _require(isinstance(v, int) and v >= 1, f"{section}.{n}={v!r} must be an integer >= 1")
+        _require(
+            isinstance(v, int) and v >= low, f"{section}.{n}={v!r} must be an integer >= {low}"
+        )
+
+
+def _positive(section: str, obj: Any, *names: str) -> None:
+    _at_least(section, obj, 1, *names)
 
 
 def validate_model(m: Any) -> None:
@@ -277,6 +286,39 @@ def validate_roles(cfg: Any, world_size: int | None = None) -> None:
         raise ConfigError(str(e)) from None
 
 
+def validate_cluster(c: Any) -> None:
+    """The cluster section alone: names, counts and the split of nodes between training
+    and generation (the placement itself is the planner's, rl/plan)."""
+    _require(c.name in CLUSTERS, f"cluster.name={c.name!r} must be one of {CLUSTERS}")
+    _at_least("cluster", c, 1, "nodes")
+    _at_least("cluster", c, 0, "gpus_per_node", "train_nodes", "generation_nodes")
+    for name in ("gpu_memory_gb", "interconnect_gbps"):
+        v = getattr(c, name)
+        _require(v > 0, f"cluster.{name}={v} must be > 0")
+    cpus = c.cpus_per_node
+    _require(cpus is None or cpus >= 1, f"cluster.cpus_per_node={cpus} must be >= 1 or null")
+    _require(
+        c.name != "local" or c.nodes == 1,
+        f"cluster.nodes={c.nodes} but cluster.name=local runs every rank on this machine "
+        "(use cluster=slurm for several nodes)",
+    )
+    split = c.train_nodes + c.generation_nodes
+    if split == 0:
+        _require(
+            c.nodes == 1,
+            f"cluster.nodes={c.nodes} with cluster.train_nodes=0 and cluster.generation_nodes=0:"
+            " only a single node can share every executor; split the nodes between training"
+            " and generation",
+        )
+        return
+    _require(
+        split == c.nodes,
+        f"cluster.train_nodes + generation_nodes = {c.train_nodes} + {c.generation_nodes} = "
+        f"{split} != cluster.nodes={c.nodes}",
+    )
+    _require(c.train_nodes >= 1, f"cluster.train_nodes={c.train_nodes} must be >= 1")
+
+
 def validate(cfg: Any, world_size: int | None = None) -> None:
     """Validate a composed RootConfig; raise ConfigError on the first bad field.
 
@@ -289,4 +331,5 @@ def validate(cfg: Any, world_size: int | None = None) -> None:
     validate_algorithm(cfg.algorithm)
     validate_reward(cfg.reward)
     validate_rl(cfg)
+    validate_cluster(cfg.cluster)
     validate_roles(cfg, world_size)

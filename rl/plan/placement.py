@@ -29,10 +29,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from rl.config.validate import ConfigError
+from rl.config.validate import ConfigError, validate_cluster
 from rl.controller.roles import RoleError, RoleMap
-
-CLUSTERS = ("local", "slurm")
 
 
 class PlanRefused(ConfigError):
@@ -94,43 +92,6 @@ class Placement:
         return out
 
 
-def check_cluster(c: Any) -> None:
-    """The cluster section alone: names, counts and the split arithmetic."""
-    refuse(c.name in CLUSTERS, f"cluster.name={c.name!r} must be one of {CLUSTERS}")
-    for name, low in (("nodes", 1), ("gpus_per_node", 0), ("train_nodes", 0)):
-        v = getattr(c, name)
-        refuse(isinstance(v, int) and v >= low, f"cluster.{name}={v!r} must be an integer >= {low}")
-    refuse(
-        isinstance(c.generation_nodes, int) and c.generation_nodes >= 0,
-        f"cluster.generation_nodes={c.generation_nodes!r} must be an integer >= 0",
-    )
-    for name in ("gpu_memory_gb", "interconnect_gbps"):
-        v = getattr(c, name)
-        refuse(v > 0, f"cluster.{name}={v} must be > 0")
-    cpus = c.cpus_per_node
-    refuse(cpus is None or cpus >= 1, f"cluster.cpus_per_node={cpus} must be >= 1 or null")
-    refuse(
-        c.name != "local" or c.nodes == 1,
-        f"cluster.nodes={c.nodes} but cluster.name=local runs every rank on this machine "
-        "(use cluster=slurm for several nodes)",
-    )
-    split = c.train_nodes + c.generation_nodes
-    if split == 0:
-        refuse(
-            c.nodes == 1,
-            f"cluster.nodes={c.nodes} with cluster.train_nodes=0 and cluster.generation_nodes=0:"
-            " only a single node can share every executor; split the nodes between training"
-            " and generation",
-        )
-        return
-    refuse(
-        split == c.nodes,
-        f"cluster.train_nodes + generation_nodes = {c.train_nodes} + {c.generation_nodes} = "
-        f"{split} != cluster.nodes={c.nodes}",
-    )
-    refuse(c.train_nodes >= 1, f"cluster.train_nodes={c.train_nodes} must be >= 1")
-
-
 def _check_devices(cfg: Any, gpus: int) -> None:
     want = "cuda" if gpus else "cpu"
     checks = [("trainer.device", cfg.trainer.device)]
@@ -159,7 +120,7 @@ def _span(values: list[int]) -> tuple[int, int]:
 def place(cfg: Any) -> Placement:
     """Place every rank of ``cfg``'s role map and every SGLang server on the cluster."""
     c, t, r = cfg.cluster, cfg.trainer, cfg.rollout
-    check_cluster(c)
+    validate_cluster(c)
     try:
         roles = RoleMap.from_config(cfg)
     except RoleError as e:

@@ -13,13 +13,14 @@ from rl.controller.roles import RoleError, RoleMap
 from rl.controller.staleness import StalenessGate
 
 
-def _r(prompt, out, logprobs=None, versions=None):
+def _r(prompt, out, logprobs=None, versions=None, finish="stop"):
     return SimpleNamespace(
         prompt_ids=prompt,
         output_ids=out,
         logprobs=logprobs or [-0.5] * len(out),
         versions=versions or [3] * len(out),
         rid="t",
+        finish_reason=finish,
     )
 
 
@@ -37,6 +38,27 @@ def test_batch_alignment_and_padding():
         b["advantages"], torch.tensor([[0, 0, 0.5, 0.5, 0], [0, 0, -0.5, 0, 0]])
     )
     assert b["rewards"].tolist() == [1.0, 0.0]
+
+
+def test_overlong_responses_are_kept_masked_or_penalised():
+    """A response cut by max_new_tokens: keep trains on it, mask removes its tokens from
+    the loss (its reward still sets the group's baseline), penalise replaces its reward."""
+    g = [[_r([1, 5], [7, 2]), _r([1, 5], [8, 9], finish="length"), _r([1, 5], [6, 2])]]
+    keep = build_batch(g, [[1.0, 1.0, 0.0]], normalize_std=False)
+    assert keep["overlong"].tolist() == [0.0, 1.0, 0.0]
+    assert keep["loss_mask"][1].tolist() == [0, 1, 1, 0]
+    assert keep["rewards"].tolist() == [1.0, 1.0, 0.0]
+    masked = build_batch(g, [[1.0, 1.0, 0.0]], normalize_std=False, overlong="mask")
+    assert masked["loss_mask"][1].tolist() == [0, 0, 0, 0]
+    assert masked["loss_mask"][0].tolist() == [0, 1, 1, 0]
+    torch.testing.assert_close(masked["advantages"], keep["advantages"] * masked["loss_mask"])
+    pen = build_batch(g, [[1.0, 1.0, 0.0]], normalize_std=False, overlong="penalise",
+                      overlong_penalty=-1.0)  # fmt: skip
+    assert pen["rewards"].tolist() == [1.0, -1.0, 0.0]
+    # group mean 0: advantages are the rewards themselves
+    assert pen["advantages"][:, 1].tolist() == [1.0, -1.0, 0.0]
+    with pytest.raises(ValueError, match=r"algorithm\.overlong='drop'"):
+        build_batch(g, [[1.0, 1.0, 0.0]], overlong="drop")
 
 
 def test_batch_fixed_length_and_errors():

@@ -13,7 +13,17 @@ import pytest
 import torch
 
 from rl.algorithms.advantages import group_advantages, token_advantages
-from rl.algorithms.losses import aipo_loss, ppo_clip_loss
+from rl.algorithms.losses import (
+    aipo_loss,
+    aipo_weight,
+    icepop_weight,
+    loss_from_config,
+    no_weight,
+    pg_loss,
+    ppo_clip_loss,
+    tis_weight,
+)
+from rl.config.schema import AlgorithmConfig
 
 R0, R1 = math.exp(0.5), math.exp(-1.5)
 
@@ -123,11 +133,177 @@ def test_token_advantages_follow_the_mask():
 
 
 def test_loss_from_composed_config():
-    from rl.algorithms.losses import loss_from_config
     from rl.config import compose
 
     lp, mb = _batch()
     aipo = loss_from_config(compose(["algorithm.rho=1.5"]).algorithm)(lp, mb)
     assert aipo.loss_sum.item() == pytest.approx(aipo_loss(1.5)(lp, mb).loss_sum.item())
-    grpo = loss_from_config(compose(["algorithm=grpo"]).algorithm)(lp, mb)
+    grpo_cfg = compose(["algorithm=grpo"]).algorithm
+    grpo = loss_from_config(grpo_cfg)(lp, mb)
     assert grpo.loss_sum.item() == pytest.approx(ppo_clip_loss(0.2)(lp, mb).loss_sum.item())
+
+
+# ------------------------------------------------------------ off-policy corrections
+# Four scored tokens and one masked position with a wild ratio (it must change nothing):
+# log pi = [-1, -2, -0.5, -1], log mu = [-1.5, -0.5, -0.5, -2], A = [2, 2, -1, -3], so
+# r = pi/mu = [e^0.5 = 1.6487, e^-1.5 = 0.2231, 1, e^1 = 2.7183] and, for w = 1, the
+# per-token -A * log pi = [2, 4, -0.5, -3]. Masked position: log pi 0, log mu -5 (r = e^5).
+IS_RATIO4 = math.exp(0.5) + math.exp(-1.5) + 1 + math.e  # 5.5901
+MISMATCH4 = 0.5 + 1.5 + 0.0 + 1.0
+
+
+def _batch4(ref: list[float] | None = None):
+    lp = torch.tensor([[-1.0, -2.0, -0.5, -1.0, 0.0]], requires_grad=True)
+    mb = {
+        "loss_mask": torch.tensor([[1.0, 1.0, 1.0, 1.0, 0.0]]),
+        "behaviour_logprobs": torch.tensor([[-1.5, -0.5, -0.5, -2.0, -5.0]]),
+        "advantages": torch.tensor([[2.0, 2.0, -1.0, -3.0, 7.0]]),
+    }
+    if ref is not None:
+        mb["ref_logprobs"] = torch.tensor([[*ref, 0.0]])
+    return lp, mb
+
+
+def _run(a: AlgorithmConfig, ref: list[float] | None = None):
+    lp, mb = _batch4(ref)
+    out = loss_from_config(a)(lp, mb)
+    out.loss_sum.backward()
+    return out, lp.grad
+
+
+def _close(t: torch.Tensor, want: list[float]):
+    torch.testing.assert_close(t, torch.tensor([want]), rtol=1e-5, atol=1e-6)
+
+
+def test_correction_aipo_on_four_tokens():
+    out, grad = _run(AlgorithmConfig(correction="aipo", rho=1.5))
+    # w = min(r, 1.5) = [1.5, e^-1.5, 1, 1.5]; -w*A*log pi = [3, 4e^-1.5 = 0.8925, -0.5, -4.5]
+    assert out.loss_sum.item() == pytest.approx(-1.1074794, rel=1e-6)
+    _close(grad, [-3.0, -0.4462603, 1.0, 4.5, 0.0])  # -w*A; -2e^-1.5 = -0.44626
+    assert out.num_tokens.item() == 4
+    assert out.stats["truncated_frac"].item() == 2  # t0 and t3 above rho; not the masked one
+    assert out.stats["is_ratio"].item() == pytest.approx(IS_RATIO4, rel=1e-6)
+    assert out.stats["mismatch_abs_logp"].item() == pytest.approx(MISMATCH4, rel=1e-6)
+    assert "masked_frac" not in out.stats
+
+
+def test_correction_tis_clips_both_sides():
+    out, grad = _run(AlgorithmConfig(correction="tis", tis_clip=2.0, tis_clip_low=0.5))
+    # w = clamp(r, 0.5, 2) = [e^0.5, 0.5 (raised), 1, 2 (cut)];
+    # -w*A*log pi = [2e^0.5 = 3.29744, 2, -0.5, -6] -> 2e^0.5 - 4.5 = -1.2025575
+    assert out.loss_sum.item() == pytest.approx(-1.2025575, rel=1e-6)
+    _close(grad, [-3.2974425, -1.0, 1.0, 6.0, 0.0])  # -w*A
+    assert out.num_tokens.item() == 4
+    assert out.stats["truncated_frac"].item() == 2  # t1 below, t3 above
+    assert out.stats["is_ratio"].item() == pytest.approx(IS_RATIO4, rel=1e-6)
+    assert out.stats["mismatch_abs_logp"].item() == pytest.approx(MISMATCH4, rel=1e-6)
+
+
+def test_correction_tis_default_low_clip_only_cuts_above():
+    out, grad = _run(AlgorithmConfig(correction="tis"))  # tis_clip=2, tis_clip_low=0
+    # w = [e^0.5, e^-1.5, 1, 2]: 2e^0.5 + 4e^-1.5 - 0.5 - 6 = -2.3100368
+    assert out.loss_sum.item() == pytest.approx(-2.3100368, rel=1e-6)
+    _close(grad, [-3.2974425, -0.4462603, 1.0, 6.0, 0.0])
+    assert out.stats["truncated_frac"].item() == 1
+
+
+def test_correction_icepop_masks_tokens_outside_the_band():
+    out, grad = _run(AlgorithmConfig(correction="icepop", icepop_beta=2.0))
+    # band [0.5, 2]: t1 (0.2231) and t3 (2.7183) are masked, w = [e^0.5, 0, 1, 0];
+    # -w*A*log pi = [2e^0.5, 0, -0.5, 0] -> 2e^0.5 - 0.5 = 2.7974425
+    assert out.loss_sum.item() == pytest.approx(2.7974425, rel=1e-6)
+    _close(grad, [-3.2974425, 0.0, 1.0, 0.0, 0.0])
+    assert out.num_tokens.item() == 4  # masked tokens still count in the normalisation
+    assert out.stats["masked_frac"].item() == 2  # not the loss-masked position (r = e^5)
+    assert "truncated_frac" not in out.stats
+    assert out.stats["is_ratio"].item() == pytest.approx(IS_RATIO4, rel=1e-6)
+
+
+def test_correction_icepop_masks_the_kl_term_too():
+    out, grad = _run(
+        AlgorithmConfig(correction="icepop", icepop_beta=2.0, kl_coef=0.1),
+        ref=[-1.0, -1.0, -1.0, -1.0],
+    )
+    # k3 with d = ref - log pi = [0, 1, -0.5, 0]: [0, e-2, e^-0.5-0.5, 0]; d k3/d log pi =
+    # 1 - e^d = [0, 1-e, 1-e^-0.5, 0]. t1 is masked, so its KL gradient (0.1(1-e)) is gone:
+    # grad t2 = 1 + 0.1(1 - e^-0.5) = 1.0393469; loss = 2e^0.5 - 0.5 + 0.1(e^-0.5 - 0.5).
+    assert out.loss_sum.item() == pytest.approx(2.8080956, rel=1e-6)
+    _close(grad, [-3.2974425, 0.0, 1.0393469, 0.0, 0.0])
+    # kl_ref still measures every counted token: (e-2) + (e^-0.5-0.5) = 0.8248125
+    assert out.stats["kl_ref"].item() == pytest.approx(0.8248125, rel=1e-6)
+
+
+def test_correction_none_is_the_plain_policy_gradient():
+    out, grad = _run(AlgorithmConfig(correction="none"))
+    # w = 1: -A*log pi = [2, 4, -0.5, -3] -> 2.5
+    assert out.loss_sum.item() == pytest.approx(2.5, rel=1e-6)
+    _close(grad, [-2.0, -2.0, 1.0, 3.0, 0.0])  # -A
+    assert out.stats["is_ratio"].item() == pytest.approx(IS_RATIO4, rel=1e-6)
+    assert "truncated_frac" not in out.stats and "masked_frac" not in out.stats
+
+
+def test_none_and_aipo_agree_only_on_policy():
+    lp, mb = _batch4()
+    none, aipo = pg_loss(no_weight()), aipo_loss(rho=4.0)
+    assert none(lp, mb).loss_sum.item() != pytest.approx(aipo(lp, mb).loss_sum.item())
+    mb["behaviour_logprobs"] = lp.detach().clone()  # r == 1 exactly
+    grads = []
+    for fn in (none, aipo):
+        lp.grad = None
+        out = fn(lp, mb)
+        out.loss_sum.backward()
+        grads.append((out.loss_sum.detach(), lp.grad.clone()))
+    assert torch.equal(grads[0][0], grads[1][0]) and torch.equal(grads[0][1], grads[1][1])
+
+
+def test_aipo_correction_is_bit_identical_to_the_old_aipo():
+    """The pre-refactor formula, inline: the default config must reproduce it exactly."""
+    g = torch.Generator().manual_seed(0)
+    lp0 = -torch.rand(3, 7, generator=g) * 3
+    mu = lp0 + torch.randn(3, 7, generator=g)
+    mb = {
+        "loss_mask": (torch.rand(3, 7, generator=g) > 0.3).float(),
+        "behaviour_logprobs": mu,
+        "advantages": torch.randn(3, 7, generator=g),
+    }
+    lp_old = lp0.clone().requires_grad_()
+    w = torch.clamp(torch.exp((lp_old - mu).detach()), max=1.5)
+    old = (-(w * mb["advantages"] * lp_old) * mb["loss_mask"]).sum()
+    old.backward()
+    lp_new = lp0.clone().requires_grad_()
+    new = loss_from_config(AlgorithmConfig(rho=1.5))(lp_new, mb)
+    new.loss_sum.backward()
+    assert torch.equal(new.loss_sum.detach(), old.detach())
+    assert torch.equal(lp_new.grad, lp_old.grad)
+    want_truncated = ((torch.exp(lp0 - mu) > 1.5).float() * mb["loss_mask"]).sum()
+    assert torch.equal(new.stats["truncated_frac"], want_truncated)
+
+
+@pytest.mark.parametrize("correction", ["aipo", "tis", "icepop"])
+def test_grpo_refuses_a_correction(correction):
+    with pytest.raises(ValueError, match=r"algorithm\.correction='" + correction):
+        loss_from_config(AlgorithmConfig(name="grpo", correction=correction))
+    loss_from_config(AlgorithmConfig(name="grpo", correction="none"))  # the one allowed
+
+
+@pytest.mark.parametrize(
+    "a,match",
+    [
+        (AlgorithmConfig(correction="tis", tis_clip=0.0), r"algorithm\.tis_clip=0\.0 must be > 0"),
+        (AlgorithmConfig(correction="tis", tis_clip_low=-0.1), r"algorithm\.tis_clip_low=-0\.1"),
+        (AlgorithmConfig(correction="tis", tis_clip_low=2.0), r"algorithm\.tis_clip_low=2\.0"),
+        (AlgorithmConfig(correction="icepop", icepop_beta=1.0), r"algorithm\.icepop_beta=1\.0"),
+        (AlgorithmConfig(correction="aipo", rho=0.0), r"algorithm\.rho=0\.0"),
+        (AlgorithmConfig(correction="is"), r"algorithm\.correction='is'.*aipo, tis, icepop, none"),
+        (AlgorithmConfig(name="grpo", correction="is"), r"algorithm\.correction='is'.*aipo"),
+    ],
+)
+def test_bad_correction_parameters(a, match):
+    with pytest.raises(ValueError, match=match):
+        loss_from_config(a)
+
+
+def test_weight_builders_validate_on_their_own():
+    for make in (lambda: tis_weight(-1.0), lambda: icepop_weight(0.5), lambda: aipo_weight(-2)):
+        with pytest.raises(ValueError, match="algorithm\\."):
+            make()

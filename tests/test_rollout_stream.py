@@ -24,6 +24,8 @@ from rl.generator.client import GeneratorClient
 from rl.generator.hf_reference import HFReferenceGenerator
 from rl.generator.launcher import ServerConfig, ServerLauncher
 from rl.generator.types import SamplingParams
+from rl.reward.functions import ScoreResult
+from rl.tasks.common import Example
 
 PROMPTS = [[1, 5, 6, 7], [1, 9, 9], [1, 40, 41, 42], [1, 3, 4], [1, 77, 12], [1, 60, 61]]
 T = 0.8
@@ -47,7 +49,7 @@ def client(model_dir, tmp_path_factory):
 def _score(group) -> Future:
     """Rewards 1, 0, 1, 0... at once (the reward executor has tests of its own)."""
     f: Future = Future()
-    f.set_result([float(i % 2 == 0) for i in range(len(group.rollouts))])
+    f.set_result([ScoreResult(float(i % 2 == 0)) for i in range(len(group.rollouts))])
     return f
 
 
@@ -55,12 +57,11 @@ def test_partial_rollouts_resume_across_a_weight_update(client, model_dir):
     v0 = client.version
     sampling = SamplingParams(temperature=T, max_new_tokens=6, ignore_eos=True, n=2)
     gate = StalenessGate(max_lag=1, mode="throttle", per_step=2)  # 4 groups may start at v0
-    prompts = iter(PROMPTS)
+    prompts = iter(Example(f"p{i}", tuple(p), "") for i, p in enumerate(PROMPTS))
     stream = RolloutStream(
         client,
         _score,
         lambda: next(prompts),
-        lambda p: p,
         sampling,
         gate,
         v0,

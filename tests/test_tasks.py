@@ -120,7 +120,7 @@ def test_reward_executor_text_scoring_equals_the_task_reward():
     be the task's own token-level reward for every kind of response."""
     import random
 
-    from rl.reward.scorers import exact_answer
+    from rl.reward.functions import exact
     from rl.tasks.arithmetic import EOS
 
     task = AdditionTask(digits=2, seed=0, eval_size=16)
@@ -131,7 +131,7 @@ def test_reward_executor_text_scoring_equals_the_task_reward():
     cases += [[rng.randrange(3, 13) for _ in range(4)] for _ in range(50)]
     cases += [[*right[:3], rng.randrange(0, 15)] for _ in range(20)]
     for ids in cases:
-        text = exact_answer(task.response_text(ids), task.answer_text(p))
+        text = exact("", task.response_text(ids), task.answer_text(p), {})
         assert text == task.reward(p, ids), ids
     assert task.reward(p, right) == 1.0
 

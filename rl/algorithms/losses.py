@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -51,57 +51,135 @@ def _kl_k3(logprobs: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
     return torch.exp(r) - r - 1
 
 
+class Weight(NamedTuple):
+    """A correction's per-token off-policy weight (used as a constant: no gradient) and
+    which tokens it changed, for the stats."""
+
+    w: torch.Tensor
+    clipped: torch.Tensor | None = None  # bool: w was truncated (-> truncated_frac)
+    masked: torch.Tensor | None = None  # bool: the token is dropped, w = 0 (-> masked_frac)
+
+
+# ratio pi/mu (detached) -> Weight
+WeightFn = Callable[[torch.Tensor], Weight]
+
+
+def aipo_weight(rho: float = 4.0) -> WeightFn:
+    """AIPO: ``min(r, rho)``."""
+    if rho <= 0:
+        raise ValueError(f"algorithm.rho={rho} must be > 0")
+    return lambda r: Weight(torch.clamp(r, max=rho), clipped=r > rho)
+
+
+def tis_weight(clip: float = 2.0, clip_low: float = 0.0) -> WeightFn:
+    """Token-level truncated importance sampling: ``clamp(r, clip_low, clip)``."""
+    if clip <= 0:
+        raise ValueError(f"algorithm.tis_clip={clip} must be > 0")
+    if not 0 <= clip_low < clip:
+        raise ValueError(f"algorithm.tis_clip_low={clip_low} must be in [0, tis_clip={clip})")
+    return lambda r: Weight(
+        torch.clamp(r, min=clip_low, max=clip), clipped=(r > clip) | (r < clip_low)
+    )
+
+
+def icepop_weight(beta: float = 5.0) -> WeightFn:
+    """IcePop: ``r`` inside the band ``[1/beta, beta]``, else 0 (the token is masked)."""
+    if beta <= 1:
+        raise ValueError(f"algorithm.icepop_beta={beta} must be > 1")
+
+    def weight(r: torch.Tensor) -> Weight:
+        masked = (r < 1 / beta) | (r > beta)
+        return Weight(torch.where(masked, torch.zeros_like(r), r), masked=masked)
+
+    return weight
+
+
+def no_weight() -> WeightFn:
+    """No correction, ``w = 1``: the plain policy gradient, as if the rollout were on-policy
+    (the baseline that shows what a correction buys)."""
+    return lambda r: Weight(torch.ones_like(r))
+
+
+# algorithm.correction -> its weight, built from an ``AlgorithmConfig``.
+CORRECTIONS: dict[str, Callable[[Any], WeightFn]] = {
+    "aipo": lambda a: aipo_weight(a.rho),
+    "tis": lambda a: tis_weight(a.tis_clip, a.tis_clip_low),
+    "icepop": lambda a: icepop_weight(a.icepop_beta),
+    "none": lambda a: no_weight(),
+}
+
+# (logprobs, log_ratio, ratio = exp(log_ratio) detached, advantages) -> per-token loss and
+# the correction's weight when there is one.
+Surrogate = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+    tuple[torch.Tensor, Weight | None],
+]
+
+
 def _rl_loss(
     logprobs: torch.Tensor,
     mb: dict[str, torch.Tensor],
-    surrogate: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+    surrogate: Surrogate,
     kl_coef: float,
-    rho: float | None,
 ) -> LossOutput:
     mask = mb["loss_mask"].to(logprobs.dtype)
     mu = mb["behaviour_logprobs"].to(logprobs.dtype)
     adv = mb["advantages"].to(logprobs.dtype)
     log_ratio = logprobs - mu
-    per_token = surrogate(logprobs, log_ratio, adv)
     ratio = torch.exp(log_ratio.detach())
+    per_token, weight = surrogate(logprobs, log_ratio, ratio, adv)
     stats = {
         # Train-vs-rollout mismatch: how far the trainer's log-probs are from the ones the
         # generator sampled with (policy lag, numerics, sampling temperature).
         "mismatch_abs_logp": (log_ratio.detach().abs() * mask).sum(),
         "is_ratio": (ratio * mask).sum(),
     }
-    if rho is not None:
-        stats["truncated_frac"] = ((ratio > rho).to(mask.dtype) * mask).sum()
+    masked = None if weight is None else weight.masked
+    if weight is not None and weight.clipped is not None:
+        stats["truncated_frac"] = (weight.clipped.to(mask.dtype) * mask).sum()
+    if masked is not None:
+        stats["masked_frac"] = (masked.to(mask.dtype) * mask).sum()
     if kl_coef:
         kl = _kl_k3(logprobs, mb["ref_logprobs"].to(logprobs.dtype))
-        per_token = per_token + kl_coef * kl
+        # A masked token contributes nothing to the gradient, the KL penalty included;
+        # kl_ref still measures every counted token.
+        kl_term = kl if masked is None else torch.where(masked, torch.zeros_like(kl), kl)
+        per_token = per_token + kl_coef * kl_term
         stats["kl_ref"] = (kl.detach() * mask).sum()
     return LossOutput(
         loss_sum=(per_token * mask).sum(),
+        # Masked tokens (icepop) still count: the loss is normalised over all response
+        # tokens, so masking only removes their gradient and does not rescale the others'
+        # (the step size does not grow when the band drops many tokens), and num_tokens
+        # stays the same count for every loss. masked_frac is then a true fraction.
         num_tokens=mask.sum().to(torch.int),
         stats=stats,
     )
 
 
-def aipo_loss(rho: float = 4.0, kl_coef: float = 0.0) -> LossFn:
-    """AIPO (LlamaRL): ``-stopgrad(min(pi/mu, rho)) * A * log pi`` per token.
+def pg_loss(weight_fn: WeightFn, kl_coef: float = 0.0) -> LossFn:
+    """Off-policy-corrected policy gradient ``-stopgrad(w) * A * log pi`` per token, with
+    ``w = weight_fn(pi/mu)`` (see ``CORRECTIONS``).
 
-    Why: the generator runs ahead of the trainer, so tokens come from an older policy mu.
-    The importance weight corrects for that; truncating it at ``rho`` bounds the
-    variance, and because it is a constant (no gradient through the ratio) the update is
-    a weighted policy gradient that stays well-behaved far off-policy, where PPO's clip
+    Why: the generator runs ahead of the trainer (and samples with other numerics), so
+    tokens come from a policy mu != pi. The weight corrects for that; bounding it bounds
+    the variance, and because it is a constant (no gradient through the ratio) the update
+    is a weighted policy gradient that stays well-behaved far off-policy, where PPO's clip
     would zero the gradient."""
-    if rho <= 0:
-        raise ValueError(f"aipo rho={rho} must be > 0")
 
-    def surrogate(logprobs, log_ratio, adv):
-        weight = torch.clamp(torch.exp(log_ratio.detach()), max=rho)
-        return -(weight * adv * logprobs)
+    def surrogate(logprobs, log_ratio, ratio, adv):
+        weight = weight_fn(ratio)
+        return -(weight.w * adv * logprobs), weight
 
     def loss(logprobs: torch.Tensor, mb: dict[str, torch.Tensor]) -> LossOutput:
-        return _rl_loss(logprobs, mb, surrogate, kl_coef, rho)
+        return _rl_loss(logprobs, mb, surrogate, kl_coef)
 
     return loss
+
+
+def aipo_loss(rho: float = 4.0, kl_coef: float = 0.0) -> LossFn:
+    """AIPO (LlamaRL): ``-stopgrad(min(pi/mu, rho)) * A * log pi`` per token."""
+    return pg_loss(aipo_weight(rho), kl_coef)
 
 
 def ppo_clip_loss(clip_eps: float = 0.2, kl_coef: float = 0.0) -> LossFn:
@@ -110,21 +188,31 @@ def ppo_clip_loss(clip_eps: float = 0.2, kl_coef: float = 0.0) -> LossFn:
     if not 0 < clip_eps < 1:
         raise ValueError(f"ppo clip_eps={clip_eps} must be in (0, 1)")
 
-    def surrogate(logprobs, log_ratio, adv):
-        ratio = torch.exp(log_ratio)
+    def surrogate(logprobs, log_ratio, _ratio, adv):
+        ratio = torch.exp(log_ratio)  # with its gradient, unlike the detached _ratio
         clipped = torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps)
-        return -torch.minimum(ratio * adv, clipped * adv)
+        return -torch.minimum(ratio * adv, clipped * adv), None
 
     def loss(logprobs: torch.Tensor, mb: dict[str, torch.Tensor]) -> LossOutput:
-        return _rl_loss(logprobs, mb, surrogate, kl_coef, None)
+        return _rl_loss(logprobs, mb, surrogate, kl_coef)
 
     return loss
 
 
 def loss_from_config(a: Any) -> LossFn:
-    """The loss an ``AlgorithmConfig`` names."""
+    """The loss an ``AlgorithmConfig`` names: ``name`` picks the objective, ``correction``
+    the off-policy weight of the aipo one."""
+    if a.correction not in CORRECTIONS:
+        raise ValueError(
+            f"algorithm.correction={a.correction!r} must be one of {', '.join(CORRECTIONS)}"
+        )
     if a.name == "aipo":
-        return aipo_loss(a.rho, a.kl_coef)
+        return pg_loss(CORRECTIONS[a.correction](a), a.kl_coef)
     if a.name == "grpo":
+        if a.correction != "none":
+            raise ValueError(
+                f"algorithm.correction={a.correction!r} must be 'none' with algorithm.name=grpo"
+                " (its clipped ratio is its own correction)"
+            )
         return ppo_clip_loss(a.clip_eps, a.kl_coef)
     raise ValueError(f"algorithm.name={a.name!r} must be 'aipo' or 'grpo'")

@@ -6,12 +6,21 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
+from rl.config.hf import resolve_model
 from rl.config.schema import register
-from rl.config.validate import ConfigError, validate
+from rl.config.validate import ConfigError, check_task, validate
 
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 
-__all__ = ["CONF_DIR", "ConfigError", "compose", "register", "validate"]
+__all__ = [
+    "CONF_DIR",
+    "ConfigError",
+    "check_task",
+    "compose",
+    "register",
+    "resolve_model",
+    "validate",
+]
 
 
 def compose(overrides: list[str] | None = None, config_name: str = "config") -> DictConfig:

@@ -45,6 +45,10 @@ class ModelConfig:
     # every TP size and it reshards freely; conversion to HF strips the padding rows.
     make_vocab_size_divisible_by: int = 1
     init_method_std: float = 0.02
+    # A Hugging Face directory (config.json, safetensors, tokenizer). When set, every
+    # architecture field above is read from its config.json at launch (rl/config/hf.py),
+    # the trainer starts from its weights and the servers start from the directory.
+    hf_checkpoint: str | None = None
 
 
 @dataclass
@@ -82,23 +86,41 @@ class TrainerConfig:
     save_interval: int = 0  # 0: only at the end (when save_dir is set)
     load_dir: str | None = None
     load_optimizer: bool = True
+    # Cut each rank's rows into micro-batches of at most this many tokens (rows x their
+    # longest sequence) instead of micro_batch_size rows; null: micro_batch_size rows.
+    max_tokens_per_microbatch: int | None = None
 
 
 @dataclass
 class TaskConfig:
-    """The synthetic task the project generates (no downloads)."""
+    """What the loop trains and evaluates on (rl/tasks): ``arithmetic``, the synthetic task
+    the project generates, or ``dataset``, prompt files of the user's."""
 
-    name: str = "addition"
-    digits: int = 2
-    seed: int = 0
+    name: str = "arithmetic"  # arithmetic | dataset
+    seed: int = 0  # the training stream's shuffle and the held-out split
+    # arithmetic: held-out problems. dataset: rows held out of train_files for evaluation
+    # when eval_files is empty (0: none), or the cap on eval rows read from eval_files.
     eval_size: int = 256
+    digits: int = 2  # arithmetic: operand digits
+    # dataset: local paths or globs of .jsonl, .json or .parquet files.
+    train_files: list[str] = field(default_factory=list)
+    eval_files: list[str] = field(default_factory=list)
+    prompt_key: str = "prompt"  # a string, or a chat ``messages`` list of {role, content}
+    label_key: str = "label"  # handed to the reward function; the warm-up's target text
+    metadata_keys: list[str] = field(default_factory=list)  # handed to the reward function
+    system_prompt: str | None = None
+    apply_chat_template: bool = True  # render with the tokenizer's chat template
+    max_prompt_tokens: int | None = None  # longer prompts are dropped (and counted)
+    shuffle: bool = True
+    epochs: int | None = None  # passes over train_files; null: as many as the run needs
+    tokenizer: str | None = None  # an HF directory; null: model.hf_checkpoint
 
 
 @dataclass
 class SFTConfig:
     """Supervised warm-up on the task's answers (loss on answer tokens only)."""
 
-    steps: int = 100  # at most
+    steps: int = 0  # at most; 0: no warm-up
     log_every: int = 1
     eval_every: int = 50
     # End the warm-up once greedy accuracy on fresh training problems reaches this (checked
@@ -178,15 +200,34 @@ class AlgorithmConfig:
     # synchronous). Older ones are dropped, or the generator is throttled at the source.
     max_policy_lag: int = 1
     stale: str = "drop"  # drop | throttle
+    # The per-token off-policy weight w (no gradient) of the aipo objective
+    # -w * A * log pi, with r = pi/mu: aipo min(r, rho); tis clamp(r, tis_clip_low,
+    # tis_clip); icepop r inside [1/icepop_beta, icepop_beta], else 0 (the token is
+    # masked); none 1. grpo's clipped ratio is its own correction (correction=none).
+    correction: str = "aipo"  # aipo | tis | icepop | none
+    tis_clip: float = 2.0
+    tis_clip_low: float = 0.0
+    icepop_beta: float = 5.0
+    # Skip groups whose rewards are all equal (no signal), count them, refill the batch.
+    drop_uniform_groups: bool = False
+    # A response cut by max_new_tokens: keep it, mask it out of the loss, or penalise it
+    # (its reward becomes overlong_penalty).
+    overlong: str = "keep"  # keep | mask | penalise
+    overlong_penalty: float = -1.0
 
 
 @dataclass
 class RewardConfig:
-    """The reward executor (rl/reward): scorer and worker processes."""
+    """The reward executor (rl/reward): the reward function and its worker processes.
 
-    scorer: str = "exact"  # exact | math | module:function
+    One function scores training rollouts and evaluation alike."""
+
+    # A built-in (exact | math_verify | gsm8k), a dotted path ``pkg.module:fn`` or a file
+    # ``path/to/rewards.py:fn``; fn(prompt, response, label, metadata) -> float | dict.
+    fn: str = "exact"
     workers: int = 1
     timeout_s: float = 5.0  # per item; an overrun scores 0 and is counted
+    pass_threshold: float = 1.0  # a response passes (pass@k) when its score reaches this
 
 
 @dataclass
@@ -200,6 +241,10 @@ class RLConfig:
     mode: str = "async"
     prompts_per_step: int = 16  # x algorithm.group_size samples = the trainer's batch
     eval_every: int = 25  # held-out greedy accuracy from the generator; 0: start and end
+    # pass@k and mean@k over eval_k samples per eval prompt at the rollout temperature
+    # (1: greedy pass@1 only).
+    eval_k: int = 1
+    save_hf: bool = False  # also export each RL checkpoint as an HF directory
     log_every: int = 1
     save_interval: int = 0  # RL checkpoints every N steps (0: at the end only)
     # A reply from another executor that takes longer than this is an error (seconds).
@@ -268,6 +313,7 @@ def register() -> None:
     cs.store(name="root_schema", node=RootConfig)
     cs.store(group="model", name="model_schema", node=ModelConfig)
     cs.store(group="trainer", name="trainer_schema", node=TrainerConfig)
+    cs.store(group="task", name="task_schema", node=TaskConfig)
     cs.store(group="rollout", name="rollout_schema", node=RolloutConfig)
     cs.store(group="algorithm", name="algorithm_schema", node=AlgorithmConfig)
     cs.store(group="cluster", name="cluster_schema", node=ClusterConfig)

@@ -27,6 +27,7 @@ class ConfigError(ValueError):
 
 
 CLUSTERS = ("local", "slurm")
+OVERLONG = ("keep", "mask", "penalise")
 
 
 def _require(ok: bool, msg: str) -> None:
@@ -106,6 +107,11 @@ def validate_trainer(t: Any, m: Any) -> None:
         t.params_dtype in DTYPES, f"trainer.params_dtype={t.params_dtype!r} must be one of {DTYPES}"
     )
     _optim("trainer.optim", t.optim)
+    budget = t.max_tokens_per_microbatch
+    _require(
+        budget is None or (isinstance(budget, int) and budget >= 1),
+        f"trainer.max_tokens_per_microbatch={budget!r} must be an integer >= 1 or null",
+    )
     _require(t.save_interval >= 0, f"trainer.save_interval={t.save_interval} must be >= 0")
     for field, value in (
         ("num_attention_heads", m.num_attention_heads),
@@ -132,23 +138,52 @@ def validate_trainer(t: Any, m: Any) -> None:
     )
 
 
-def validate_task(task: Any, sft: Any, m: Any) -> None:
-    from rl.tasks.arithmetic import sequence_length
+def validate_task(cfg: Any) -> None:
+    """The task's own fields (rl/tasks checks them; no data is read here) and the warm-up."""
+    from rl.tasks import TaskError, check_config
 
-    _require(task.name == "addition", f"task.name={task.name!r} must be 'addition'")
-    _positive("task", task, "digits", "eval_size")
-    need = sequence_length(task.digits)
-    _require(
-        need <= m.max_position_embeddings,
-        f"task.digits={task.digits} needs {need} positions but "
-        f"model.max_position_embeddings={m.max_position_embeddings}",
-    )
+    try:
+        check_config(cfg)
+    except TaskError as e:
+        raise ConfigError(str(e)) from None
+    sft = cfg.sft
     _require(sft.steps >= 0, f"sft.steps={sft.steps} must be >= 0")
     _positive("sft", sft, "log_every", "eval_every", "check_every")
     t = sft.stop_at_accuracy
     _require(t is None or 0 < t <= 1, f"sft.stop_at_accuracy={t} must be in (0, 1] or null")
     if sft.optim is not None:
         _optim("sft.optim", sft.optim)
+
+
+def check_task(cfg: Any) -> Any:
+    """Build the task (reads and renders its data) and check it against the model and
+    the rollouts; returns it. Run once before launch, after :func:`validate`."""
+    from rl.tasks import TaskError, build_task
+
+    try:
+        task = build_task(cfg)
+    except TaskError as e:
+        raise ConfigError(str(e)) from None
+    longest = max(len(e.prompt_ids) for ex in task.eval_sets.values() for e in ex) if (
+        task.eval_sets) else 0  # fmt: skip
+    longest = max(longest, *(len(e.prompt_ids) for e in task.validation_set))
+    new = cfg.rollout.sampling.max_new_tokens
+    context = cfg.rollout.context_length or cfg.model.max_position_embeddings
+    if cfg.rl.steps > 0:
+        _require(
+            longest + new <= context,
+            f"rollout.sampling.max_new_tokens={new} + the longest prompt ({longest} tokens) "
+            f"exceeds the context of {context} tokens (rollout.context_length or "
+            "model.max_position_embeddings; task.max_prompt_tokens drops long prompts)",
+        )
+    if cfg.sft.steps > 0:
+        missing = next((e.uid for e in task.validation_set if not e.target_ids), None)
+        _require(
+            missing is None,
+            f"sft.steps={cfg.sft.steps} needs a label on every prompt: {missing} has none "
+            f"(task.label_key={cfg.task.label_key!r})",
+        )
+    return task
 
 
 def validate_rollout(r: Any) -> None:
@@ -205,16 +240,27 @@ def validate_algorithm(a: Any) -> None:
         a.stale in ("drop", "throttle"),
         f"algorithm.stale={a.stale!r} must be 'drop' or 'throttle'",
     )
+    _require(
+        a.overlong in OVERLONG,
+        f"algorithm.overlong={a.overlong!r} must be one of {', '.join(OVERLONG)}",
+    )
+    from rl.algorithms.losses import loss_from_config
+
+    try:  # the correction's name and parameters, as the trainer will build them
+        loss_from_config(a)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def validate_reward(r: Any) -> None:
-    from rl.reward.scorers import resolve
+    """The reward function must import and take (prompt, response, label, metadata)."""
+    from rl.reward.functions import RewardFnError, check
 
     _require(r.workers >= 1, f"reward.workers={r.workers} must be >= 1")
     _require(r.timeout_s > 0, f"reward.timeout_s={r.timeout_s} must be > 0 seconds")
     try:
-        resolve(r.scorer)
-    except ValueError as e:
+        check(r.fn)
+    except RewardFnError as e:
         raise ConfigError(f"reward.{e}") from None
 
 
@@ -231,9 +277,7 @@ def validate_weight_sync(cfg: Any) -> None:
 
 
 def validate_rl(cfg: Any) -> None:
-    """The RL stage: its mode, batch shape and sampling must fit the task and trainer."""
-    from rl.tasks.arithmetic import AdditionTask
-
+    """The RL stage: its mode, batch shape and sampling must fit the trainer."""
     rl, a, t, s = cfg.rl, cfg.algorithm, cfg.trainer, cfg.rollout.sampling
     _require(rl.steps >= 0, f"rl.steps={rl.steps} must be >= 0")
     _require(rl.mode in ("async", "sync"), f"rl.mode={rl.mode!r} must be 'async' or 'sync'")
@@ -266,12 +310,7 @@ def validate_rl(cfg: Any) -> None:
         f"rollout.sampling.n={s.n} must be 1 in RL: samples per prompt are "
         f"algorithm.group_size={a.group_size}",
     )
-    need = AdditionTask.answer_length(cfg.task.digits)
-    _require(
-        s.max_new_tokens >= need,
-        f"rollout.sampling.max_new_tokens={s.max_new_tokens} is shorter than the task's "
-        f"answer ({need} tokens for task.digits={cfg.task.digits})",
-    )
+    _positive("rl", rl, "eval_k")
 
 
 def validate_roles(cfg: Any, world_size: int | None = None) -> None:
@@ -325,7 +364,7 @@ def validate(cfg: Any, world_size: int | None = None) -> None:
     ``world_size``: the number of ranks a launcher started, checked against the role map."""
     validate_model(cfg.model)
     validate_trainer(cfg.trainer, cfg.model)
-    validate_task(cfg.task, cfg.sft, cfg.model)
+    validate_task(cfg)
     validate_rollout(cfg.rollout)
     validate_weight_sync(cfg)
     validate_algorithm(cfg.algorithm)

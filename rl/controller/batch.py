@@ -5,6 +5,11 @@ per-token tensor scores token ``t+1``. A response of R tokens after a prompt of 
 therefore occupies indices ``[P-1, P-1+R)``. Sequences are right-padded: with causal
 attention the padding comes after every real token, so no real position moves.
 
+A response cut by ``max_new_tokens`` (finish reason "length") is overlong: ``keep`` trains
+on it like any other, ``mask`` takes its tokens out of the loss (its reward still counts
+in its group's baseline), ``penalise`` replaces its reward with ``overlong_penalty`` before
+the advantages are computed.
+
 Pure logic: torch tensors only.
 """
 
@@ -17,6 +22,8 @@ import torch
 
 from rl.algorithms.advantages import group_advantages, token_advantages
 
+OVERLONG = ("keep", "mask", "penalise")
+
 
 def build_batch(
     groups: Sequence[Sequence[Any]],
@@ -24,13 +31,17 @@ def build_batch(
     normalize_std: bool = True,
     pad_id: int = 0,
     seq_len: int | None = None,
+    overlong: str = "keep",
+    overlong_penalty: float = -1.0,
 ) -> dict[str, torch.Tensor]:
     """``groups[g][k]`` is sample k of prompt g (objects with ``prompt_ids``,
     ``output_ids``, ``logprobs``, ``versions``), ``rewards[g][k]`` its reward.
 
     Returns ``tokens`` [B, S] (int64), ``loss_mask``, ``behaviour_logprobs`` and
-    ``advantages`` [B, S] (float32), ``versions`` [B, S] (int64, -1 off the response) and
-    ``rewards`` [B]."""
+    ``advantages`` [B, S] (float32), ``versions`` [B, S] (int64, -1 off the response),
+    ``rewards`` [B] (after the overlong rule) and ``overlong`` [B] (1.0: cut by length)."""
+    if overlong not in OVERLONG:
+        raise ValueError(f"algorithm.overlong={overlong!r} must be one of {OVERLONG}")
     sizes = {len(g) for g in groups}
     if len(sizes) != 1 or [len(r) for r in rewards] != [len(g) for g in groups]:
         raise ValueError(
@@ -60,7 +71,12 @@ def build_batch(
         mask[i, span] = 1.0
         mu[i, span] = torch.tensor(r.logprobs, dtype=torch.float32)
         versions[i, span] = torch.tensor(r.versions, dtype=torch.int64)
+    cut = torch.tensor([float(r.finish_reason == "length") for r in rows])
     reward = torch.tensor([list(map(float, g)) for g in rewards], dtype=torch.float32)
+    if overlong == "penalise":
+        reward = torch.where(cut.reshape(reward.shape) > 0, overlong_penalty, reward)
+    elif overlong == "mask":
+        mask = mask * (1 - cut).unsqueeze(1)
     adv = group_advantages(reward, normalize_std).reshape(-1)
     return {
         "tokens": tokens,
@@ -69,4 +85,5 @@ def build_batch(
         "advantages": token_advantages(adv, mask),
         "versions": versions,
         "rewards": reward.reshape(-1),
+        "overlong": cut,
     }

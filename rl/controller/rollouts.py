@@ -7,6 +7,10 @@ trainer's side, :meth:`RolloutStream.next_batch`, takes the next ``per_step`` gr
 are fresh enough; it blocks only when none are ready, which is exactly when the staleness
 bound (or a slow generator) requires it.
 
+Dynamic sampling: with ``drop_uniform`` a scored group whose rewards are all equal (every
+sample right, or every one wrong) carries no advantage signal; it is skipped, counted and
+replaced by a new group, so a batch holds only groups that teach something.
+
 Partial rollouts: with ``segment_tokens`` a response is cut after that many new tokens
 and parked; it resumes (prompt + tokens so far) once a newer policy version is committed,
 or at once if the generator would otherwise sit idle. Every token keeps the behaviour
@@ -26,16 +30,22 @@ from typing import Any
 
 from rl.controller.staleness import StalenessGate
 from rl.generator.types import Rollout, SamplingParams
+from rl.reward.functions import ScoreResult
+from rl.tasks.common import Example
 
 
 @dataclass
 class Group:
     gid: int
-    item: Any  # the task's problem; its answer scores the group
+    item: Example  # the prompt; its label scores the group
     start_version: int
     rollouts: list[Rollout] = field(default_factory=list)
-    rewards: list[float] | None = None
+    results: list[ScoreResult] | None = None
     done: int = 0
+
+    @property
+    def rewards(self) -> list[float]:
+        return [r.score for r in self.results or ()]
 
     @property
     def versions(self) -> list[int]:
@@ -47,19 +57,20 @@ class RolloutStream:
         self,
         client: Any,
         score: Callable[[Group], cf.Future],
-        next_item: Callable[[], Any],
-        prompt_of: Callable[[Any], list[int]],
+        next_item: Callable[[], Example],
         sampling: SamplingParams,
         gate: StalenessGate,
         version: int,
         segment_tokens: int | None = None,
         eager_resume: bool = True,
+        drop_uniform: bool = False,
     ) -> None:
-        """``eager_resume=False``: parked rollouts wait for a newer version even when the
+        """``score(group)`` returns a future of the group's ``ScoreResult`` list.
+        ``eager_resume=False``: parked rollouts wait for a newer version even when the
         generator has nothing else to do (each segment then runs on a newer policy)."""
         self.client, self.score, self.gate = client, score, gate
-        self.eager_resume = eager_resume
-        self.next_item, self.prompt_of = next_item, prompt_of
+        self.eager_resume, self.drop_uniform = eager_resume, drop_uniform
+        self.next_item = next_item
         self.sampling, self.segment_tokens = sampling, segment_tokens
         self.first = self.committed = version
         self.started = self.consumed = 0
@@ -121,6 +132,7 @@ class RolloutStream:
                 "gen_idle_frac": min(idle / max(span, 1e-9), 1.0),
                 "dropped": float(self.gate.dropped - dropped),
                 "dropped_total": float(self.gate.dropped),
+                "uniform_skipped_total": float(self.gate.skipped),
                 "resumed_segments": float(self._resumed),
                 "lag_mean": sum(k * n for k, n in lags.items()) / len(batch),
                 "lag_max": float(max(lags)),
@@ -170,7 +182,11 @@ class RolloutStream:
                             self._on_segment(f)
                         elif f in self._scoring:
                             group = self._scoring.pop(f)
-                            group.rewards = list(f.result())
+                            group.results = list(f.result())
+                            if self.drop_uniform and len(set(group.rewards)) == 1:
+                                self.consumed += 1
+                                self.gate.skip()
+                                continue
                             self._ready.append(group)
                             self._cv.notify_all()
         except BaseException as e:
@@ -183,7 +199,7 @@ class RolloutStream:
             item = self.next_item()
             group = Group(next(self._ids), item, self.committed)
             futures = self.client.submit(
-                self.prompt_of(item),
+                list(item.prompt_ids),
                 self.sampling,
                 group=group.gid,
                 segment_tokens=self.segment_tokens,

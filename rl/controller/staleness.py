@@ -33,6 +33,7 @@ class StalenessGate:
     mode: str = "throttle"
     per_step: int = 1  # groups the trainer consumes per step
     dropped: int = 0
+    skipped: int = 0  # groups that carried no signal (all rewards equal), never trained on
     histogram: Counter = field(default_factory=Counter)  # lag -> groups admitted
 
     def __post_init__(self) -> None:
@@ -63,6 +64,11 @@ class StalenessGate:
         self.histogram[lag] += 1
         return True
 
+    def skip(self) -> None:
+        """A finished group left without being trained on for another reason than its
+        lag (dynamic sampling): it makes room for a replacement, like a dropped one."""
+        self.skipped += 1
+
     def may_start(self, started: int, consumed: int, committed: int, first: int) -> bool:
         """May the generator start another group? ``started`` and ``consumed`` count groups
         since the run began (``consumed`` includes dropped ones); ``committed`` is the
@@ -70,4 +76,4 @@ class StalenessGate:
         if self.mode == "drop":
             return started - consumed < (self.max_lag + 1) * self.per_step
         budget = (committed - first + self.max_lag + 1) * self.per_step
-        return started - self.dropped < budget
+        return started - self.dropped - self.skipped < budget

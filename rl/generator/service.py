@@ -36,12 +36,16 @@ WATCH_S = 2.0  # how often a generator rank checks its servers
 
 
 def _model_path(cfg: Any, out: Path) -> str:
-    if cfg.rollout.model_path:
-        return str(cfg.rollout.model_path)
-    from rl.tasks.arithmetic import BOS, EOS, PAD
+    """The HF directory the servers start from: ``rollout.model_path``, else the policy's
+    ``model.hf_checkpoint``, else a directory written from the model config with the
+    task's token ids (the trainer pushes its weights before the first rollout)."""
+    if cfg.rollout.model_path or cfg.model.hf_checkpoint:
+        return str(cfg.rollout.model_path or cfg.model.hf_checkpoint)
+    from rl.tasks import build_task
     from rl.weights.convert import init_hf_dir
 
-    ids = {"bos_token_id": BOS, "eos_token_id": EOS, "pad_token_id": PAD}
+    codec = build_task(cfg).codec
+    ids = {"eos_token_id": codec.eos_ids[0], "pad_token_id": codec.pad_id}
     return str(init_hf_dir(cfg.model, str(out / "hf_init"), ids, cfg.rollout.dtype))
 
 

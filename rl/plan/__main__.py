@@ -47,7 +47,7 @@ def main(argv: list[str]) -> int:
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
-    from rl.config import ConfigError, compose
+    from rl.config import ConfigError, compose, resolve_model
     from rl.plan.cluster import plan_cluster
     from rl.plan.placement import PlanRefused
     from rl.plan.report import render, to_json
@@ -58,6 +58,7 @@ def main(argv: list[str]) -> int:
         print(f"config error: {_composition_error(e)}", file=sys.stderr)
         return 2
     try:
+        resolve_model(cfg)  # model.hf_checkpoint: the architecture from its config.json
         plan = plan_cluster(cfg, strict=False)
     except PlanRefused as e:
         if as_json:

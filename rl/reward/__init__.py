@@ -1,1 +1,1 @@
-"""The reward executor: rule-based scorers in a pool of worker processes."""
+"""The reward executor: reward functions (rl/reward/functions.py) in worker processes."""

@@ -1,10 +1,14 @@
-"""The reward executor in the RL job: ranks with scorer worker pools, and the handle.
+"""The reward executor in the RL job: ranks with reward-function worker pools, and the handle.
 
-The controller sends a group's (response, answer) texts to a reward rank (round robin)
-and gets a future back at once; the rank scores the items in its worker processes
-(rl/reward/executor.py: a raising, hanging or dying scorer gives 0 and a counter, never
-a crash) and answers when the whole group is scored. So scoring runs in parallel with
-generation and training, on ranks of its own.
+The controller sends a group's items (prompt, response, label, metadata) to a reward rank
+(round robin) and gets a future back at once; the rank scores them in its worker processes
+(rl/reward/executor.py: a raising, hanging or dying function gives a failed 0 and a
+counter, never a crash) and answers when the whole group is scored. So scoring runs in
+parallel with generation and training, on ranks of its own. Training rollouts and
+evaluation go through the same handle, so one function (``reward.fn``) scores both.
+
+The messages are plain dataclasses of strings, numbers, lists and dicts, so any channel
+encoding that handles those can carry them.
 """
 
 from __future__ import annotations
@@ -17,19 +21,20 @@ from dataclasses import dataclass
 from typing import Any
 
 from rl.controller.channel import Failed
+from rl.reward.functions import ScoreItem, ScoreResult
 
 
 @dataclass
 class Score:
     request: int
-    pairs: list[tuple[str, str]]  # (response, reference answer)
+    items: list[ScoreItem]
 
 
 @dataclass
 class Scored:
     request: int
-    rewards: list[float]
-    failures: int  # scorer errors and dead workers so far on this rank
+    results: list[ScoreResult]  # in the order of the request's items
+    failures: int  # function errors, bad return values and dead workers so far on this rank
     timeouts: int
 
 
@@ -46,9 +51,9 @@ def serve(cfg: Any, job: Any) -> None:
     lock = threading.Lock()  # answers come from the executor's dispatch thread
     r = cfg.reward
     try:
-        with RewardExecutor(r.scorer, r.workers, r.timeout_s) as ex:
+        with RewardExecutor(r.fn, r.workers, r.timeout_s) as ex:
             while isinstance(msg := inbox.get(), Score):
-                futures = [ex.submit(resp, ans) for resp, ans in msg.pairs]
+                futures = [ex.submit(item) for item in msg.items]
                 _answer_when_done(msg.request, futures, ex, reply, lock)
     except BaseException:
         reply.put(Failed("reward", job.role_rank, traceback.format_exc()))
@@ -57,21 +62,25 @@ def serve(cfg: Any, job: Any) -> None:
 
 def _answer_when_done(request: int, futures: list[Future], ex: Any, reply: Any, lock: Any):
     left = [len(futures)]
+    if not futures:  # no callback would ever answer an empty request
+        with lock:
+            reply.put(Scored(request, [], ex.stats.failures, ex.stats.timeouts))
+        return
 
     def one_done(_: Future) -> None:
         with lock:
             left[0] -= 1
             if left[0] == 0:
                 st = ex.stats
-                rewards = [f.result() for f in futures]
-                reply.put(Scored(request, rewards, st.failures, st.timeouts))
+                results = [f.result() for f in futures]
+                reply.put(Scored(request, results, st.failures, st.timeouts))
 
     for f in futures:
         f.add_done_callback(one_done)
 
 
 class RewardHandle:
-    """``score(pairs)`` -> Future[list[float]], answered by the reward ranks."""
+    """``score(items)`` -> Future[list[ScoreResult]], answered by the reward ranks."""
 
     def __init__(self, job: Any):
         n = job.role_size("reward")
@@ -86,12 +95,12 @@ class RewardHandle:
         self._thread = threading.Thread(target=self._receive, name="reward-replies", daemon=True)
         self._thread.start()
 
-    def score(self, pairs: list[tuple[str, str]]) -> Future:
-        fut: Future = Future()
+    def score(self, items: list[ScoreItem]) -> Future[list[ScoreResult]]:
+        fut: Future[list[ScoreResult]] = Future()
         with self._lock:
             request, rank = next(self._ids), next(self._next)
             self._pending[request] = fut
-            self._to[rank].put(Score(request, pairs))
+            self._to[rank].put(Score(request, list(items)))
         fut.rank = rank  # type: ignore[attr-defined]
         return fut
 
@@ -110,7 +119,7 @@ class RewardHandle:
             with self._lock:
                 fut = self._pending.pop(msg.request)
             self._per_rank[fut.rank] = (msg.failures, msg.timeouts)  # type: ignore[attr-defined]
-            fut.set_result(msg.rewards)
+            fut.set_result(msg.results)
 
     @property
     def failures(self) -> int:

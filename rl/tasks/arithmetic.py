@@ -10,9 +10,13 @@ generalisation, not memory. Pure logic: no torch.distributed, no Megatron.
 from __future__ import annotations
 
 import random
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+
+from rl.tasks.common import Example, TaskError
 
 PAD, BOS, EOS = 0, 1, 2
 _CHARS = "0123456789+="
@@ -72,7 +76,7 @@ class AdditionTask:
         self.eval_set = sorted(held, key=lambda p: (p.a, p.b))
         self._held = held
         self.seed = seed
-        self._rng = random.Random(seed + 1)
+        self._rng = random.Random(seed + 1)  # ArithmeticTask.train_stream(0) draws the same
         # Fresh training problems for decisions made during training (when to end the
         # warm-up), so the held-out set only ever measures.
         self.validation_set = self._draw(random.Random(seed + 2), eval_size)
@@ -134,3 +138,78 @@ class AdditionTask:
         mask = torch.zeros_like(tokens, dtype=torch.float32)
         mask[:, self.prompt_len - 1 : self.prompt_len - 1 + self.answer_len] = 1.0
         return {"tokens": tokens, "loss_mask": mask}
+
+
+def check_config(cfg: Any) -> None:
+    """The arithmetic task's fields against the model and the rollouts."""
+    t = cfg.task
+    if not (isinstance(t.digits, int) and t.digits >= 1):
+        raise TaskError(f"task.digits={t.digits!r} must be an integer >= 1")
+    if t.eval_size < 1:
+        raise TaskError(f"task.eval_size={t.eval_size} must be >= 1")
+    need, have = sequence_length(t.digits), cfg.model.max_position_embeddings
+    if need > have:
+        raise TaskError(
+            f"task.digits={t.digits} needs {need} positions but model.max_position_embeddings"
+            f"={have}"
+        )
+    answer, new = AdditionTask.answer_length(t.digits), cfg.rollout.sampling.max_new_tokens
+    if cfg.rl.steps > 0 and new < answer:
+        raise TaskError(
+            f"rollout.sampling.max_new_tokens={new} is shorter than the task's answer "
+            f"({answer} tokens for task.digits={t.digits})"
+        )
+
+
+class CharCodec:
+    """The task's character tokenizer, as the loop sees it."""
+
+    eos_ids = (EOS,)
+    pad_id = PAD
+    bos_id = BOS
+
+    @staticmethod
+    def response_text(ids: Sequence[int]) -> str:
+        return AdditionTask.response_text(list(ids))
+
+
+class ArithmeticTask:
+    """:class:`AdditionTask` through the task protocol (rl/tasks/common.py): the label is
+    the answer's text (``042``), scored by the ``exact`` reward function."""
+
+    name = "arithmetic"
+    codec = CharCodec()
+
+    def __init__(self, digits: int = 2, seed: int = 0, eval_size: int = 256):
+        self.problems = AdditionTask(digits, seed, eval_size)
+        self.eval_sets = {"eval": [self.example(p) for p in self.problems.eval_set]}
+        self.validation_set = [self.example(p) for p in self.problems.validation_set]
+
+    def example(self, p: Problem) -> Example:
+        d = self.problems.digits
+        return Example(
+            uid=f"{p.a}+{p.b}",
+            prompt_ids=tuple(p.prompt(d)),
+            prompt_text=f"{p.a:0{d}d}+{p.b:0{d}d}=",
+            label=self.problems.answer_text(p),
+            target_ids=tuple(p.answer(d)),
+        )
+
+    def train_stream(self, stream: int = 0) -> Iterator[Example]:
+        """Problems drawn one at a time from :meth:`AdditionTask.sample`'s stream: the
+        same sequence as drawing a batch at once, so the warm-up is what it always was."""
+        p = self.problems
+        rng = random.Random(p.seed + 1) if stream == 0 else random.Random(f"{p.seed}/{stream}")
+        while True:
+            yield self.example(p._draw(rng, 1)[0])
+
+    @property
+    def answer_tokens(self) -> int:
+        return self.problems.answer_len
+
+    def describe(self) -> str:
+        p = self.problems
+        return (
+            f"task arithmetic: {p.digits}-digit addition, {len(p.eval_set)} held-out problems "
+            f"(seed {p.seed})"
+        )

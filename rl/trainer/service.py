@@ -52,6 +52,8 @@ class Push:
 @dataclass
 class Save:
     path: str
+    export_hf: bool = False  # also write an HF directory of this checkpoint
+    step: int = 0
 
 
 @dataclass
@@ -100,26 +102,31 @@ def _prepare(cfg: Any, log: Any) -> tuple[Any, Any, Ready]:
     fresh trainer (optimizer state and LR schedule of its own) loaded from the warm-up,
     and, with a KL penalty, a frozen copy of that starting policy as the reference. A
     restarted job (rl/controller/resume.py) skips the warm-up and loads its last RL
-    checkpoint, optimizer, LR schedule and step count included."""
+    checkpoint, optimizer, LR schedule and step count included. A policy from
+    ``model.hf_checkpoint`` starts from its weights, converted once to this trainer's
+    TP/PP and cached under the output dir by the checkpoint's content."""
     from rl.controller import resume
-    from rl.tasks.arithmetic import AdditionTask
+    from rl.tasks import build_task
     from rl.trainer.trainer import build_trainer
-    from rl.warmup import supervised_warmup
+    from rl.warmup import evaluator, supervised_warmup
 
     t, sft, out = cfg.trainer, cfg.sft, Path(cfg.run.output_dir)
     start, acc, ckpt = t.load_dir, None, None  # start: the RL stage's starting policy
     point = resume.read(out) if cfg.rl.steps > 0 else None
+    if not start and point is None and cfg.model.hf_checkpoint:
+        start = _from_hf(cfg, out)
     if point is None and sft.steps > 0:
         wt = copy.deepcopy(t)
         if sft.optim is not None:
             wt.optim = sft.optim
         tr = build_trainer(cfg.model, wt, total_steps=sft.steps)
         if start:
-            tr.load(start, t.load_optimizer)
-        task = AdditionTask(cfg.task.digits, cfg.task.seed, cfg.task.eval_size)
+            tr.load(start, t.load_optimizer and start == t.load_dir)
+        task = build_task(cfg)
         warm_only = cfg.rl.steps == 0
         ckpt = t.save_dir or str(out / "checkpoint") if warm_only else str(out / "warmup")
-        acc = supervised_warmup(tr, task, sft, log, ckpt, t.save_interval)
+        acc = supervised_warmup(tr, task, sft, log, evaluator(tr, task, cfg), ckpt,
+                                t.save_interval)  # fmt: skip
         tr.save(ckpt)
         if warm_only:
             return tr, None, Ready(acc, ckpt)
@@ -128,6 +135,8 @@ def _prepare(cfg: Any, log: Any) -> tuple[Any, Any, Ready]:
         start = ckpt
     elif point is not None and sft.steps > 0:
         start, acc, ckpt = str(out / "warmup"), point.warmup_accuracy, point.checkpoint
+    elif point is not None and start is None and cfg.model.hf_checkpoint:
+        start = _from_hf(cfg, out)  # the KL reference's starting weights
     temperature = float(cfg.rollout.sampling.temperature)
     tr = build_trainer(cfg.model, t, total_steps=max(cfg.rl.steps, 1))
     ref = None
@@ -142,6 +151,26 @@ def _prepare(cfg: Any, log: Any) -> tuple[Any, Any, Ready]:
         tr.load(start, t.load_optimizer and start == t.load_dir)
     tr.temperature = temperature
     return tr, ref, Ready(acc, ckpt)
+
+
+def _from_hf(cfg: Any, out: Path) -> str:
+    """``model.hf_checkpoint`` as a Megatron checkpoint at this trainer's TP/PP (cached)."""
+    from rl.weights.convert import cached_hf_to_mcore
+
+    t = cfg.trainer
+    return cached_hf_to_mcore(cfg.model.hf_checkpoint, out / "hf_cache", cfg.model, t.tp, t.pp,
+                              t.params_dtype)  # fmt: skip
+
+
+def _export_hf(cfg: Any, path: str, step: int) -> str:
+    """An HF directory of the checkpoint at ``path`` (tokenizer files copied), for
+    transformers and SGLang; written by trainer rank 0, atomically."""
+    from rl.weights.convert import mcore_to_hf
+
+    dst = Path(cfg.run.output_dir) / "hf" / f"step_{step:06d}"
+    tok = cfg.task.tokenizer or cfg.model.hf_checkpoint
+    mcore_to_hf(path, str(dst), tokenizer_dir=tok)
+    return str(dst)
 
 
 def serve(cfg: Any, job: Any) -> None:
@@ -195,7 +224,10 @@ def serve(cfg: Any, job: Any) -> None:
                 answer(Done({"sync_bytes": v[0].item(), "sync_wire_bytes": v[1].item()}))
             elif isinstance(msg, Save):
                 tr.save(msg.path)
-                answer(Done({"path": msg.path}))
+                done = {"path": msg.path}
+                if msg.export_hf and lead:
+                    done["hf"] = _export_hf(cfg, msg.path, msg.step)
+                answer(Done(done))
     except BaseException:
         reply.put(Failed("trainer", job.role_rank, traceback.format_exc()))
         raise
@@ -249,8 +281,9 @@ class TrainerHandle:
     def push(self, version: int) -> dict[str, float]:
         return self._call(Push(version))
 
-    def save(self, path: str) -> None:
-        self._call(Save(path))
+    def save(self, path: str, export_hf: bool = False, step: int = 0) -> dict[str, Any]:
+        """Checkpoint to ``path`` (and, with ``export_hf``, an HF directory of it)."""
+        return self._call(Save(path, export_hf, step))
 
     def stop(self) -> None:
         for ch in self._to:

@@ -131,6 +131,36 @@ def hf_to_mcore(
     return res
 
 
+def hf_cache_key(hf_dir: str, m: Any, tp: int, pp: int, dtype: str) -> str:
+    """A digest of the checkpoint's content (config.json and every weight byte) and of the
+    target layout: a changed file or layout converts again, a rerun does not."""
+    import xxhash
+
+    h = xxhash.xxh3_128()
+    root = Path(hf_dir)
+    for f in [root / "config.json", *sorted(root.glob("*.safetensors"))]:
+        h.update(f.name.encode())
+        with f.open("rb") as fh:
+            while chunk := fh.read(1 << 24):
+                h.update(chunk)
+    h.update(json.dumps([tp, pp, dtype, m.make_vocab_size_divisible_by]).encode())
+    return h.hexdigest()[:20]
+
+
+def cached_hf_to_mcore(
+    hf_dir: str, cache_root: str | Path, m: Any, tp: int, pp: int, dtype: str
+) -> str:
+    """``hf_dir`` as a Megatron checkpoint at ``tp``/``pp``, converted on the calling ranks
+    (torch.distributed over exactly the trainer's ranks) unless the cache holds it."""
+    out = Path(cache_root) / hf_cache_key(hf_dir, m, tp, pp, dtype)
+    if (out / "metadata.json").exists():  # written last: the rename makes it complete
+        _log(f"[convert] reusing {out} for {hf_dir}")
+        return str(out)
+    res = hf_to_mcore_rank(hf_dir, str(out), m, tp, pp, dtype)
+    _log(f"[convert] {hf_dir} -> {out} (tp={tp}, pp={pp}) in {res['seconds']:.1f}s")
+    return str(out)
+
+
 # --------------------------------------------------------------------------- mcore -> HF
 def _stored_model_config(common: dict, path: str) -> ModelConfig:
     from omegaconf import OmegaConf

@@ -1,0 +1,48 @@
+"""``model.hf_checkpoint``: the architecture comes from the checkpoint's own config.json.
+
+Nobody should copy a model's shape into YAML by hand: when ``model.hf_checkpoint`` names a
+Hugging Face directory, every architecture field of ``cfg.model`` is replaced, at launch
+and before validation, by what its config.json says (rl/weights/hf_config.py maps it and
+refuses what the Megatron model cannot reproduce). Only ``make_vocab_size_divisible_by``
+(a training choice, not a property of the checkpoint) is kept from the config.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from omegaconf import OmegaConf
+
+from rl.config.validate import ConfigError
+
+
+def hf_model_config(path: str, make_vocab_size_divisible_by: int = 1) -> Any:
+    """The ModelConfig of the HF directory ``path`` (one-line ConfigError if unusable)."""
+    from rl.weights.hf_config import HFConfigError, model_config_from_hf
+
+    field = f"model.hf_checkpoint={path!r}"
+    p = Path(path)
+    if not p.is_dir():
+        raise ConfigError(f"{field} is not a directory")
+    if not (p / "config.json").is_file():
+        raise ConfigError(f"{field} has no config.json")
+    if not list(p.glob("*.safetensors")):
+        raise ConfigError(f"{field} has no *.safetensors weights")
+    try:
+        hf = json.loads((p / "config.json").read_text())
+        m = model_config_from_hf(hf, p.resolve().name, make_vocab_size_divisible_by)
+    except (json.JSONDecodeError, HFConfigError) as e:
+        raise ConfigError(f"{field}: {e}") from None
+    return replace(m, hf_checkpoint=str(p))
+
+
+def resolve_model(cfg: Any) -> None:
+    """Fill ``cfg.model`` from ``model.hf_checkpoint``'s config.json, in place."""
+    path = cfg.model.hf_checkpoint
+    if not path:
+        return
+    m = hf_model_config(path, cfg.model.make_vocab_size_divisible_by)
+    cfg.model = OmegaConf.merge(cfg.model, OmegaConf.structured(m))

@@ -1,0 +1,78 @@
+"""Evaluation through the generator and the reward function the training uses.
+
+Every eval prompt is answered greedily (pass@1) and, with ``k`` > 1, sampled ``k`` times
+at the rollout temperature (pass@k: any sample passes; mean@k: the mean score). Responses
+are scored by the reward ranks with the same function as training rollouts: there is one
+scoring path. A response passes when its score reaches ``reward.pass_threshold``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import replace
+from typing import Any
+
+from rl.generator.types import Rollout, SamplingParams
+from rl.reward.functions import ScoreItem, ScoreResult
+from rl.tasks.common import Example, Task
+
+
+def score_items(task: Task, examples: Sequence[Example], rollouts: Sequence[Rollout]):
+    """What the reward function sees of each (prompt, response)."""
+    return [
+        ScoreItem(e.prompt_text, task.codec.response_text(r.output_ids), e.label, dict(e.metadata))
+        for e, r in zip(examples, rollouts, strict=True)
+    ]
+
+
+class Evaluator:
+    def __init__(
+        self,
+        client: Any,
+        task: Task,
+        reward: Any,
+        sampling: SamplingParams,
+        k: int = 1,
+        threshold: float = 1.0,
+    ):
+        """``sampling``: the rollouts' (temperature, max_new_tokens, stop ids); greedy
+        decoding replaces its temperature for pass@1."""
+        self.client, self.task, self.reward = client, task, reward
+        self.k, self.threshold = k, threshold
+        self.greedy = replace(sampling, temperature=0.0, n=1, seed=None)
+        self.sampled = replace(sampling, n=k)
+
+    def _scores(self, examples: list[Example], sampling: SamplingParams) -> list[list[ScoreResult]]:
+        prompts = [list(e.prompt_ids) for e in examples]
+        outs = self.client.generate(prompts, sampling)
+        per = sampling.n
+        items = score_items(self.task, [e for e in examples for _ in range(per)], outs)
+        results = self.reward.score(items).result()
+        self._lengths += [len(r.output_ids) for r in outs]
+        self._cut += [r.finish_reason == "length" for r in outs]
+        return [results[i * per : (i + 1) * per] for i in range(len(examples))]
+
+    def run(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        if not self.task.eval_sets:  # nothing held out: nothing to measure
+            return {"eval_accuracy": float("nan")}
+        for n, (name, examples) in enumerate(self.task.eval_sets.items()):
+            pre = "eval_" if n == 0 else f"eval_{name}_"
+            self._lengths, self._cut = [], []
+            greedy = self._scores(examples, self.greedy)
+            out[f"{pre}accuracy"] = _mean(float(g[0].score >= self.threshold) for g in greedy)
+            out[f"{pre}score"] = _mean(g[0].score for g in greedy)
+            if self.k > 1:
+                sampled = self._scores(examples, self.sampled)
+                passed = [any(s.score >= self.threshold for s in g) for g in sampled]
+                out[f"{pre}pass@{self.k}"] = _mean(map(float, passed))
+                out[f"{pre}mean@{self.k}"] = _mean(s.score for g in sampled for s in g)
+            out[f"{pre}response_len_mean"] = _mean(map(float, self._lengths))
+            out[f"{pre}response_len_max"] = float(max(self._lengths))
+            out[f"{pre}overlong_frac"] = _mean(map(float, self._cut))
+        return out
+
+
+def _mean(values: Any) -> float:
+    vals = list(values)
+    return sum(vals) / len(vals) if vals else float("nan")

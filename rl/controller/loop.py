@@ -1,0 +1,195 @@
+"""The controller (rank 0 of the job): the warm-up's log, then the RL loop.
+
+Each step takes the next scored groups from the rollout stream (generated up to
+``algorithm.max_policy_lag`` versions ahead in async mode), builds the trainer's batch,
+trains, pushes the new weights into every server (DDMA) and logs. Everything the loop
+touches is a handle to an executor (trainer, generator, reward) or the task protocol; it
+knows no concrete task, model or transport.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig
+
+from rl.controller import resume
+from rl.controller.batch import build_batch
+from rl.controller.evaluate import Evaluator, score_items
+from rl.controller.rollouts import Group, RolloutStream
+from rl.controller.staleness import StalenessGate
+from rl.generator.types import SamplingParams
+from rl.metrics import MetricsLogger, plot_curves, plot_rl
+from rl.tasks import Task, build_task
+
+SHOW = (
+    "reward_mean",
+    "accuracy",
+    "eval_accuracy",
+    "lag_mean",
+    "gen_tokens_per_s",
+    "train_tokens_per_s",
+    "sync_s",
+    "step_s",
+)
+
+
+def controller(cfg: DictConfig, job: Any) -> dict[str, float]:
+    """Rank 0: wait for the warm-up, run the RL loop, then stop every executor."""
+    from rl.generator.service import GeneratorHandle
+    from rl.reward.service import RewardHandle
+    from rl.trainer.service import TrainerHandle
+
+    out = Path(cfg.run.output_dir)
+    point = resume.read(out) if cfg.rl.steps > 0 else None  # a restarted (requeued) job
+    if point is not None:  # what the lost attempt logged after its checkpoint goes
+        resume.truncate_metrics(out / "metrics.jsonl", point.step)
+        print(f"resuming from RL step {point.step} ({point.checkpoint})", flush=True)
+    log = MetricsLogger(out, totals={"warmup": cfg.sft.steps, "rl": cfg.rl.steps})
+    trainer = TrainerHandle(job)
+    handles: list[Any] = [trainer]
+    try:
+        ready = trainer.wait_ready(log)  # the warm-up's lines are logged as it runs
+        if cfg.rl.steps == 0:
+            acc = ready.warmup_accuracy
+            plot_curves(out / "metrics.jsonl", out / "curves.png", ("loss", "eval_accuracy"))
+            shown = "n/a" if acc is None else f"{acc:.3f}"
+            print(f"done: held-out accuracy {shown}; checkpoint {ready.checkpoint}")
+            return {"warmup_accuracy": acc if acc is not None else float("nan")}
+        gen, reward = GeneratorHandle(job), RewardHandle(job)
+        handles += [gen, reward]
+        result = rl_loop(cfg, trainer, gen, reward, log, ready.warmup_accuracy, point)
+        plot_rl(out / "metrics.jsonl", out / "curves.png")
+        print(
+            f"done: held-out accuracy {result['start_accuracy']:.3f} -> "
+            f"{result['final_accuracy']:.3f} after {cfg.rl.steps} RL steps; metrics, plot and "
+            f"checkpoint in {out}"
+        )
+        return {"warmup_accuracy": ready.warmup_accuracy, **result}
+    finally:  # also on error: every executor's ranks exit (and stop their servers)
+        for handle in handles:
+            handle.stop()
+        log.close()
+
+
+def rollout_sampling(cfg: DictConfig, task: Task) -> SamplingParams:
+    """The rollouts' sampling: ``group_size`` samples, ending on every EOS id of the task's
+    tokenizer as well as the model's."""
+    s = SamplingParams.from_dict({**cfg.rollout.sampling, "n": cfg.algorithm.group_size})
+    stops = tuple(dict.fromkeys((*s.stop_token_ids, *task.codec.eos_ids)))
+    return replace(s, stop_token_ids=stops)
+
+
+def rl_loop(
+    cfg: DictConfig,
+    trainer: Any,
+    gen: Any,
+    reward: Any,
+    log: MetricsLogger,
+    warmup_accuracy: float | None,
+    point: resume.ResumePoint | None = None,
+) -> dict[str, float]:
+    """RL steps ``first``..``rl.steps`` (``first`` > 1 when resuming ``point``)."""
+    from rl.ddma.live import connect
+    from rl.generator.client import GeneratorClient
+
+    steps, r, a = cfg.rl.steps, cfg.rollout, cfg.algorithm
+    task = build_task(cfg)
+    print(task.describe(), flush=True)
+    sampling = rollout_sampling(cfg, task)
+    out, first = Path(cfg.run.output_dir), point.step + 1 if point else 1
+    # A resumed job draws from a stream of its own, the same on every attempt resumed here.
+    prompts = task.train_stream(first if point is not None else 0)
+    urls, model_path = gen.wait_up()
+    client = GeneratorClient.for_urls(urls, model_path, r)
+    evaluator = Evaluator(client, task, reward, replace(sampling, n=1), cfg.rl.eval_k,
+                          cfg.reward.pass_threshold)  # fmt: skip
+    sync = connect(cfg, trainer, urls)
+    version = first  # the trainer's weights as they are now (after step first - 1)
+    push(sync, trainer, client, version)
+    if point is None:
+        start_eval = evaluator.run()
+        log.log(0, start_eval, phase="rl_eval")
+        start = start_eval["eval_accuracy"]
+    else:
+        start = point.start_accuracy
+
+    if first > steps:  # the lost attempt had finished all its steps (and saved them)
+        final = evaluator.run()["eval_accuracy"]
+        client.close()
+        return {"start_accuracy": start, "final_accuracy": final}
+
+    def save(step: int, path: str) -> None:
+        trainer.save(path, export_hf=cfg.rl.save_hf, step=step)
+        resume.write(out, resume.ResumePoint(step, path, start, warmup_accuracy))
+
+    def score(g: Group) -> Any:
+        return reward.score(score_items(task, [g.item] * len(g.rollouts), g.rollouts))
+
+    gate = StalenessGate(
+        0 if cfg.rl.mode == "sync" else a.max_policy_lag, a.stale, per_step=cfg.rl.prompts_per_step
+    )
+    stream = RolloutStream(client, score, lambda: next(prompts), sampling, gate, version,
+                           r.segment_tokens, drop_uniform=a.drop_uniform_groups)  # fmt: skip
+    stream.start()
+    t_last = time.perf_counter()
+    m: dict[str, float] = {}
+    try:
+        for step in range(first, steps + 1):
+            groups, m = stream.next_batch(version)  # waits only if nothing is fresh enough
+            batch = build_batch([g.rollouts for g in groups], [g.rewards for g in groups],
+                                a.normalize_std, task.codec.pad_id, None, a.overlong,
+                                a.overlong_penalty)  # fmt: skip
+            m.update(trainer.train(step, batch))
+            m["train_s"], m["train_tokens_per_s"] = m.pop("step_seconds"), m.pop("tokens_per_s")
+            version += 1
+            m.update(push(sync, trainer, client, version))
+            stream.commit(version)
+            m.update(batch_metrics(groups, batch, cfg.reward.pass_threshold))
+            m.update(reward_failures=reward.failures, reward_timeouts=reward.timeouts)
+            if step % (cfg.rl.eval_every or steps) == 0 or step == steps:
+                ev = evaluator.run()
+                m["eval_accuracy"] = ev["eval_accuracy"]
+                log.log(step, ev, phase="rl_eval", echo=False)
+            now = time.perf_counter()
+            m["step_s"], t_last = now - t_last, now
+            m["trainer_idle_frac"] = 1 - min((m["train_s"] + m["sync_s"]) / m["step_s"], 1.0)
+            echo = step % cfg.rl.log_every == 0 or step == steps
+            log.log(step, m, phase="rl", echo=echo, show=SHOW)
+            if cfg.rl.save_interval and step % cfg.rl.save_interval == 0 and step < steps:
+                save(step, str(out / "checkpoint"))
+    finally:
+        stream.close()
+        client.close()
+    save(steps, cfg.trainer.save_dir or str(out / "checkpoint"))
+    return {"start_accuracy": start, "final_accuracy": m["eval_accuracy"]}
+
+
+def batch_metrics(groups: list[Group], batch: dict[str, Any], threshold: float) -> dict[str, float]:
+    """Reward, pass rate, response lengths and the reward function's own metrics."""
+    rewards = batch["rewards"]
+    lengths = [len(r.output_ids) for g in groups for r in g.rollouts]
+    out = {
+        "reward_mean": rewards.mean().item(),
+        "accuracy": (rewards >= threshold).float().mean().item(),
+        "response_len_mean": sum(lengths) / len(lengths),
+        "response_len_max": float(max(lengths)),
+        "overlong_frac": batch["overlong"].mean().item(),
+    }
+    extra: dict[str, list[float]] = {}
+    for g in groups:
+        for res in g.results or ():
+            for k, v in res.metrics.items():
+                extra.setdefault(k, []).append(v)
+    out.update({f"reward_{k}": sum(v) / len(v) for k, v in extra.items()})
+    return out
+
+
+def push(sync: Any, trainer: Any, client: Any, version: int) -> dict[str, float]:
+    """DDMA the trainer's weights into every server as ``version``; route rollouts by it."""
+    stats = sync.push(version, lambda: trainer.push(version))
+    client.adopt_version(version)
+    return stats

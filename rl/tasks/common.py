@@ -1,0 +1,90 @@
+"""What the RL loop needs from a task, whatever the task is.
+
+A task is a stream of training prompts (token ids, the rendered text, a label and
+metadata for the reward function), one or more evaluation sets, a validation set for
+decisions taken during training (when to end a warm-up), and, where labels allow, the
+supervised target of each prompt for a warm-up. The reward is *not* part of the task:
+one reward function (``reward.fn``, rl/reward) scores training rollouts and evaluation
+alike, so there is exactly one scoring path.
+
+Pure logic: no torch.distributed, no Megatron.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+
+class TaskError(ValueError):
+    """A task config or data file that cannot work; one line naming the field or file."""
+
+
+@dataclass(frozen=True)
+class Example:
+    """One prompt of a task."""
+
+    uid: str  # stable and unique within the task (file:line for datasets)
+    prompt_ids: tuple[int, ...]
+    prompt_text: str  # what the reward function sees as the prompt
+    label: Any = None  # handed to the reward function as is (JSON-like)
+    metadata: Mapping[str, Any] = field(default_factory=dict)
+    # The supervised response (ending in the stop token) for a warm-up; None: no target.
+    target_ids: tuple[int, ...] | None = None
+
+
+class Codec(Protocol):
+    """The tokenizer as the loop sees it: responses are token ids until the reward."""
+
+    eos_ids: tuple[int, ...]  # every id that ends a response
+    pad_id: int
+
+    def response_text(self, ids: Sequence[int]) -> str:
+        """The text the reward function scores: ``ids`` up to the first EOS."""
+        ...
+
+
+class Task(Protocol):
+    name: str
+    codec: Codec
+    eval_sets: dict[str, list[Example]]  # name -> examples; the first is the main one
+    validation_set: list[Example]  # drawn from training data, never from an eval set
+    # The most tokens a right answer takes (the warm-up's greedy decoding budget); None:
+    # as many as rollouts get (rollout.sampling.max_new_tokens).
+    answer_tokens: int | None
+
+    def train_stream(self, stream: int = 0) -> Iterator[Example]:
+        """Training prompts in order. ``stream`` > 0 is a different, reproducible order
+        (a resumed job draws from one of its own, not a replay of the lost attempt's)."""
+        ...
+
+    def describe(self) -> str:
+        """One line for the job's log: rows read, filtered and held out."""
+        ...
+
+
+def sft_batch(examples: Sequence[Example], pad_id: int) -> dict[str, torch.Tensor]:
+    """Prompt+target sequences, right-padded, with the loss on the target tokens only.
+
+    ``loss_mask[:, t]`` weights the prediction of token ``t+1`` (the trainer's log-prob
+    convention), so a row with a P-token prompt and a T-token target is 1 on
+    ``[P-1, P-1+T)``. Right padding never moves a real position under causal attention."""
+    missing = [e.uid for e in examples if not e.target_ids]
+    if missing:
+        raise TaskError(f"example {missing[0]} has no supervised target (no label)")
+    rows = [list(e.prompt_ids) + list(e.target_ids or ()) for e in examples]
+    seq = max(len(r) for r in rows)
+    tokens = torch.full((len(rows), seq), pad_id, dtype=torch.long)
+    mask = torch.zeros(len(rows), seq, dtype=torch.float32)
+    for i, (e, r) in enumerate(zip(examples, rows, strict=True)):
+        tokens[i, : len(r)] = torch.tensor(r, dtype=torch.long)
+        p = len(e.prompt_ids)
+        mask[i, p - 1 : p - 1 + len(e.target_ids or ())] = 1.0
+    return {"tokens": tokens, "loss_mask": mask}
+
+
+def take(stream: Iterator[Example], count: int) -> list[Example]:
+    return [next(stream) for _ in range(count)]

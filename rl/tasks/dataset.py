@@ -1,0 +1,223 @@
+"""Prompt files of the user's (JSONL, JSON, Parquet) as a task.
+
+Each row holds a prompt under ``task.prompt_key`` (a string, or a chat ``messages`` list of
+``{role, content}``), a label under ``task.label_key`` and optional metadata keys; the
+label and metadata go to the reward function untouched, and the label's text is the
+warm-up's supervised target. Prompts are rendered once, at construction, through the
+model's tokenizer (chat template with the assistant turn opened, optional system prompt),
+so everything wrong with the data is found before any rank starts: a missing file, a row
+without the prompt key (file and line named), an empty dataset, every prompt too long.
+
+Pure logic: no torch.distributed, no Megatron.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import random
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from rl.tasks.common import Example, TaskError
+from rl.tasks.tokenizer import HFCodec
+
+SUFFIXES = (".jsonl", ".json", ".parquet")
+VALIDATION_MAX = 64  # rows for warm-up decisions: enough to see a trend, cheap to decode
+
+
+def expand(patterns: list[str], field: str) -> list[Path]:
+    """Files matching ``patterns`` (paths or globs), each pattern matching at least one."""
+    files: list[Path] = []
+    for pat in patterns:
+        found = sorted(glob.glob(os.path.expanduser(pat), recursive=True))
+        if not found:
+            raise TaskError(f"{field}: no file matches {pat!r}")
+        for f in map(Path, found):
+            if f.suffix not in SUFFIXES:
+                raise TaskError(f"{field}: {str(f)!r} is not one of {', '.join(SUFFIXES)}")
+            files.append(f)
+    return files
+
+
+def read_rows(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
+    """``(where, row)`` for every row of one file; ``where`` names the file and line/row."""
+    if path.suffix == ".jsonl":
+        with path.open(encoding="utf-8") as f:
+            for n, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise TaskError(f"{path} line {n}: not valid JSON ({e.msg})") from None
+                yield f"{path} line {n}", _object(row, f"{path} line {n}")
+        return
+    if path.suffix == ".json":
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except json.JSONDecodeError as e:
+            raise TaskError(f"{path}: not valid JSON ({e.msg} at line {e.lineno})") from None
+        if not isinstance(data, list):
+            raise TaskError(f"{path}: a .json dataset must be a list of objects")
+        for n, row in enumerate(data):
+            yield f"{path} row {n}", _object(row, f"{path} row {n}")
+        return
+    import pyarrow.parquet as pq
+
+    try:
+        rows = pq.read_table(path).to_pylist()
+    except Exception as e:  # pyarrow's errors carry the reason in the message
+        raise TaskError(f"{path}: not a readable Parquet file ({e})") from None
+    for n, row in enumerate(rows):
+        yield f"{path} row {n}", row
+
+
+def _object(row: Any, where: str) -> dict[str, Any]:
+    if not isinstance(row, dict):
+        raise TaskError(f"{where}: a row must be a JSON object, not {type(row).__name__}")
+    return row
+
+
+def _messages(value: Any, where: str, key: str) -> list[dict[str, str]]:
+    if isinstance(value, str):
+        return [{"role": "user", "content": value}]
+    ok = (
+        isinstance(value, list)
+        and value
+        and all(
+            isinstance(m, dict)
+            and isinstance(m.get("role"), str)
+            and isinstance(m.get("content"), str)
+            for m in value
+        )
+    )
+    if not ok:
+        raise TaskError(
+            f"{where}: {key!r} must be a string or a non-empty list of {{role, content}} "
+            f"messages, not {str(value)[:60]!r}"
+        )
+    return [{"role": m["role"], "content": m["content"]} for m in value]
+
+
+class DatasetTask:
+    name = "dataset"
+    answer_tokens = None
+
+    def __init__(self, cfg: Any, codec: HFCodec):
+        self.cfg, self.codec = cfg, codec
+        if cfg.apply_chat_template and not codec.has_chat_template:
+            raise TaskError(
+                "task.apply_chat_template=true but the tokenizer has no chat template "
+                "(set task.apply_chat_template=false)"
+            )
+        limit = cfg.max_prompt_tokens
+        if limit is not None and limit < 1:
+            raise TaskError(f"task.max_prompt_tokens={limit} must be >= 1 or null")
+        if cfg.epochs is not None and cfg.epochs < 1:
+            raise TaskError(f"task.epochs={cfg.epochs} must be >= 1 or null")
+        if cfg.eval_size < 0:
+            raise TaskError(f"task.eval_size={cfg.eval_size} must be >= 0")
+        if not cfg.train_files:
+            raise TaskError("task.train_files is empty: give the prompt files (paths or globs)")
+        self.files = expand(list(cfg.train_files), "task.train_files")
+        train, self.dropped = self._load(self.files, "task.train_files")
+        if cfg.eval_files:
+            eval_files = expand(list(cfg.eval_files), "task.eval_files")
+            evals, self.eval_dropped = self._load(eval_files, "task.eval_files")
+            if cfg.eval_size:
+                evals = evals[: cfg.eval_size]
+        else:
+            self.eval_dropped = 0
+            if cfg.eval_size >= len(train):
+                raise TaskError(
+                    f"task.eval_size={cfg.eval_size} holds out every one of the {len(train)} "
+                    "training prompts (lower it, or give task.eval_files)"
+                )
+            order = list(range(len(train)))
+            random.Random(f"{cfg.seed}/eval").shuffle(order)
+            held = set(order[: cfg.eval_size])
+            evals = [e for i, e in enumerate(train) if i in held]
+            train = [e for i, e in enumerate(train) if i not in held]
+        self.train = train
+        self.eval_sets = {"eval": evals} if evals else {}
+        pick = random.Random(f"{cfg.seed}/validation").sample(
+            range(len(train)), min(VALIDATION_MAX, cfg.eval_size or VALIDATION_MAX, len(train))
+        )
+        self.validation_set = [train[i] for i in sorted(pick)]
+        self.max_prompt_len = max(len(e.prompt_ids) for e in [*train, *evals])
+
+    def _load(self, files: list[Path], field: str) -> tuple[list[Example], int]:
+        c, out, dropped, shortest = self.cfg, [], 0, None
+        for f in files:
+            for where, row in read_rows(f):
+                if c.prompt_key not in row:
+                    raise TaskError(
+                        f"{where}: no key {c.prompt_key!r} (task.prompt_key; the row has "
+                        f"{', '.join(sorted(map(str, row))) or 'no keys'})"
+                    )
+                missing = [k for k in c.metadata_keys if k not in row]
+                if missing:
+                    raise TaskError(f"{where}: no key {missing[0]!r} (task.metadata_keys)")
+                ex = self._example(where, row)
+                n = len(ex.prompt_ids)
+                if c.max_prompt_tokens is not None and n > c.max_prompt_tokens:
+                    dropped += 1
+                    shortest = n if shortest is None else min(shortest, n)
+                    continue
+                out.append(ex)
+        if not out and dropped:
+            raise TaskError(
+                f"task.max_prompt_tokens={c.max_prompt_tokens} drops every prompt of {field} "
+                f"({dropped} of {dropped}; the shortest has {shortest} tokens)"
+            )
+        if not out:
+            raise TaskError(f"{field}: no rows in {', '.join(map(str, files))}")
+        return out, dropped
+
+    def _example(self, where: str, row: dict[str, Any]) -> Example:
+        c = self.cfg
+        messages = _messages(row[c.prompt_key], where, c.prompt_key)
+        if c.system_prompt and messages[0]["role"] != "system":
+            messages = [{"role": "system", "content": c.system_prompt}, *messages]
+        if not c.apply_chat_template and len(messages) > 1 and not c.system_prompt:
+            raise TaskError(f"{where}: a messages list needs task.apply_chat_template=true")
+        ids, text = self.codec.render(messages, c.apply_chat_template)
+        label = row.get(c.label_key)
+        target = None
+        if label is not None:
+            target = (*self.codec.encode(str(label)), self.codec.end_id)
+        return Example(
+            uid=where,
+            prompt_ids=tuple(ids),
+            prompt_text=text,
+            label=label,
+            metadata={k: row[k] for k in c.metadata_keys},
+            target_ids=target,
+        )
+
+    def train_stream(self, stream: int = 0) -> Iterator[Example]:
+        epoch, n = 0, len(self.train)
+        while self.cfg.epochs is None or epoch < self.cfg.epochs:
+            order = list(range(n))
+            if self.cfg.shuffle:
+                random.Random(f"{self.cfg.seed}/{stream}/{epoch}").shuffle(order)
+            for i in order:
+                yield self.train[i]
+            epoch += 1
+        raise TaskError(
+            f"task.epochs={self.cfg.epochs}: the training prompts ran out ({n} per pass)"
+        )
+
+    def describe(self) -> str:
+        c = self.cfg
+        cut = f", {self.dropped} longer than task.max_prompt_tokens={c.max_prompt_tokens}"
+        evals = sum(len(v) for v in self.eval_sets.values())
+        return (
+            f"task dataset: {len(self.train)} training prompts from {len(self.files)} file(s)"
+            f"{cut if self.dropped else ''}; {evals} eval prompts"
+            f"{' (held out of the training files)' if not c.eval_files else ''}; prompts up "
+            f"to {self.max_prompt_len} tokens"
+        )

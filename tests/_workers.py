@@ -78,3 +78,30 @@ def convert_then_logits(
         tr.temperature = t
         logprobs[t] = tr.logprobs({"tokens": tokens})
     return {"logits": tr.logits({"tokens": tokens}), "summary": summary, "logprobs": logprobs}
+
+
+def budget_parity(overrides: list[str], batch: dict, budget: int) -> dict:
+    """One optimizer step with ``micro_batch_size`` micro-batches, then the same from the
+    same initial weights with ``trainer.max_tokens_per_microbatch=budget``. Returns, per
+    path, the log-probs of ``batch`` before and after, the step's loss and grad norm, and
+    how many micro-batches this rank ran."""
+    from rl.algorithms.losses import nll_loss
+    from rl.config import compose
+    from rl.trainer.trainer import build_trainer
+
+    res: dict = {}
+    for name, extra in (("plain", []), ("budget", [f"trainer.max_tokens_per_microbatch={budget}"])):
+        cfg = compose([*overrides, *extra])
+        # Same seed in both builds: both trainers start from identical weights.
+        tr = build_trainer(cfg.model, cfg.trainer, total_steps=1)
+        before = tr.logprobs(batch)
+        m = tr.train_step(batch, nll_loss)
+        res[name] = {
+            "before": before,
+            "after": tr.logprobs(batch),
+            "loss": m["loss"],
+            "grad_norm": m["grad_norm"],
+            "num_microbatches": tr._microbatches(batch)[1],
+            "dp": tr.layout.dp,
+        }
+    return res

@@ -191,3 +191,56 @@ def test_role_map_rejects_missing_executors():
     # Warm-up only: no generator, no reward.
     cfg = compose(["rl.steps=0", "cluster.roles.generator=0", "cluster.roles.reward=0"])
     assert RoleMap.from_config(cfg).world_size == 3
+
+
+class _InstantClient:
+    """Finishes every sample at once with one token: ``prompt_ids[0]`` (the tests' reward
+    reads it back), so a stream can be driven without a server."""
+
+    def submit(self, prompt_ids, sampling, group=None, segment_tokens=None):
+        from concurrent.futures import Future
+
+        from rl.generator.types import Rollout
+
+        out = []
+        for i in range(sampling.n):
+            r = Rollout(list(prompt_ids), sampling, i, group)
+            r.append([prompt_ids[0]], [-0.1], [1], "stop")
+            f: Future = Future()
+            f.rollout = r
+            f.set_result(r)
+            out.append(f)
+        return out
+
+    def abort_all(self):
+        pass
+
+
+def test_uniform_groups_are_skipped_counted_and_replaced():
+    """Dynamic sampling: a group whose rewards are all equal has no advantage; the stream
+    skips it, counts it, and the batch is refilled with groups that carry signal."""
+    from concurrent.futures import Future
+
+    from rl.controller.rollouts import RolloutStream
+    from rl.generator.types import SamplingParams
+    from rl.reward.functions import ScoreResult
+    from rl.tasks.common import Example
+
+    def score(group):  # prompts with an even first id: every sample scores 1 (uniform)
+        uniform = group.item.prompt_ids[0] % 2 == 0
+        f: Future = Future()
+        f.set_result([ScoreResult(1.0 if uniform else float(k % 2)) for k in range(4)])
+        return f
+
+    prompts = (Example(f"p{i}", (i, 7), "") for i in range(1000))
+    gate = StalenessGate(max_lag=1, mode="throttle", per_step=3)
+    stream = RolloutStream(_InstantClient(), score, lambda: next(prompts),
+                           SamplingParams(n=4), gate, 1, drop_uniform=True)  # fmt: skip
+    stream.start()
+    try:
+        groups, stats = stream.next_batch(1)
+    finally:
+        stream.close()
+    assert [g.item.prompt_ids[0] % 2 for g in groups] == [1, 1, 1]
+    assert all(len(set(g.rewards)) == 2 for g in groups)
+    assert stats["uniform_skipped_total"] >= 3 and gate.skipped == stats["uniform_skipped_total"]

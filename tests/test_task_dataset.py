@@ -171,7 +171,7 @@ def test_tokenizer_and_checkpoint_problems_are_named(tok_dir, tmp_path):
     from rl.config import resolve_model
 
     cfg = compose(["task=dataset", f"task.train_files=[{f}]", f"model.hf_checkpoint={tok_dir}"])
-    with pytest.raises(ConfigError, match="has no config.json"):
+    with pytest.raises(ConfigError, match=r"has no config\.json"):
         resolve_model(cfg)
 
 

@@ -112,6 +112,11 @@ def validate_trainer(t: Any, m: Any) -> None:
         budget is None or (isinstance(budget, int) and budget >= 1),
         f"trainer.max_tokens_per_microbatch={budget!r} must be an integer >= 1 or null",
     )
+    _require(
+        budget is None or t.pp == 1,
+        f"trainer.max_tokens_per_microbatch={budget} needs trainer.pp=1 (pipeline stages "
+        f"exchange one fixed micro-batch shape), not trainer.pp={t.pp}",
+    )
     _require(t.save_interval >= 0, f"trainer.save_interval={t.save_interval} must be >= 0")
     for field, value in (
         ("num_attention_heads", m.num_attention_heads),
@@ -294,11 +299,13 @@ def validate_rl(cfg: Any) -> None:
         ">= 1 (a lag of 0 is rl.mode=sync)",
     )
     rows = rl.prompts_per_step * a.group_size
-    unit = t.micro_batch_size * t.dp
+    # A token budget cuts each DP rank's rows itself; otherwise whole micro-batches.
+    unit, what = (t.dp, "dp") if t.max_tokens_per_microbatch else (
+        t.micro_batch_size * t.dp, f"micro_batch_size*dp={t.micro_batch_size}*")  # fmt: skip
     _require(
         rows % unit == 0,
         f"rl.prompts_per_step*algorithm.group_size={rl.prompts_per_step}*{a.group_size}={rows} "
-        f"is not a multiple of trainer.micro_batch_size*dp={t.micro_batch_size}*{t.dp}",
+        f"is not a multiple of trainer.{what}{t.dp}",
     )
     _require(
         s.temperature > 0,

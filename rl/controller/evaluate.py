@@ -4,12 +4,17 @@ Every eval prompt is answered greedily (pass@1) and, with ``k`` > 1, sampled ``k
 at the rollout temperature (pass@k: any sample passes; mean@k: the mean score). Responses
 are scored by the reward ranks with the same function as training rollouts: there is one
 scoring path. A response passes when its score reaches ``reward.pass_threshold``.
+
+The greedy responses of each evaluation are written to ``<out>/eval/step_<N>.jsonl``
+(prompt and response, ids and text, label and score), to read what the policy says.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 from rl.generator.types import Rollout, SamplingParams
@@ -34,15 +39,18 @@ class Evaluator:
         sampling: SamplingParams,
         k: int = 1,
         threshold: float = 1.0,
+        samples_dir: Path | None = None,
     ):
         """``sampling``: the rollouts' (temperature, max_new_tokens, stop ids); greedy
         decoding replaces its temperature for pass@1."""
         self.client, self.task, self.reward = client, task, reward
-        self.k, self.threshold = k, threshold
+        self.k, self.threshold, self.samples_dir = k, threshold, samples_dir
         self.greedy = replace(sampling, temperature=0.0, n=1, seed=None)
         self.sampled = replace(sampling, n=k)
 
-    def _scores(self, examples: list[Example], sampling: SamplingParams) -> list[list[ScoreResult]]:
+    def _scores(
+        self, examples: list[Example], sampling: SamplingParams, samples: Path | None = None
+    ) -> list[list[ScoreResult]]:
         prompts = [list(e.prompt_ids) for e in examples]
         outs = self.client.generate(prompts, sampling)
         per = sampling.n
@@ -50,16 +58,26 @@ class Evaluator:
         results = self.reward.score(items).result()
         self._lengths += [len(r.output_ids) for r in outs]
         self._cut += [r.finish_reason == "length" for r in outs]
+        if samples is not None:
+            samples.parent.mkdir(parents=True, exist_ok=True)
+            with samples.open("w") as f:
+                for e, r, it, res in zip(examples, outs, items, results, strict=True):
+                    rec = {"uid": e.uid, "prompt": e.prompt_text, "response": it.response,
+                           "label": e.label, "score": res.score, "prompt_ids": list(e.prompt_ids),
+                           "output_ids": r.output_ids}  # fmt: skip
+                    f.write(json.dumps(rec, default=str) + "\n")
         return [results[i * per : (i + 1) * per] for i in range(len(examples))]
 
-    def run(self) -> dict[str, float]:
+    def run(self, step: int = 0) -> dict[str, float]:
         out: dict[str, float] = {}
         if not self.task.eval_sets:  # nothing held out: nothing to measure
             return {"eval_accuracy": float("nan")}
         for n, (name, examples) in enumerate(self.task.eval_sets.items()):
             pre = "eval_" if n == 0 else f"eval_{name}_"
             self._lengths, self._cut = [], []
-            greedy = self._scores(examples, self.greedy)
+            where = self.samples_dir
+            file = where / f"{name}_step_{step:06d}.jsonl" if where else None
+            greedy = self._scores(examples, self.greedy, file)
             out[f"{pre}accuracy"] = _mean(float(g[0].score >= self.threshold) for g in greedy)
             out[f"{pre}score"] = _mean(g[0].score for g in greedy)
             if self.k > 1:

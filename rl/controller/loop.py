@@ -106,7 +106,7 @@ def rl_loop(
     urls, model_path = gen.wait_up()
     client = GeneratorClient.for_urls(urls, model_path, r)
     evaluator = Evaluator(client, task, reward, replace(sampling, n=1), cfg.rl.eval_k,
-                          cfg.reward.pass_threshold)  # fmt: skip
+                          cfg.reward.pass_threshold, out / "eval")  # fmt: skip
     sync = connect(cfg, trainer, urls)
     version = first  # the trainer's weights as they are now (after step first - 1)
     push(sync, trainer, client, version)
@@ -118,7 +118,7 @@ def rl_loop(
         start = point.start_accuracy
 
     if first > steps:  # the lost attempt had finished all its steps (and saved them)
-        final = evaluator.run()["eval_accuracy"]
+        final = evaluator.run(steps)["eval_accuracy"]
         client.close()
         return {"start_accuracy": start, "final_accuracy": final}
 
@@ -151,7 +151,7 @@ def rl_loop(
             m.update(batch_metrics(groups, batch, cfg.reward.pass_threshold))
             m.update(reward_failures=reward.failures, reward_timeouts=reward.timeouts)
             if step % (cfg.rl.eval_every or steps) == 0 or step == steps:
-                ev = evaluator.run()
+                ev = evaluator.run(step)
                 m["eval_accuracy"] = ev["eval_accuracy"]
                 log.log(step, ev, phase="rl_eval", echo=False)
             now = time.perf_counter()

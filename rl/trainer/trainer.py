@@ -1,7 +1,8 @@
 """The trainer executor: Megatron-Core model, optimizer and schedule for one policy.
 
 A step takes a global batch (every rank receives the same dict of ``[B, S]`` tensors),
-keeps this data-parallel rank's rows, cuts them into microbatches and runs Megatron's
+keeps this data-parallel rank's rows, cuts them into microbatches (``micro_batch_size`` rows
+each, or packed under a token budget, see ``pack_by_tokens``) and runs Megatron's
 forward/backward schedule (no pipelining, or 1F1B when PP > 1) with a pluggable loss over
 token log-probs. Loss statistics are reduced over DP and shared from the last pipeline
 stage, so every rank returns the same numbers.
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -24,6 +26,60 @@ from rl.trainer import checkpoint
 from rl.trainer.parallel import Layout
 
 
+def pack_by_tokens(lengths: Sequence[int], budget: int) -> list[list[int]]:
+    """Group row indices into micro-batches of at most ``budget`` tokens each, counting a
+    micro-batch as ``rows x its longest row`` (every row is run at that width).
+
+    Rows are taken longest first, so each micro-batch's width is set by its first row and
+    rows of similar length share a micro-batch (little padding). A row longer than the
+    budget still runs, alone: dropping or cutting it would silently change the loss. Each
+    group lists its indices in ascending order; the caller puts per-row outputs back in
+    the original order. Rows of length 0 count as 1 (a forward needs one position).
+    """
+    if budget < 1:
+        raise ValueError(f"trainer.max_tokens_per_microbatch={budget} must be >= 1")
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    groups: list[list[int]] = []
+    cur: list[int] = []
+    width = 0
+    for i in order:
+        n = max(int(lengths[i]), 1)
+        if cur and (len(cur) + 1) * max(width, n) > budget:
+            groups.append(sorted(cur))
+            cur, width = [], 0
+        cur.append(i)
+        width = max(width, n)
+    if cur:
+        groups.append(sorted(cur))
+    return groups
+
+
+def row_extents(batch: dict[str, torch.Tensor]) -> list[int]:
+    """How many leading columns of each row the model must see.
+
+    Index t of a per-token tensor scores token t+1, so a row whose last counted index is t
+    needs tokens ``[0, t+2)``. An ``attention_mask`` (1 on real tokens), when present,
+    extends that to its last real token. Columns past the extent are right padding or
+    unscored tail: with causal attention they never change an earlier position's output,
+    so dropping them changes no counted log-prob. With neither key every row needs all
+    ``S`` columns.
+    """
+    rows, seq = batch["tokens"].shape[:2]
+    ext = torch.zeros(rows, dtype=torch.long)
+    cols = torch.arange(1, seq + 1)
+    found = False
+    if "loss_mask" in batch:
+        last = ((batch["loss_mask"] != 0) * cols).amax(dim=1)  # last scored index + 1
+        ext = torch.maximum(ext, torch.where(last > 0, (last + 1).clamp(max=seq), 0))
+        found = True
+    if "attention_mask" in batch:
+        ext = torch.maximum(ext, ((batch["attention_mask"] != 0) * cols).amax(dim=1))
+        found = True
+    if not found:
+        ext = torch.full((rows,), seq, dtype=torch.long)
+    return ext.tolist()
+
+
 class MegatronTrainer:
     def __init__(
         self,
@@ -34,10 +90,26 @@ class MegatronTrainer:
         frozen: bool = False,
     ):
         """``frozen``: forward passes only (a reference policy), no optimizer state."""
-        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-
         self.mcfg, self.tcfg, self.layout = model_cfg, trainer_cfg, layout
         self.step = 0
+        self.token_budget: int | None = getattr(trainer_cfg, "max_tokens_per_microbatch", None)
+        if self.token_budget is not None:
+            if self.token_budget < 1:
+                raise ValueError(
+                    f"trainer.max_tokens_per_microbatch={self.token_budget} must be >= 1"
+                )
+            # Megatron's 1F1B schedule sends activations between stages with one fixed
+            # [seq, micro_batch, hidden] shape for every micro-batch; budgeted
+            # micro-batches differ in both rows and width, and padding them all back to one
+            # shape would throw away the saving, so refuse rather than pad.
+            if layout.pp > 1:
+                raise ValueError(
+                    f"trainer.max_tokens_per_microbatch={self.token_budget} needs trainer.pp=1 "
+                    f"(got trainer.pp={layout.pp}): pipeline stages exchange one fixed tensor "
+                    "shape per micro-batch; use trainer.micro_batch_size with pipelining"
+                )
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
         # Log-probs are log softmax(logits / temperature): an RL loss must score tokens
         # with the distribution they were sampled from (SGLang reports it at its T).
         self.temperature = 1.0
@@ -102,18 +174,60 @@ class MegatronTrainer:
         )
 
     # ------------------------------------------------------------------ batching
-    def _microbatches(self, batch: dict[str, torch.Tensor]) -> tuple[list[dict], int]:
+    def _microbatches(
+        self, batch: dict[str, torch.Tensor], trim: bool = True
+    ) -> tuple[list[dict], int, list[list[int]] | None]:
+        """This DP rank's rows cut into micro-batches, their count and, with a token
+        budget, each micro-batch's row indices within this rank's rows (None otherwise).
+
+        With a budget every micro-batch is trimmed to its longest row's extent
+        (``trim=False`` keeps all columns: the last column then stays the last position).
+
+        Ranks may end up with different numbers of micro-batches. That is safe: with no
+        pipelining Megatron runs no collective per micro-batch (overlap_grad_reduce is off,
+        and even with it DDP only reduces on the last micro-batch's backward), the gradient
+        all-reduce and the all-reduce of the token count happen once per step in
+        finalize_model_grads, and _reduce_stats and _collect make one call per step on
+        tensors of fixed shape. TP ranks of one DP rank see the same rows, so the same plan.
+        """
         rows = batch["tokens"].shape[0]
         mbs, dp = self.tcfg.micro_batch_size, self.layout.dp
-        if rows % (mbs * dp):
-            raise ValueError(
-                f"batch of {rows} rows is not a multiple of trainer.micro_batch_size*dp={mbs}*{dp}"
+        if self.token_budget is None:
+            if rows % (mbs * dp):
+                raise ValueError(
+                    f"batch of {rows} rows is not a multiple of "
+                    f"trainer.micro_batch_size*dp={mbs}*{dp}"
+                )
+            per_rank = rows // dp
+            lo = self.layout.dp_rank * per_rank
+            mine = {k: v[lo : lo + per_rank] for k, v in batch.items()}
+            n = per_rank // mbs
+            return (
+                [{k: v[i * mbs : (i + 1) * mbs] for k, v in mine.items()} for i in range(n)],
+                n,
+                None,
             )
+        if rows == 0 or rows % dp:
+            raise ValueError(f"batch of {rows} rows is not a positive multiple of trainer.dp={dp}")
         per_rank = rows // dp
         lo = self.layout.dp_rank * per_rank
         mine = {k: v[lo : lo + per_rank] for k, v in batch.items()}
-        n = per_rank // mbs
-        return [{k: v[i * mbs : (i + 1) * mbs] for k, v in mine.items()} for i in range(n)], n
+        seq = batch["tokens"].shape[1]
+        lengths = row_extents(mine) if trim else [seq] * per_rank
+        groups = pack_by_tokens(lengths, self.token_budget)
+        out = []
+        for idx in groups:
+            width = max(max(lengths[i] for i in idx), 1)
+            sel = torch.tensor(idx)
+            # Per-token tensors are cut to the width; per-row ones ([B]) keep their shape.
+            # Shorter rows keep their own padding and zero loss_mask up to the width.
+            out.append(
+                {
+                    k: (v[sel, :width] if v.dim() >= 2 and v.shape[1] == seq else v[sel])
+                    for k, v in mine.items()
+                }
+            )
+        return out, len(out), groups
 
     def _run(
         self,
@@ -129,7 +243,8 @@ class MegatronTrainer:
         """
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
-        mbs, n = self._microbatches(batch)
+        # The last position is only the last column when nothing is trimmed.
+        mbs, n, groups = self._microbatches(batch, trim=collect != "last_logits")
         seq = batch["tokens"].shape[1]
         forward_only = loss_fn is None
         own_ce = self.temperature != 1.0 or self._padded_vocab > self.mcfg.vocab_size
@@ -137,7 +252,7 @@ class MegatronTrainer:
         def forward_step(data_iterator, model):
             mb = next(data_iterator)
             tokens = mb["tokens"]
-            positions = torch.arange(seq).unsqueeze(0).expand_as(tokens)
+            positions = torch.arange(tokens.shape[1]).unsqueeze(0).expand_as(tokens)
             want_logits = collect in ("logits", "last_logits")
             labels = None if want_logits else torch.roll(tokens, -1, dims=1)
             out = model(tokens, positions, None, labels=None if own_ce else labels)
@@ -162,7 +277,7 @@ class MegatronTrainer:
             return out, loss_func
 
         with cuda_to_cpu():
-            return get_forward_backward_func()(
+            per_mb = get_forward_backward_func()(
                 forward_step_func=forward_step,
                 data_iterator=iter(mbs),
                 model=[self.model],
@@ -171,6 +286,25 @@ class MegatronTrainer:
                 micro_batch_size=self.tcfg.micro_batch_size,
                 forward_only=forward_only,
             )
+        if groups is None or not forward_only or not per_mb:
+            return per_mb  # training stats are sums: their order does not matter
+        return [{collect: self._unpack(per_mb, collect, groups, seq)}]
+
+    @staticmethod
+    def _unpack(per_mb: list[dict], key: str, groups: list[list[int]], seq: int) -> torch.Tensor:
+        """Budgeted micro-batch outputs back in this rank's row order at full width ``seq``;
+        columns past a micro-batch's width are 0 (padding, never scored)."""
+        first = per_mb[0][key]
+        rows = sum(len(g) for g in groups)
+        shape = (rows, *first.shape[1:]) if key == "last_logits" else (rows, seq, *first.shape[2:])
+        full = torch.zeros(shape, dtype=first.dtype)
+        for d, idx in zip(per_mb, groups, strict=True):
+            value = d[key]
+            if key == "last_logits":
+                full[idx] = value
+            else:
+                full[idx, : value.shape[1]] = value
+        return full
 
     def _cross_entropy(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """``-log softmax(logits / T)[label]`` over the *real* vocabulary, from this TP

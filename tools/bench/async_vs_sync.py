@@ -17,9 +17,14 @@ Two hardware splits of this 2-core machine are measured:
   cores, so in async mode the executors compete for the same cores.
 
 ``--lags``: async runs at each lag bound k (``algorithm.max_policy_lag``); sync is run
-once. Reports per-step time (mean over the RL steps after the first few), its ratio, the idle
-fractions of trainer and generator, the held-out accuracy at the end, and the peak
-memory of the whole job (sum of RSS over its processes); writes them as JSON.
+once. ``--correction``: async runs with each off-policy correction (``algorithm.correction``:
+aipo, tis, icepop, none), to show what a correction buys at a large lag; besides the final
+accuracy, each run reports its training stability (the held-out accuracy at every
+``--eval-every`` steps and its lowest value after the start, the worst grad norm, the
+largest importance ratio and the train-vs-rollout mismatch). Reports per-step time (mean
+over the RL steps after the first few), its ratio, the idle fractions of trainer and
+generator, the held-out accuracy at the end, and the peak memory of the whole job (sum
+of RSS over its processes); writes them as JSON.
 """
 
 from __future__ import annotations
@@ -87,6 +92,13 @@ def summarize(out: Path) -> dict:
         "reward_mean_last20": statistics.mean(r["reward_mean"] for r in steps[-20:]),
         "start_accuracy": evals[0]["eval_accuracy"],
         "final_accuracy": evals[-1]["eval_accuracy"],
+        "eval_curve": [[r["step"], r["eval_accuracy"]] for r in evals],
+        "min_accuracy_after_start": min(r["eval_accuracy"] for r in evals[1:]),
+        "grad_norm_max": max(r["grad_norm"] for r in steps),
+        "grad_norm_mean": statistics.mean(r["grad_norm"] for r in steps),
+        "is_ratio_max": max(r["is_ratio"] for r in steps),
+        "mismatch_abs_logp_mean": statistics.mean(r["mismatch_abs_logp"] for r in steps),
+        "lag_max": max(r["lag_max"] for r in steps),
     }
 
 
@@ -97,6 +109,14 @@ def main() -> None:
     ap.add_argument(
         "--lags", nargs="+", type=int, default=[1], help="async runs at these lag bounds k"
     )
+    ap.add_argument(
+        "--correction",
+        nargs="+",
+        default=["aipo"],
+        choices=["aipo", "tis", "icepop", "none"],
+        help="async runs with each of these off-policy corrections",
+    )
+    ap.add_argument("--eval-every", type=int, default=0, help="held-out eval interval (0: end)")
     ap.add_argument("--out", default=str(ROOT / "tools/bench/results/async_vs_sync.json"))
     ap.add_argument("overrides", nargs="*", help="Hydra overrides for every run")
     a = ap.parse_args()
@@ -104,19 +124,22 @@ def main() -> None:
     print(f"[bench] warm-up checkpoint (runs in {work})", flush=True)
     warm = work / "warmup"
     job(["rl.steps=0", "cluster.roles.generator=0", "cluster.roles.reward=0", *a.overrides], warm)
-    result: dict = {"steps": a.steps, "lags": a.lags, "overrides": a.overrides, "splits": {}}
+    result: dict = {"steps": a.steps, "lags": a.lags, "corrections": a.correction,
+                    "overrides": a.overrides, "splits": {}}  # fmt: skip
+    asyncs = [(k, c) for k in a.lags for c in a.correction]
     for split in a.splits:
         runs = {}
         # sync, then async at each lag bound k (the first is the headline "async").
-        for name, mode, lag in [("sync", "sync", 0)] + [
-            ("async" if i == 0 else f"async_k{k}", "async", k) for i, k in enumerate(a.lags)
+        for name, mode, lag, corr in [("sync", "sync", 0, a.correction[0])] + [
+            (_name(i, k, c, len(a.correction)), "async", k, c) for i, (k, c) in enumerate(asyncs)
         ]:
             args = [
                 *SPLITS[split],
                 *a.overrides,
                 f"rl.mode={mode}",
                 f"rl.steps={a.steps}",
-                f"rl.eval_every={a.steps}",
+                f"rl.eval_every={a.eval_every or a.steps}",
+                f"algorithm.correction={corr}",
                 "sft.steps=0",
                 f"trainer.load_dir={warm}/checkpoint",
                 "trainer.load_optimizer=false",
@@ -146,6 +169,13 @@ def main() -> None:
             )
         result["splits"][split] = runs
     write_result(result, a.out)
+
+
+def _name(i: int, lag: int, correction: str, corrections: int) -> str:
+    """The first async run is "async"; the others name what differs."""
+    if corrections > 1:
+        return f"async_k{lag}_{correction}"
+    return "async" if i == 0 else f"async_k{lag}"
 
 
 if __name__ == "__main__":

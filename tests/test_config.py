@@ -23,6 +23,7 @@ FITTING_OVERRIDES: dict[str, list[str]] = {
     "model/llama3_8b": ["trainer.tp=8"],
     "model/llama3_70b": ["trainer.tp=8"],
     "model/llama3_405b": ["trainer.tp=8"],
+    "model/qwen2_5_7b": ["trainer.tp=4"],  # 28 heads and 4 KV heads: TP8 does not divide them
     # GPU presets are sized for their model (TP8 does not divide the tiny model's 6 heads).
     "trainer/gpu_8b": ["model=llama3_8b"],
     "trainer/gpu_70b": ["model=llama3_70b"],
@@ -105,7 +106,12 @@ def test_every_conf_file_composes_and_validates(path: Path) -> None:
 
 @pytest.mark.parametrize(
     ("preset", "published"),
-    [("llama3_8b", 8.03e9), ("llama3_70b", 70.6e9), ("llama3_405b", 405.9e9)],
+    [
+        ("llama3_8b", 8.03e9),
+        ("llama3_70b", 70.6e9),
+        ("llama3_405b", 405.9e9),
+        ("qwen2_5_7b", 7.62e9),
+    ],
 )
 def test_llama_param_counts_match_published(preset: str, published: float) -> None:
     """Catches a wrong shape in a preset (e.g. ffn size) that validation cannot see."""

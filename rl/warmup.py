@@ -34,12 +34,14 @@ def supervised_warmup(
     save_interval: int = 0,
 ) -> float | None:
     """Run ``sft.steps`` optimizer steps; return the final held-out greedy pass rate
-    (None without an eval set). ``evaluate(examples)`` is the greedy pass rate on them.
+    (None without an eval set, or with ``sft.eval_every=0``). ``evaluate(examples)`` is the greedy pass rate on them.
 
     With ``save_interval`` > 0 a checkpoint is written to ``save_dir`` every that many steps.
     """
     gbs, target = trainer.tcfg.global_batch_size, sft.stop_at_accuracy
-    held = next(iter(task.eval_sets.values()), None)
+    # sft.eval_every=0: no held-out evaluation here (the RL stage's first one, on the
+    # servers, measures where the warm-up ended, far faster than this greedy decoder).
+    held = next(iter(task.eval_sets.values()), None) if sft.eval_every else None
     acc = evaluate(held) if held else None
     if acc is not None:
         log.log(0, {"eval_accuracy": acc}, phase="warmup_eval")

@@ -301,3 +301,32 @@ def test_server_config_needs_a_model_dir_and_builds_sglang_flags(tmp_path):
     assert flags["--port"] == "1234" and flags["--device"] == "cpu"
     assert "--skip-tokenizer-init" in argv and "--weight-version" in argv
     assert "--sleep-on-idle" in argv  # idle schedulers must not spin a core each
+
+
+def test_serialize_retries_a_shared_memory_manager_timeout(monkeypatch):
+    """torch_shm_manager times out under load; the payload is pickled again, and any other
+    error is raised at once."""
+    import base64
+
+    from rl.generator import weight_payload as wp
+
+    calls = []
+    real = wp.ForkingPickler.dump
+
+    def flaky(self, obj):
+        calls.append(1)
+        if len(calls) <= 2:
+            raise RuntimeError("Shared memory manager connection has timed out")
+        return real(self, obj)
+
+    monkeypatch.setattr(wp.ForkingPickler, "dump", flaky)
+    monkeypatch.setattr(wp.time, "sleep", lambda s: None)
+    assert base64.b64decode(wp.serialize({"a": 1}))
+    assert len(calls) == 3
+
+    def broken(self, obj):
+        raise RuntimeError("something else")
+
+    monkeypatch.setattr(wp.ForkingPickler, "dump", broken)
+    with pytest.raises(RuntimeError, match="something else"):
+        wp.serialize({"a": 1})

@@ -67,7 +67,7 @@ def test_smollm2_from_jsonl_with_a_user_reward_file(smollm2_dir, tmp_path):
         "task.metadata_keys=[kind]",
         f"reward.fn={tmp_path / 'my_reward.py'}:score",
         "sft.steps=1",
-        "sft.eval_every=1",
+        "sft.eval_every=0",
         "trainer.micro_batch_size=4",
         "trainer.global_batch_size=4",
         "algorithm.group_size=2",

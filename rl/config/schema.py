@@ -122,7 +122,7 @@ class SFTConfig:
 
     steps: int = 0  # at most; 0: no warm-up
     log_every: int = 1
-    eval_every: int = 50
+    eval_every: int = 50  # held-out greedy pass rate every N steps (0: never)
     # End the warm-up once greedy accuracy on fresh training problems reaches this (checked
     # every check_every steps); null: always run all the steps.
     stop_at_accuracy: float | None = None

@@ -153,7 +153,8 @@ def validate_task(cfg: Any) -> None:
         raise ConfigError(str(e)) from None
     sft = cfg.sft
     _require(sft.steps >= 0, f"sft.steps={sft.steps} must be >= 0")
-    _positive("sft", sft, "log_every", "eval_every", "check_every")
+    _positive("sft", sft, "log_every", "check_every")
+    _at_least("sft", sft, 0, "eval_every")
     t = sft.stop_at_accuracy
     _require(t is None or 0 < t <= 1, f"sft.stop_at_accuracy={t} must be in (0, 1] or null")
     if sft.optim is not None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import base64
 import io
+import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from multiprocessing.reduction import ForkingPickler
@@ -99,11 +100,27 @@ def buckets(
         yield group
 
 
+SHM_RETRIES = 5
+
+
 def serialize(obj: object) -> str:
-    """SGLang's wire form: ForkingPickler bytes, base64 (one entry per server TP rank)."""
-    buf = io.BytesIO()
-    ForkingPickler(buf).dump(obj)
-    return base64.b64encode(buf.getvalue()).decode()
+    """SGLang's wire form: ForkingPickler bytes, base64 (one entry per server TP rank).
+
+    Pickling moves tensors into shared memory through torch's ``torch_shm_manager``, whose
+    connection times out after a fixed short wait when the machine is overloaded (seen
+    once in 200 steps with every core busy): that is retried with a back-off, not fatal."""
+    for attempt in range(SHM_RETRIES):
+        buf = io.BytesIO()
+        try:
+            ForkingPickler(buf).dump(obj)
+            return base64.b64encode(buf.getvalue()).decode()
+        except RuntimeError as e:
+            if "Shared memory manager connection has timed out" not in str(e):
+                raise
+            if attempt == SHM_RETRIES - 1:
+                raise
+            time.sleep(0.5 * 2**attempt)
+    raise AssertionError("unreachable")
 
 
 def update_body(

@@ -72,7 +72,7 @@ def main(cfg: DictConfig) -> None:
     try:  # under a launcher, its world must be exactly the role map's
         resolve_model(cfg)  # model.hf_checkpoint: the architecture from its config.json
         validate(cfg, world_size=int(os.environ["WORLD_SIZE"]) if under_launcher() else None)
-        task = check_task(cfg)  # reads and renders the data: bad rows fail here
+        check_task(cfg)  # reads and renders the data: bad rows fail here
     except ConfigError as e:
         sys.exit(f"config error: {e}")
     try:  # a restarted job's state, checked before any rank starts
@@ -85,7 +85,6 @@ def main(cfg: DictConfig) -> None:
         return
     roles, t = RoleMap.from_config(cfg), cfg.trainer
     print(f"starting {roles.describe()}: trainer tp={t.tp} pp={t.pp} dp={t.dp} on {t.device}")
-    print(task.describe())
     print(OmegaConf.to_yaml(cfg), flush=True)
     spawn(run, roles.world_size, cfg, device=t.device, timeout_s=24 * 3600, setup=False)
 

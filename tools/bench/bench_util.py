@@ -14,7 +14,7 @@ import psutil
 
 
 def write_result(result: dict, path: str | Path) -> Path:
-    """Add the machine's description and write ``result`` as JSON (committed by issues
+    """Add the machine's description and write ``result`` as JSON (committed by benchmarks
     that ask for a number)."""
     result["machine"] = {"cpus": psutil.cpu_count(), "python": platform.python_version()}
     out = Path(path)

@@ -34,7 +34,8 @@ def supervised_warmup(
     save_interval: int = 0,
 ) -> float | None:
     """Run ``sft.steps`` optimizer steps; return the final held-out greedy pass rate
-    (None without an eval set, or with ``sft.eval_every=0``). ``evaluate(examples)`` is the greedy pass rate on them.
+    (None without an eval set, or with ``sft.eval_every=0``). ``evaluate(examples)`` is
+    the greedy pass rate on them.
 
     With ``save_interval`` > 0 a checkpoint is written to ``save_dir`` every that many steps.
     """

@@ -32,3 +32,31 @@ def test_a_failed_executor_is_reported_with_its_traceback(cfg):
     assert len(ctrl["got"]) == 1
     assert "trainer rank 1 failed" in ctrl["remote"]
     assert "ValueError: boom on purpose" in ctrl["remote"]
+
+
+def test_wait_outlasts_the_channel_timeout_where_get_gives_up():
+    """An idle executor's inbox may stay quiet for longer than rl.channel_timeout (a
+    generator rank waits for Stop during the whole run): ``wait`` keeps waiting, ``get``
+    raises ChannelTimeout."""
+    import threading
+    import time
+    from datetime import timedelta
+
+    import torch.distributed as dist
+    from channel_workers import Pong
+
+    from rl.controller.channel import Channel, ChannelTimeout
+    from rl.dist.net import free_port
+
+    store = dist.TCPStore("127.0.0.1", free_port(), 1, is_master=True,
+                          timeout=timedelta(seconds=5))  # fmt: skip
+    inbox = Channel(store, "idle/in", (Pong,), timeout=0.3)
+    with pytest.raises(ChannelTimeout, match="within 0s"):
+        inbox.get()
+    sender = Channel(store, "idle/in", (Pong,), timeout=5)
+    later = threading.Timer(1.2, lambda: sender.put(Pong(3, 1.0, 1)))
+    later.start()
+    t0 = time.monotonic()
+    assert inbox.wait() == Pong(3, 1.0, 1)
+    assert time.monotonic() - t0 > 1.0  # it outlasted several timeouts
+    later.join()

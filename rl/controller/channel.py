@@ -36,6 +36,11 @@ class ChannelError(RuntimeError):
     """A message that is not one the channel carries, or no message in time."""
 
 
+class ChannelTimeout(ChannelError):
+    """No message arrived within the wait: for a rank that idles by design (a generator
+    rank between start and stop), the normal state, not a failure."""
+
+
 class RemoteError(RuntimeError):
     """An executor failed; the message carries its role, rank and traceback."""
 
@@ -99,7 +104,7 @@ class Channel:
                     data = raw[1:]
             except _store_error() as e:
                 if "timeout" in str(e).lower():
-                    raise ChannelError(
+                    raise ChannelTimeout(
                         f"no message on channel {self.name!r} within {wait:.0f}s"
                     ) from None
                 raise
@@ -111,6 +116,16 @@ class Channel:
                 f"channel {self.name!r} expected {self._names()}, got {type(msg).__name__}"
             )
         return msg
+
+    def wait(self) -> Any:
+        """The next message, however long it takes: for an executor's inbox, where no
+        command for a while (a long warm-up, a long evaluation) is normal. A dead
+        controller still ends the wait: its store's connection breaks."""
+        while True:
+            try:
+                return self.get()
+            except ChannelTimeout:
+                continue
 
     def expect(self, kind: type, timeout: float | None = None) -> Any:
         """The next message, which must be a ``kind``."""

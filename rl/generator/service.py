@@ -63,8 +63,8 @@ def serve(cfg: Any, job: Any) -> None:
             server = replace(server, host="0.0.0.0", advertise=host_address())
         with ServerLauncher(server, n=n, log_dir=out / "logs") as launcher:
             reply.put(Up(job.role_rank, launcher.urls, path))
-            stop = threading.Event()
-            listen = threading.Thread(target=lambda: (inbox.get(), stop.set()), daemon=True)
+            stop, lost = threading.Event(), []
+            listen = threading.Thread(target=_listen, args=(inbox, stop, lost), daemon=True)
             listen.start()
             # The main thread waits on an Event, not on the store, so a SIGTERM (e.g. the
             # launcher died) runs the launcher's handler, which stops the servers.
@@ -72,9 +72,23 @@ def serve(cfg: Any, job: Any) -> None:
                 for s in launcher.servers:
                     if not s.alive():
                         raise s.error(f"died (exit code {s.exit_code})")
+            if lost:  # the controller's channel broke: stop the servers and say why
+                raise lost[0]
     except BaseException:
         reply.put(Failed("generator", job.role_rank, traceback.format_exc()))
         raise
+
+
+def _listen(inbox: Any, stop: threading.Event, lost: list[BaseException]) -> None:
+    """Wait for Stop for as long as the run lasts (a quiet inbox is what an idle generator
+    rank sees for the whole run; a run longer than ``rl.channel_timeout`` once left this
+    rank and its servers running after the job was done). Any error ends the wait and is
+    raised by the main thread."""
+    try:
+        inbox.wait()
+    except BaseException as e:
+        lost.append(e)
+    stop.set()
 
 
 class GeneratorHandle:

@@ -52,7 +52,7 @@ def serve(cfg: Any, job: Any) -> None:
     r = cfg.reward
     try:
         with RewardExecutor(r.fn, r.workers, r.timeout_s) as ex:
-            while isinstance(msg := inbox.get(), Score):
+            while isinstance(msg := inbox.wait(), Score):
                 futures = [ex.submit(item) for item in msg.items]
                 _answer_when_done(msg.request, futures, ex, reply, lock)
     except BaseException:

@@ -198,7 +198,7 @@ def serve(cfg: Any, job: Any) -> None:
         loss_fn = loss_from_config(cfg.algorithm)
         dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.trainer.params_dtype]
         sender = None
-        while not isinstance(msg := inbox.get(), Stop):
+        while not isinstance(msg := inbox.wait(), Stop):
             if isinstance(msg, Train):
                 if ref is not None:  # log pi_ref of every token, for the KL penalty
                     msg.batch["ref_logprobs"] = ref.logprobs(msg.batch)

@@ -44,6 +44,7 @@ def summarize(out: Path, wall: float, peak: float) -> dict:
     ev = [r for r in recs if r["phase"] == "rl_eval"]
     start, end = ev[0], ev[-1]
     k = next((key for key in start if key.startswith("eval_pass@")), None)
+    mean_k = k.replace("pass@", "mean@") if k else None
     timed = [r for r in rl if "eval_accuracy" not in r]
     return {
         "start_pass@1": start["eval_accuracy"],
@@ -51,7 +52,11 @@ def summarize(out: Path, wall: float, peak: float) -> dict:
         "best_pass@1": max(r["eval_accuracy"] for r in ev),
         "gain_points": 100 * (end["eval_accuracy"] - start["eval_accuracy"]),
         **({f"start_{k[5:]}": start[k], f"final_{k[5:]}": end[k]} if k else {}),
-        "eval_curve": [[r["step"], r["eval_accuracy"], r.get(k) if k else None] for r in ev],
+        **({f"start_{mean_k[5:]}": start[mean_k], f"final_{mean_k[5:]}": end[mean_k]} if k else {}),
+        "eval_curve_columns": ["step", "pass@1", k[5:] if k else None, mean_k[5:] if k else None],
+        "eval_curve": [
+            [r["step"], r["eval_accuracy"], r.get(k or ""), r.get(mean_k or "")] for r in ev
+        ],
         "warmup_steps": len(warm),
         "warmup_step_s": statistics.mean(r["step_seconds"] for r in warm) if warm else 0.0,
         "warmup_end_s": warm[-1]["time"] if warm else 0.0,

@@ -180,6 +180,7 @@ def hf_policy(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("hf_policy")
     make_tokenizer(make_model("llama", root / "model"))
+    make_model("llama", root / "no_tokenizer")
     rows = [{"question": f"w{i} w{i + 1}", "answer": str(i)} for i in range(20)]
     (root / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     (root / "bad.jsonl").write_text('{"question": "w1", "answer": "1"}\n{"q": "w2"}\n')
@@ -196,11 +197,13 @@ def hf_policy(tmp_path_factory):
         (["task.train_files=[{root}/empty.jsonl]"], "task.train_files: no rows in"),
         (["task.max_prompt_tokens=1"], "task.max_prompt_tokens=1 drops every prompt"),
         (["model.hf_checkpoint={root}"], "model.hf_checkpoint='{root}' has no config.json"),
+        (["model.hf_checkpoint={root}/no_tokenizer"],
+         "model.hf_checkpoint='{root}/no_tokenizer' has no tokenizer"),
         (["reward.fn={root}/score.py:score"], "reward.fn '{root}/score.py:score': takes"),
         (["reward.fn=no_such_module:score"], "reward.fn 'no_such_module:score'"),
     ],
     ids=["missing-file", "no-prompt-key", "empty", "all-too-long", "no-config-json",
-         "reward-signature", "reward-import"],
+         "no-tokenizer", "reward-signature", "reward-import"],
 )  # fmt: skip
 def test_bad_dataset_input_fails_in_one_line_before_any_rank_starts(hf_policy, args, message):
     base = [

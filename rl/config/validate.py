@@ -170,10 +170,7 @@ def check_task(cfg: Any) -> Any:
         task = build_task(cfg)
     except TaskError as e:
         raise ConfigError(str(e)) from None
-    longest = max(len(e.prompt_ids) for ex in task.eval_sets.values() for e in ex) if (
-        task.eval_sets) else 0  # fmt: skip
-    longest = max(longest, *(len(e.prompt_ids) for e in task.validation_set))
-    new = cfg.rollout.sampling.max_new_tokens
+    longest, new = task.max_prompt_len, cfg.rollout.sampling.max_new_tokens
     context = cfg.rollout.context_length or cfg.model.max_position_embeddings
     if cfg.rl.steps > 0:
         _require(

@@ -207,6 +207,10 @@ class ArithmeticTask:
     def answer_tokens(self) -> int:
         return self.problems.answer_len
 
+    @property
+    def max_prompt_len(self) -> int:
+        return self.problems.prompt_len
+
     def describe(self) -> str:
         p = self.problems
         return (

@@ -55,6 +55,7 @@ class Task(Protocol):
     # The most tokens a right answer takes (the warm-up's greedy decoding budget); None:
     # as many as rollouts get (rollout.sampling.max_new_tokens).
     answer_tokens: int | None
+    max_prompt_len: int  # the longest prompt of any split, in tokens
 
     def train_stream(self, stream: int = 0) -> Iterator[Example]:
         """Training prompts in order. ``stream`` > 0 is a different, reproducible order

@@ -27,6 +27,7 @@ from job_workers import checkpoint_logits
 from rl.dist.launch import spawn
 
 ROOT = Path(__file__).resolve().parents[1]
+SYSTEM = "Reply with digits."
 REWARD = """
 import re
 
@@ -65,6 +66,7 @@ def test_smollm2_from_jsonl_with_a_user_reward_file(smollm2_dir, tmp_path):
         "task.prompt_key=q",
         "task.label_key=gold",
         "task.metadata_keys=[kind]",
+        f"task.system_prompt={SYSTEM}",
         f"reward.fn={tmp_path / 'my_reward.py'}:score",
         "sft.steps=1",
         "sft.eval_every=0",
@@ -101,7 +103,8 @@ def test_smollm2_from_jsonl_with_a_user_reward_file(smollm2_dir, tmp_path):
     assert len(samples) == 6
     for s in samples:
         q = next(q for q in by_q if q in s["prompt"])
-        want = tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True)
+        msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}]
+        want = tok.apply_chat_template(msgs, add_generation_prompt=True)
         want = want if isinstance(want, list) else want["input_ids"]
         assert s["prompt_ids"] == want
         assert s["label"] == by_q[q]["gold"]

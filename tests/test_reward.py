@@ -260,6 +260,8 @@ class _Queue:
     def get(self) -> Any:
         return pickle.loads(self.q.get(timeout=30))
 
+    wait = get  # an executor's inbox waits as long as it takes; here 30 s is plenty
+
 
 class _Job:
     role_rank = 0

@@ -1,1 +1,2 @@
-"""The single controller (issue 6): batch assembly and the staleness bound so far."""
+"""The single controller: the RL loop, evaluation, batch assembly, the rollout stream and
+the staleness bound, the role map and the job's channels."""

@@ -15,11 +15,15 @@ import json
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rl.generator.types import Rollout, SamplingParams
 from rl.reward.functions import ScoreItem, ScoreResult
 from rl.tasks.common import Example, Task
+
+if TYPE_CHECKING:
+    from rl.generator.client import GeneratorClient
+    from rl.reward.service import RewardHandle
 
 
 def score_items(task: Task, examples: Sequence[Example], rollouts: Sequence[Rollout]):
@@ -33,9 +37,9 @@ def score_items(task: Task, examples: Sequence[Example], rollouts: Sequence[Roll
 class Evaluator:
     def __init__(
         self,
-        client: Any,
+        client: GeneratorClient,
         task: Task,
-        reward: Any,
+        reward: RewardHandle,
         sampling: SamplingParams,
         k: int = 1,
         threshold: float = 1.0,

@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from omegaconf import DictConfig
 
@@ -24,6 +24,14 @@ from rl.controller.staleness import StalenessGate
 from rl.generator.types import SamplingParams
 from rl.metrics import MetricsLogger, plot_curves, plot_rl
 from rl.tasks import Task, build_task
+
+if TYPE_CHECKING:  # the executors' handles, imported where they are used
+    from rl.controller.job import Job
+    from rl.ddma.live import ControllerSide
+    from rl.generator.client import GeneratorClient
+    from rl.generator.service import GeneratorHandle
+    from rl.reward.service import RewardHandle
+    from rl.trainer.service import TrainerHandle
 
 SHOW = (
     "reward_mean",
@@ -37,7 +45,7 @@ SHOW = (
 )
 
 
-def controller(cfg: DictConfig, job: Any) -> dict[str, float]:
+def controller(cfg: DictConfig, job: Job) -> dict[str, float]:
     """Rank 0: wait for the warm-up, run the RL loop, then stop every executor."""
     from rl.generator.service import GeneratorHandle
     from rl.reward.service import RewardHandle
@@ -85,9 +93,9 @@ def rollout_sampling(cfg: DictConfig, task: Task) -> SamplingParams:
 
 def rl_loop(
     cfg: DictConfig,
-    trainer: Any,
-    gen: Any,
-    reward: Any,
+    trainer: TrainerHandle,
+    gen: GeneratorHandle,
+    reward: RewardHandle,
     log: MetricsLogger,
     warmup_accuracy: float | None,
     point: resume.ResumePoint | None = None,
@@ -188,7 +196,9 @@ def batch_metrics(groups: list[Group], batch: dict[str, Any], threshold: float) 
     return out
 
 
-def push(sync: Any, trainer: Any, client: Any, version: int) -> dict[str, float]:
+def push(
+    sync: ControllerSide, trainer: TrainerHandle, client: GeneratorClient, version: int
+) -> dict[str, float]:
     """DDMA the trainer's weights into every server as ``version``; route rollouts by it."""
     stats = sync.push(version, lambda: trainer.push(version))
     client.adopt_version(version)

@@ -34,7 +34,7 @@ class Score:
 class Scored:
     request: int
     results: list[ScoreResult]  # in the order of the request's items
-    failures: int  # function errors, bad return values and dead workers so far on this rank
+    failures: int  # this rank's function errors, bad return values and dead workers, in all
     timeouts: int
 
 

@@ -40,8 +40,20 @@ class TransferStats:
     buffer_bytes: int = 0  # extra memory this rank allocated for the transfer
 
 
-def _post(op: Any, tensor: torch.Tensor, peer: int, group: Any) -> Any:
-    (work,) = dist.batch_isend_irecv([dist.P2POp(op, tensor, peer, group)])
+def _lost(b: Bucket, peer: int, role: str, e: Exception) -> TransferError:
+    return TransferError(
+        f"bucket {b.index} (trainer rank {b.src} -> generator rank {b.dst}): {role} "
+        f"{peer} failed or disconnected mid-transfer: {e}"
+    )
+
+
+def _post(op: Any, tensor: torch.Tensor, peer: int, group: Any, b: Bucket, role: str) -> Any:
+    """Post one point-to-point op. A peer already gone can fail here as well as in the
+    wait (gloo notices a closed connection at either, depending on timing)."""
+    try:
+        (work,) = dist.batch_isend_irecv([dist.P2POp(op, tensor, peer, group)])
+    except Exception as e:  # gloo: connection closed by peer
+        raise _lost(b, peer, role, e) from e
     return work
 
 
@@ -49,10 +61,7 @@ def _wait(work: Any, b: Bucket, peer: int, role: str) -> None:
     try:
         work.wait()
     except Exception as e:  # gloo: connection reset / timeout; NCCL: watchdog errors
-        raise TransferError(
-            f"bucket {b.index} (trainer rank {b.src} -> generator rank {b.dst}): {role} "
-            f"{peer} failed or disconnected mid-transfer: {e}"
-        ) from e
+        raise _lost(b, peer, role, e) from e
 
 
 def _buffers(plan: Plan, device: str | torch.device) -> list[torch.Tensor]:
@@ -84,7 +93,8 @@ def send(
             work, prev = inflight[slot]  # type: ignore[misc]
             _wait(work, prev, dst_ranks[prev.dst], "generator rank")
         msg = wire.pack(bufs[slot], plan, b, shards, dtype, version)
-        inflight[slot] = (_post(dist.isend, msg, dst_ranks[b.dst], group), b)
+        peer = dst_ranks[b.dst]
+        inflight[slot] = (_post(dist.isend, msg, peer, group, b, "generator rank"), b)
         stats.payload_bytes += sum(plan.piece_bytes(p) for p in b.pieces)
         stats.wire_bytes += b.nbytes
     for item in inflight:
@@ -120,7 +130,8 @@ def receive(
 
     def post(i: int) -> Any:
         b = mine[i]
-        return _post(dist.irecv, bufs[i % 2][: b.nbytes], src_ranks[b.src], group)
+        return _post(dist.irecv, bufs[i % 2][: b.nbytes], src_ranks[b.src], group, b,
+                     "trainer rank")  # fmt: skip
 
     works = [post(i) for i in range(min(2, len(mine)))]
     failed: wire.BucketError | None = None

@@ -127,8 +127,14 @@ def write(state: dict, path: str) -> None:
         dist_checkpointing.save(state, str(tmp))
     dist.barrier()
     if dist.get_rank() == 0:
-        shutil.rmtree(final, ignore_errors=True)
+        # Renames only: deleting the previous checkpoint file by file before the new one
+        # is in place left a requeued job (SIGTERM mid-save) with neither.
+        prev = final.with_name(final.name + ".old")
+        shutil.rmtree(prev, ignore_errors=True)
+        if final.exists():
+            os.replace(final, prev)
         os.replace(tmp, final)
+        shutil.rmtree(prev, ignore_errors=True)
     dist.barrier()
 
 

@@ -7,9 +7,12 @@ minutes later. Pure logic: no torch.distributed, no Megatron.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rl.models.shapes import padded_vocab_size
+
+if TYPE_CHECKING:  # the task layer is imported where it is used (it loads tokenizers)
+    from rl.tasks import Task
 
 DEVICES = ("cpu", "cuda")
 DTYPES = ("float32", "bfloat16")
@@ -161,7 +164,7 @@ def validate_task(cfg: Any) -> None:
         _optim("sft.optim", sft.optim)
 
 
-def check_task(cfg: Any) -> Any:
+def check_task(cfg: Any) -> Task:
     """Build the task (reads and renders its data) and check it against the model and
     the rollouts; returns it. Run once before launch, after :func:`validate`."""
     from rl.tasks import TaskError, build_task

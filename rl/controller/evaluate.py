@@ -12,10 +12,10 @@ The greedy responses of each evaluation are written to ``<out>/eval/step_<N>.jso
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from rl.generator.types import Rollout, SamplingParams
 from rl.reward.functions import ScoreItem, ScoreResult
@@ -95,6 +95,6 @@ class Evaluator:
         return out
 
 
-def _mean(values: Any) -> float:
+def _mean(values: Iterable[float]) -> float:
     vals = list(values)
     return sum(vals) / len(vals) if vals else float("nan")

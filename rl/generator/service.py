@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from rl.controller.channel import Failed
+from rl.controller.channel import Channel, Failed
 from rl.dist.net import host_address
 
 
@@ -79,7 +79,7 @@ def serve(cfg: Any, job: Any) -> None:
         raise
 
 
-def _listen(inbox: Any, stop: threading.Event, lost: list[BaseException]) -> None:
+def _listen(inbox: Channel, stop: threading.Event, lost: list[BaseException]) -> None:
     """Wait for Stop for as long as the run lasts (a quiet inbox is what an idle generator
     rank sees for the whole run; a run longer than ``rl.channel_timeout`` once left this
     rank and its servers running after the job was done). Any error ends the wait and is

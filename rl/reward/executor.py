@@ -31,7 +31,7 @@ _START_S = 120.0  # a worker must load its function within this (imports can be 
 _START_RETRIES = 3  # per worker, in a row, before the function is given up on
 
 
-def _worker(spec: str, conn: Any) -> None:
+def _worker(spec: str, conn: multiprocessing.connection.Connection) -> None:
     try:
         fn, error = load(spec), ""
         prepare(fn)

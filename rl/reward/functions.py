@@ -213,7 +213,7 @@ def _import_file(spec: str, where: str) -> Any:
     return module
 
 
-def _check_signature(spec: str, fn: Any) -> None:
+def _check_signature(spec: str, fn: Callable[..., object]) -> None:
     try:
         sig = inspect.signature(fn)
     except (TypeError, ValueError):  # some builtins and C callables have none to inspect
@@ -268,7 +268,7 @@ def check(spec: str) -> None:
 
 
 # ---------------------------------------------------------------------- calling
-def _finite(value: Any, what: str) -> float:
+def _finite(value: object, what: str) -> float:
     # bool counts as 0/1: a pass/fail check is a natural reward. Strings, None and other
     # objects are refused rather than coerced, so a buggy function shows up as failures.
     if not isinstance(value, numbers.Real):

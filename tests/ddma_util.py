@@ -36,9 +36,9 @@ def megatron_globals(hf: dict[str, torch.Tensor], d: km.Dims) -> dict:
     out = {}
     for layer in range(d.layers):
         for key in km.layer_keys(d):
-            out[(key, layer)] = km.to_megatron(key, [hf[n] for n in km.hf_names(key, layer)], d)
+            out[(key, layer)] = km.to_megatron(key, [hf[n] for n in km.hf_names(key, d, layer)], d)
     for key in km.global_keys(d):
-        t = km.to_megatron(key, [hf[n] for n in km.hf_names(key)], d)
+        t = km.to_megatron(key, [hf[n] for n in km.hf_names(key, d)], d)
         if key in (km.EMBED, km.OUTPUT):
             t[d.vocab :] = torch.randn_like(t[d.vocab :])
         out[(key, None)] = t

@@ -73,7 +73,7 @@ def test_same_tp_sends_rank_to_rank(ckpt):
     plan = make_plan(model_dims(path), SrcLayout(2), DstLayout(2), 4, 1 << 20)
     for b in plan.buckets:
         for p in b.pieces:
-            if km.TP_DIM[p.key] is not None and p.key not in (km.EMBED, km.OUTPUT):
+            if km.tp_dim(p.key) is not None and p.key not in (km.EMBED, km.OUTPUT):
                 assert b.src == b.dst, p
 
 

@@ -58,7 +58,7 @@ def test_tp_shard_unshard_round_trip(key: str):
     t = torch.randn(8, 6)
     shards = [km.tp_shard(key, t, 2, r) for r in range(2)]
     assert torch.equal(km.tp_unshard(key, shards), t)
-    dim = km.TP_DIM[key]
+    dim = km.tp_dim(key)
     if dim is None:
         assert all(torch.equal(s, t) for s in shards)
     else:
@@ -88,12 +88,12 @@ def test_keys_follow_bias_and_tying():
     assert km.QKV_B in km.layer_keys(_dims(qkv_bias=True))
     assert km.OUTPUT in km.global_keys(_dims())
     assert km.OUTPUT not in km.global_keys(_dims(tied=True))
-    assert km.hf_names(km.FC1, 3) == (
+    assert km.hf_names(km.FC1, _dims(), 3) == (
         "model.layers.3.mlp.gate_proj.weight",
         "model.layers.3.mlp.up_proj.weight",
     )
     with pytest.raises(ValueError, match="per-layer"):
-        km.hf_names(km.FC1)
+        km.hf_names(km.FC1, _dims())
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])

@@ -25,9 +25,12 @@ class RopeScalingConfig:
 
 @dataclass
 class ModelConfig:
-    """A Llama-architecture decoder: RMSNorm, RoPE, SwiGLU, GQA, optional QKV bias."""
+    """A decoder of one registered architecture (rl/models/families): RMSNorm, RoPE,
+    SwiGLU, GQA, with the options its family fixes (QKV bias, QK norm, experts)."""
 
     name: str = MISSING
+    # The Hugging Face class, which selects the family (rl/models/registry.py).
+    architecture: str = "LlamaForCausalLM"
     num_layers: int = MISSING
     hidden_size: int = MISSING
     ffn_hidden_size: int = MISSING
@@ -39,7 +42,19 @@ class ModelConfig:
     rope_scaling: RopeScalingConfig | None = None
     norm_epsilon: float = 1e-5
     qkv_bias: bool = False
+    qk_norm: bool = False  # RMSNorm on every head's q and k (Qwen3)
+    # Per-head width when it is not hidden_size / num_attention_heads (Qwen3, Mistral).
+    head_dim: int | None = None
     tie_embeddings: bool = False
+    # Mixture of Experts (0 experts: a dense MLP). Every layer is an MoE layer.
+    num_experts: int = 0
+    moe_ffn_hidden_size: int | None = None  # one expert's intermediate size
+    moe_router_topk: int = 2
+    # Renormalise the top-k routing weights (HF norm_topk_prob); false: softmax over all.
+    moe_norm_topk_prob: bool = True
+    shared_expert_ffn_hidden_size: int = 0  # 0: no shared expert
+    shared_expert_gate: bool = False  # sigmoid gate on the shared expert (Qwen2-MoE)
+    moe_aux_loss_coeff: float = 0.001  # load-balancing loss weight (HF router_aux_loss_coef)
     # Embedding/output rows are padded up to a multiple of this (Megatron's convention).
     # Padding is a model property, not a TP one, so a checkpoint's shapes are the same at
     # every TP size and it reshards freely; conversion to HF strips the padding rows.
@@ -73,6 +88,7 @@ class TrainerConfig:
     tp: int = 1
     pp: int = 1
     dp: int = 1
+    ep: int = 1  # expert parallelism (MoE): experts split over ep of the dp ranks
     micro_batch_size: int = 8
     global_batch_size: int = 32
     use_distributed_optimizer: bool = True

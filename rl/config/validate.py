@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from rl.models import registry
+from rl.models.arch import kv_channels
 from rl.models.shapes import padded_vocab_size
 
 if TYPE_CHECKING:  # the task layer is imported where it is used (it loads tokenizers)
@@ -63,10 +65,24 @@ def validate_model(m: Any) -> None:
         "max_position_embeddings",
         "make_vocab_size_divisible_by",
     )
+    try:
+        arch = registry.get(m.architecture)
+    except registry.UnknownArchitecture as e:
+        raise ConfigError(str(e)) from None
+    for key, want in arch.fixed.items():
+        _require(
+            getattr(m, key) == want,
+            f"model.{key}={getattr(m, key)!r} is not supported by {arch.hf_class} "
+            f"(the family fixes {want!r})",
+        )
     _require(
-        m.hidden_size % m.num_attention_heads == 0,
+        m.head_dim is None or (isinstance(m.head_dim, int) and m.head_dim >= 1),
+        f"model.head_dim={m.head_dim!r} must be an integer >= 1 or null",
+    )
+    _require(
+        m.head_dim is not None or m.hidden_size % m.num_attention_heads == 0,
         f"model.num_attention_heads={m.num_attention_heads} does not divide "
-        f"model.hidden_size={m.hidden_size}",
+        f"model.hidden_size={m.hidden_size} (or set model.head_dim)",
     )
     _require(
         m.num_attention_heads % m.num_query_groups == 0,
@@ -74,10 +90,11 @@ def validate_model(m: Any) -> None:
         f"model.num_attention_heads={m.num_attention_heads}",
     )
     _require(
-        (m.hidden_size // m.num_attention_heads) % 2 == 0,
-        f"model head dim {m.hidden_size // m.num_attention_heads} must be even for RoPE "
-        f"(model.hidden_size={m.hidden_size}, model.num_attention_heads={m.num_attention_heads})",
+        kv_channels(m) % 2 == 0,
+        f"model head dim {kv_channels(m)} must be even for RoPE (model.head_dim={m.head_dim}, "
+        f"model.hidden_size={m.hidden_size}, model.num_attention_heads={m.num_attention_heads})",
     )
+    _validate_moe(m, arch.moe)
     rs = m.rope_scaling
     if rs is not None:
         _require(rs.factor > 0, f"model.rope_scaling.factor={rs.factor} must be > 0")
@@ -87,6 +104,39 @@ def validate_model(m: Any) -> None:
                 f"model.rope_scaling.{name}={getattr(rs, name)} is not supported: "
                 f"Megatron-Core's Llama 3 RoPE scaling fixes it at {fixed}",
             )
+
+
+def _validate_moe(m: Any, moe: bool) -> None:
+    _require(
+        (m.num_experts > 0) == moe,
+        f"model.num_experts={m.num_experts} does not fit {m.architecture} "
+        f"({'a Mixture-of-Experts' if moe else 'a dense'} family)",
+    )
+    if not moe:
+        return
+    _require(
+        isinstance(m.moe_ffn_hidden_size, int) and m.moe_ffn_hidden_size >= 1,
+        f"model.moe_ffn_hidden_size={m.moe_ffn_hidden_size!r} must be an integer >= 1",
+    )
+    _require(
+        1 <= m.moe_router_topk <= m.num_experts,
+        f"model.moe_router_topk={m.moe_router_topk} must be in [1, model.num_experts="
+        f"{m.num_experts}]",
+    )
+    _require(
+        m.moe_router_topk > 1 or not m.moe_norm_topk_prob,
+        "model.moe_router_topk=1 with model.moe_norm_topk_prob=true always weighs the expert "
+        "1.0, which Megatron's router does not reproduce: set moe_norm_topk_prob=false",
+    )
+    _require(
+        m.shared_expert_ffn_hidden_size >= 0,
+        f"model.shared_expert_ffn_hidden_size={m.shared_expert_ffn_hidden_size} must be >= 0",
+    )
+    _require(
+        not m.shared_expert_gate or m.shared_expert_ffn_hidden_size > 0,
+        "model.shared_expert_gate=true needs model.shared_expert_ffn_hidden_size > 0",
+    )
+    _require(m.moe_aux_loss_coeff >= 0, f"model.moe_aux_loss_coeff={m.moe_aux_loss_coeff} < 0")
 
 
 def _optim(where: str, o: Any) -> None:
@@ -103,8 +153,17 @@ def _optim(where: str, o: Any) -> None:
 
 
 def validate_trainer(t: Any, m: Any) -> None:
-    _positive("trainer", t, "tp", "pp", "dp", "micro_batch_size", "global_batch_size")
+    _positive("trainer", t, "tp", "pp", "dp", "ep", "micro_batch_size", "global_batch_size")
     _positive("trainer", t, "threads_per_rank")
+    _require(
+        t.ep == 1 or m.num_experts > 0,
+        f"trainer.ep={t.ep} needs a Mixture-of-Experts model (model.num_experts=0)",
+    )
+    _require(t.dp % t.ep == 0, f"trainer.ep={t.ep} does not divide trainer.dp={t.dp}")
+    _require(
+        m.num_experts % t.ep == 0,
+        f"trainer.ep={t.ep} does not divide model.num_experts={m.num_experts}",
+    )
     _require(t.device in DEVICES, f"trainer.device={t.device!r} must be one of {DEVICES}")
     _require(
         t.params_dtype in DTYPES, f"trainer.params_dtype={t.params_dtype!r} must be one of {DTYPES}"
@@ -124,7 +183,16 @@ def validate_trainer(t: Any, m: Any) -> None:
     for field, value in (
         ("num_attention_heads", m.num_attention_heads),
         ("num_query_groups", m.num_query_groups),
-        ("ffn_hidden_size", m.ffn_hidden_size),
+        *(
+            (("moe_ffn_hidden_size", m.moe_ffn_hidden_size),)
+            if m.num_experts
+            else (("ffn_hidden_size", m.ffn_hidden_size),)
+        ),
+        *(
+            (("shared_expert_ffn_hidden_size", m.shared_expert_ffn_hidden_size),)
+            if m.num_experts and m.shared_expert_ffn_hidden_size
+            else ()
+        ),
     ):
         _require(value % t.tp == 0, f"trainer.tp={t.tp} does not divide model.{field}={value}")
     vocab = padded_vocab_size(m)

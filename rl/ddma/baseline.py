@@ -35,14 +35,14 @@ def gather_hf(
     me = dist.get_rank()
     for key, layer in _model_keys(d):
         t = shards(key, layer).contiguous()
-        if km.TP_DIM[key] is None:
+        if km.tp_dim(key) is None:
             full = t
         else:
             parts = [torch.empty_like(t) for _ in range(tp)] if me == root else None
             dist.gather(t, parts, dst=root, group=group)
             full = km.tp_unshard(key, parts) if me == root else None  # type: ignore[arg-type]
         if me == root:
-            yield from zip(km.hf_names(key, layer), km.to_hf(key, full, d), strict=True)
+            yield from zip(km.hf_names(key, d, layer), km.to_hf(key, full, d), strict=True)
 
 
 def broadcast_hf(
@@ -57,7 +57,7 @@ def broadcast_hf(
     out = {}
     it = iter(named) if named is not None else None
     shapes = km.hf_shapes(d)
-    order = [n for key, layer in _model_keys(d) for n in km.hf_names(key, layer)]
+    order = [n for key, layer in _model_keys(d) for n in km.hf_names(key, d, layer)]
     for name in order:
         shape = shapes[name]
         if it is not None:
@@ -79,7 +79,7 @@ def load_rank(
     plan = make_plan(d, SrcLayout(1), dst, hf["model.norm.weight"].element_size(), 64 << 20)
     glob = {}
     for key, layer in _model_keys(d):
-        t = km.to_megatron(key, [hf[n] for n in km.hf_names(key, layer)], d)
+        t = km.to_megatron(key, [hf[n] for n in km.hf_names(key, d, layer)], d)
         glob[(key, layer)] = t
     for b in plan.receives(rank):  # one copy per piece, as SGLang's weight loaders do
         for p in b.pieces:

@@ -12,7 +12,11 @@ TP rank that holds it:
 * ``gate_up_proj`` is ``[gate_r ; up_r]`` and Megatron's fc1 shard is also
   ``[gate_r ; up_r]`` but for Megatron's own TP degree;
 * vocab shards follow SGLang's padding rule (and MLP widths its CPU padding); rows past
-  the real size are zero-filled on the destination (never sent).
+  the real size are zero-filled on the destination (never sent);
+* routed experts: SGLang's fused ``w13_weight`` / ``w2_weight`` hold every expert on every
+  rank (SGLang EP 1), expert e's slab ``[e]`` split like a dense MLP; the source is the
+  Megatron EP rank that owns expert e (expert-parallel ranks are the data-parallel ranks
+  with ``dp_rank % ep`` equal to the owner).
 
 Pure logic: integers only, no torch.
 """
@@ -21,6 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from rl.models import arch as a
 from rl.weights import keymap as km
 
 SGLANG_VOCAB_PADDING = 64  # sglang/srt/layers/vocab_parallel_embedding.py DEFAULT_...
@@ -34,12 +39,14 @@ class PlanError(ValueError):
 @dataclass(frozen=True)
 class SrcLayout:
     """The trainer: Megatron TP x PP x DP. Global rank = tp + tp*(dp + dp*pp), which is
-    Megatron-Core's default ``tp-cp-ep-dp-pp`` order."""
+    Megatron-Core's default ``tp-cp-ep-dp-pp`` order; EP (which divides DP) is the inner
+    part of the DP rank, so expert e lives on the DP ranks with ``dp % ep == owner(e)``."""
 
     tp: int
     pp: int = 1
     dp: int = 1
     layers_per_stage: tuple[int, ...] | None = None  # None: even split
+    ep: int = 1
 
     @property
     def world(self) -> int:
@@ -91,24 +98,21 @@ class DstLayout:
 
 # ------------------------------------------------------------------------ destination
 def sglang_names(d: km.Dims) -> dict[str, tuple[str, int | None, int]]:
-    """SGLang parameter name -> (Megatron key, layer, split dim) for a Llama-family model."""
-    out: dict[str, tuple[str, int | None, int]] = {"model.embed_tokens.weight": (km.EMBED, None, 0)}
-    per_layer = {
-        "input_layernorm.weight": (km.IN_NORM, 0),
-        "self_attn.qkv_proj.weight": (km.QKV_W, 0),
-        "self_attn.qkv_proj.bias": (km.QKV_B, 0),
-        "self_attn.o_proj.weight": (km.PROJ, 1),
-        "post_attention_layernorm.weight": (km.MLP_NORM, 0),
-        "mlp.gate_up_proj.weight": (km.FC1, 0),
-        "mlp.down_proj.weight": (km.FC2, 1),
-    }
+    """SGLang parameter name -> (Megatron key, layer, split dim). A routed expert's name is
+    ``<fused parameter>[e]``, its slab of SGLang's fused expert tensor."""
+    out: dict[str, tuple[str, int | None, int]] = {}
+    specs = [s for s in km.specs(d) if s.sglang is not None]
+    layer_specs = [s for s in specs if s.per_layer]
+    first, *rest = [s for s in specs if not s.per_layer]
+    out[first.sglang] = (first.key, None, first.tp_dim or 0)  # type: ignore[index]
     for i in range(d.layers):
-        for name, (key, dim) in per_layer.items():
-            if key != km.QKV_B or d.qkv_bias:
-                out[f"model.layers.{i}.{name}"] = (key, i, dim)
-    out["model.norm.weight"] = (km.FINAL_NORM, None, 0)
-    if not d.tied:
-        out["lm_head.weight"] = (km.OUTPUT, None, 0)
+        for s in layer_specs:
+            for e in range(d.experts) if s.expert else (None,):
+                key = s.key if e is None else a.for_expert(s.key, e)
+                name = s.sglang if e is None else a.for_expert(s.sglang, e)  # type: ignore[arg-type]
+                out[f"model.layers.{i}.{name}"] = (key, i, s.tp_dim or 0)
+    for s in rest:
+        out[s.sglang] = (s.key, None, s.tp_dim or 0)  # type: ignore[index]
     return out
 
 
@@ -123,7 +127,8 @@ def dst_runs(d: km.Dims, dst: DstLayout, key: str, rank: int) -> list[tuple[int 
     """Destination shard of ``key`` on ``rank`` as (global Megatron start or None for
     padding, length) runs along its split dimension, in destination order."""
     t, hd = dst.tp, d.head_dim
-    if key in (km.QKV_W, km.QKV_B):
+    spec = km.spec(key, d)
+    if spec.layout == a.QKV:
         per_group = d.heads // d.groups  # q heads per query group
         group_rows = (per_group + 2) * hd
         runs: list[tuple[int | None, int]] = []
@@ -136,19 +141,20 @@ def dst_runs(d: km.Dims, dst: DstLayout, key: str, rank: int) -> list[tuple[int 
         runs += [(g * group_rows + per_group * hd, hd) for g in kv]
         runs += [(g * group_rows + (per_group + 1) * hd, hd) for g in kv]
         return _merge(runs)
-    if key in (km.FC1, km.FC2, km.EMBED, km.OUTPUT):
-        # Rows (columns for fc2) of a padded size split evenly; past the real size: zeros.
-        vocab = key in (km.EMBED, km.OUTPUT)
-        size = d.vocab if vocab else d.ffn
+    if spec.layout == a.VOCAB or spec.width is not None:
+        # Vocab rows, MLP rows (columns for fc2) of a padded size split evenly; past the
+        # real size: zeros.
+        vocab = spec.layout == a.VOCAB
+        size = d.vocab if vocab else d.width(spec.width)  # type: ignore[arg-type]
         per = (dst.padded_vocab(size) if vocab else dst.padded_ffn(size)) // t
         lo = rank * per
         real = max(0, min(lo + per, size) - lo)
         runs = [(lo, real), (None, per - real)]
-        if key == km.FC1:  # [gate_r ; up_r]: up rows start at ffn in Megatron's fc1
-            runs += [(d.ffn + lo, real), (None, per - real)]
+        if spec.layout == a.GATE_UP:  # [gate_r ; up_r]: up rows start at the width
+            runs += [(size + lo, real), (None, per - real)]
         return _merge(runs)
-    size = km.megatron_shape(key, d)[km.TP_DIM[key] or 0]
-    if km.TP_DIM[key] is None:
+    size = spec.shape(d)[spec.tp_dim or 0]
+    if spec.tp_dim is None:
         return [(0, size)]
     per = size // t
     return [(rank * per, per)]
@@ -175,11 +181,12 @@ def _merge(runs: list[tuple[int | None, int]]) -> list[tuple[int | None, int]]:
 def src_locate(d: km.Dims, src: SrcLayout, key: str, start: int, n: int):
     """Split the global Megatron run [start, start+n) of ``key`` at Megatron TP shard
     boundaries: yields (tp rank, local start, length)."""
-    if km.TP_DIM[key] is None:
+    spec = km.spec(key, d)
+    if spec.tp_dim is None:
         yield None, start, n  # replicated: any TP rank has it
         return
-    size = km.megatron_shape(key, d)[km.TP_DIM[key]]
-    half = size // 2 if key == km.FC1 else size  # fc1 shards are [gate_r ; up_r]
+    size = spec.shape(d)[spec.tp_dim]
+    half = size // 2 if spec.layout == a.GATE_UP else size  # shards are [gate_r ; up_r]
     per = half // src.tp
     while n > 0:
         part, x = divmod(start, half)  # part: 0 gate (or the whole tensor), 1 up
@@ -189,13 +196,19 @@ def src_locate(d: km.Dims, src: SrcLayout, key: str, start: int, n: int):
         start, n = start + take, n - take
 
 
+def expert_owner(d: km.Dims, src: SrcLayout, key: str) -> int | None:
+    """The EP rank holding ``key``'s expert (None: not a routed expert)."""
+    e = a.expert_of(key)
+    return None if e is None else e // (d.experts // src.ep)
+
+
 def src_shapes(d: km.Dims, src: SrcLayout) -> dict[tuple[str, int | None], tuple[int, ...]]:
     """Per-rank Megatron shard shape of every (key, layer) of the model."""
     out = {}
     keys = [(k, i) for i in range(d.layers) for k in km.layer_keys(d)]
     for key, layer in [*keys, *((k, None) for k in km.global_keys(d))]:
         shape = list(km.megatron_shape(key, d))
-        dim = km.TP_DIM[key]
+        dim = km.tp_dim(key)
         if dim is not None:
             shape[dim] //= src.tp
         out[(key, layer)] = tuple(shape)
@@ -210,10 +223,18 @@ def check_layouts(d: km.Dims, src: SrcLayout, dst: DstLayout) -> None:
             raise PlanError(f"{side}={t} must be >= 1")
         if d.heads % t:
             raise PlanError(f"{side}={t} does not divide num_attention_heads={d.heads}")
-    if d.ffn % src.tp:
-        raise PlanError(f"trainer.tp={src.tp} does not divide ffn_hidden_size={d.ffn}")
-    if dst.padded_ffn(d.ffn) % dst.tp:
-        raise PlanError(f"rollout.tp={dst.tp} does not divide ffn_hidden_size={d.ffn}")
+    widths = {"ffn_hidden_size": d.ffn} if not d.experts else {"moe_ffn_hidden_size": d.moe_ffn}
+    if d.shared_ffn:
+        widths["shared_expert_ffn_hidden_size"] = d.shared_ffn
+    for name, w in widths.items():
+        if w % src.tp:
+            raise PlanError(f"trainer.tp={src.tp} does not divide {name}={w}")
+        if dst.padded_ffn(w) % dst.tp:
+            raise PlanError(f"rollout.tp={dst.tp} does not divide {name}={w}")
+    if src.ep < 1 or src.dp % src.ep or (d.experts or 1) % src.ep or (src.ep > 1 and not d.experts):
+        raise PlanError(
+            f"trainer.ep={src.ep} must divide trainer.dp={src.dp} and num_experts={d.experts}"
+        )
     if d.groups % src.tp:
         raise PlanError(f"trainer.tp={src.tp} does not divide num_query_groups={d.groups}")
     if d.padded_vocab % src.tp:

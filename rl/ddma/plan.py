@@ -28,6 +28,7 @@ from rl.ddma.layout import (
     SrcLayout,
     check_layouts,
     dst_runs,
+    expert_owner,
     round_up,
     sglang_names,
     src_locate,
@@ -149,8 +150,13 @@ def _src_rank(d, src, dst_rank, key, layer, tp_rank) -> int:
     if tp_rank is None:  # replicated: spread the load over TP ranks
         tp_rank = dst_rank % src.tp
     # Data-parallel replicas hold the same shards: split the layers between them so every
-    # replica sends an equal share instead of replica 0 sending everything.
-    return src.rank(tp_rank, pp_rank, ((layer or 0) + dst_rank) % src.dp)
+    # replica sends an equal share instead of replica 0 sending everything. A routed
+    # expert lives only on the replicas of its EP rank (dp % ep == owner).
+    owner = expert_owner(d, src, key)
+    if owner is None:
+        return src.rank(tp_rank, pp_rank, ((layer or 0) + dst_rank) % src.dp)
+    copies = src.dp // src.ep
+    return src.rank(tp_rank, pp_rank, owner + src.ep * (((layer or 0) + dst_rank) % copies))
 
 
 def make_plan(
@@ -169,8 +175,10 @@ def make_plan(
     check_layouts(d, src, dst)
     if bucket_bytes < HEADER_BYTES + ALIGN:
         raise PlanError(f"bucket_bytes={bucket_bytes} is below the minimum {HEADER_BYTES + ALIGN}")
-    if fp8_block is not None and (fp8_block < 1 or dst.ffn_multiple > 1):
-        raise PlanError(f"fp8_block={fp8_block}: needs a block >= 1 and a GPU layout")
+    if fp8_block is not None and (fp8_block < 1 or dst.ffn_multiple > 1 or d.experts):
+        raise PlanError(
+            f"fp8_block={fp8_block}: needs a block >= 1, a GPU layout and a dense model"
+        )
     names = sglang_names(d)
     dst_shapes = {}
     for name, (key, _, dim) in names.items():
@@ -213,7 +221,7 @@ def plan_for(
     itemsize = {"float32": 4, "bfloat16": 2}[trainer.params_dtype]
     return make_plan(
         km.Dims.of(model),
-        SrcLayout(trainer.tp, trainer.pp, dp),
+        SrcLayout(trainer.tp, trainer.pp, dp, ep=trainer.ep),
         DstLayout.sglang(rollout.tp, rollout.device),
         itemsize,
         bucket_bytes or sync.bucket_mb << 20,

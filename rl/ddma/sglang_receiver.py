@@ -102,6 +102,19 @@ def _tp_rank() -> int:
         return 0
 
 
+def targets(model: Any, plan: Plan) -> dict[str, torch.Tensor]:
+    """The tensors the plan writes, by name: the model's parameters, and for a fused expert
+    parameter (``...experts.w13_weight``) the plan's ``name[e]`` slabs as views of it."""
+    fused = {n.rsplit("[", 1)[0] for n in plan.dst_shapes if n.endswith("]")}
+    out: dict[str, torch.Tensor] = {}
+    for name, p in model.named_parameters():
+        if name in fused:
+            out.update({f"{name}[{e}]": p.data[e] for e in range(p.shape[0])})
+        else:
+            out[name] = p
+    return out
+
+
 def architecture_errors(plan: Plan, params: dict[str, torch.Tensor], dtype: torch.dtype) -> str:
     """Differences between what the plan writes and the model this rank serves."""
     problems = []
@@ -132,7 +145,7 @@ def handle(model: Any, ctl: dict, tensor: torch.Tensor, rank: int) -> dict:
     plan, dtype = plan_from_spec(ctl["plan"])
     version = int(ctl["version"])
     if st is None:  # the first bucket after begin (discard) opens the version
-        params = dict(model.named_parameters())
+        params = targets(model, plan)
         problem = architecture_errors(plan, params, dtype)
         if problem:
             raise ValueError(f"architecture mismatch: {problem}")
@@ -180,7 +193,7 @@ def handle(model: Any, ctl: dict, tensor: torch.Tensor, rank: int) -> dict:
     if op == "prepare":
         return {"ok": True, "received": len(st.received)}
     if op == "commit":
-        params = dict(model.named_parameters())
+        params = targets(model, plan)
         with torch.no_grad():
             for name, t in st.staged.items():
                 params[name].copy_(t)

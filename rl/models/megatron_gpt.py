@@ -1,7 +1,9 @@
-"""Build a Llama-architecture Megatron-Core ``GPTModel`` from a ModelConfig.
+"""Build a Megatron-Core ``GPTModel`` from a ModelConfig of any registered family.
 
 Uses the local (Megatron-Core only) layer spec with RMSNorm, SwiGLU, GQA and RoPE, so it
 runs on CPU; with Transformer Engine present on a GPU machine the TE spec is used instead.
+The family's options are model data (``qkv_bias``, ``qk_norm``, ``head_dim``, experts),
+mapped here one to one onto Megatron's spec and TransformerConfig: no family names.
 Weights are initialised on CPU from one master tensor per weight and then split, which
 makes the initial model identical for every tensor-parallel size (same seed).
 """
@@ -32,6 +34,7 @@ def transformer_config(m: Any, t: Any, initialize: bool = True) -> Any:
 
     dtype = _DTYPES[t.params_dtype]
     return TransformerConfig(
+        **moe_options(m, t),
         num_layers=m.num_layers,
         hidden_size=m.hidden_size,
         ffn_hidden_size=m.ffn_hidden_size,
@@ -44,6 +47,7 @@ def transformer_config(m: Any, t: Any, initialize: bool = True) -> Any:
         activation_func=F.silu,
         add_bias_linear=False,
         add_qkv_bias=m.qkv_bias,
+        qk_layernorm=m.qk_norm,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         init_method_std=m.init_method_std,
@@ -69,12 +73,39 @@ def transformer_config(m: Any, t: Any, initialize: bool = True) -> Any:
     )
 
 
+def moe_options(m: Any, t: Any) -> dict[str, Any]:
+    """TransformerConfig fields of a Mixture-of-Experts model (none for a dense one).
+
+    Routing matches HF's: softmax over the router logits, top-k, renormalised when
+    ``moe_norm_topk_prob`` (Megatron: top-k of the logits, then softmax over them) and
+    otherwise the softmax over all experts (``moe_router_pre_softmax``). No token is dropped
+    (no capacity factor), and the load-balancing loss is Switch-style ``aux_loss``."""
+    if not m.num_experts:
+        return {}
+    return dict(
+        num_moe_experts=m.num_experts,
+        moe_ffn_hidden_size=m.moe_ffn_hidden_size,
+        moe_router_topk=m.moe_router_topk,
+        moe_router_pre_softmax=not m.moe_norm_topk_prob,
+        moe_router_load_balancing_type="aux_loss",
+        moe_aux_loss_coeff=m.moe_aux_loss_coeff,
+        moe_token_dispatcher_type="alltoall",
+        moe_grouped_gemm=False,
+        moe_shared_expert_intermediate_size=m.shared_expert_ffn_hidden_size or None,
+        moe_shared_expert_gate=m.shared_expert_gate,
+        expert_model_parallel_size=t.ep,
+    )
+
+
 def layer_spec(m: Any) -> Any:
     from megatron.core.models.gpt import gpt_layer_specs as specs
 
+    options = dict(
+        num_experts=m.num_experts or None, moe_grouped_gemm=False, qk_layernorm=m.qk_norm
+    )
     if have_transformer_engine():
-        return specs.get_gpt_layer_with_transformer_engine_spec()
-    return specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+        return specs.get_gpt_layer_with_transformer_engine_spec(**options)
+    return specs.get_gpt_layer_local_spec(normalization="RMSNorm", **options)
 
 
 def build_gpt(

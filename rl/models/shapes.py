@@ -1,38 +1,26 @@
-"""Pure shape arithmetic for Llama-architecture models: parameter counts, padded vocab.
+"""Parameter counts of a model config: sums over its tensors (rl/models/arch.py).
 
-No torch, no Megatron: used by config validation, the planner and the conversion tools,
-and tested in milliseconds.
+The one formula the planner, validation and the conversion tools share. No torch, no
+Megatron: tested in milliseconds.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from rl.models.arch import Dims, count, kv_channels, padded_vocab_size
 
-def kv_channels(m: Any) -> int:
-    return m.hidden_size // m.num_attention_heads
-
-
-def padded_vocab_size(m: Any) -> int:
-    """Rows of the embedding and output layer: vocab_size rounded up to the padding multiple."""
-    mult = m.make_vocab_size_divisible_by
-    return -(-m.vocab_size // mult) * mult
+__all__ = ["kv_channels", "layer_param_count", "padded_vocab_size", "param_count"]
 
 
-def layer_param_count(m: Any) -> int:
-    d = kv_channels(m)
-    q, kv = m.num_attention_heads * d, m.num_query_groups * d
-    attn = m.hidden_size * (q + 2 * kv) + q * m.hidden_size
-    if m.qkv_bias:
-        attn += q + 2 * kv
-    mlp = 3 * m.hidden_size * m.ffn_hidden_size
-    norms = 2 * m.hidden_size
-    return attn + mlp + norms
+def layer_param_count(m: Any, tp: int = 1, ep: int = 1) -> int:
+    """Parameters of one decoder layer (on one rank of TP ``tp`` and EP ``ep``)."""
+    return count(Dims.of(m), tp, ep)
 
 
 def param_count(m: Any, padded: bool = False) -> int:
     """Total parameters: the HF count, or with ``padded`` the Megatron count (padding rows)."""
-    vocab = padded_vocab_size(m) if padded else m.vocab_size
-    embed = vocab * m.hidden_size
-    output = 0 if m.tie_embeddings else vocab * m.hidden_size
-    return embed + output + m.num_layers * layer_param_count(m) + m.hidden_size
+    d = Dims.of(m)
+    if not padded:
+        d = Dims(**{**d.__dict__, "padded_vocab": d.vocab})
+    return count(d, per_layer=False) + d.layers * count(d)

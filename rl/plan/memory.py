@@ -36,7 +36,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from rl.models.shapes import kv_channels, padded_vocab_size
+from rl.models.arch import Dims, mlp_tensors, spec_numel
+from rl.models.shapes import kv_channels, layer_param_count, padded_vocab_size
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -93,14 +94,11 @@ def sequence_length(cfg: Any) -> int:
     return cfg.rollout.context_length or cfg.model.max_position_embeddings
 
 
-def stage_params(m: Any, tp: int, pp: int, stage: int) -> int:
-    """Parameters on one TP rank of pipeline stage ``stage`` (Megatron's padded vocab)."""
-    h, q = m.hidden_size, m.num_attention_heads * kv_channels(m)
-    kv = m.num_query_groups * kv_channels(m)
-    split = h * (q + 2 * kv) + q * h + 3 * h * m.ffn_hidden_size
-    if m.qkv_bias:
-        split += q + 2 * kv
-    n = (m.num_layers // pp) * (split // tp + 2 * h)  # the two norms are replicated
+def stage_params(m: Any, tp: int, pp: int, stage: int, ep: int = 1) -> int:
+    """Parameters on one TP rank of pipeline stage ``stage`` (Megatron's padded vocab),
+    with the routed experts split over ``ep`` ranks."""
+    h = m.hidden_size
+    n = (m.num_layers // pp) * layer_param_count(m, tp, ep)
     vocab = padded_vocab_size(m) * h // tp
     if stage == 0:
         n += vocab
@@ -111,11 +109,23 @@ def stage_params(m: Any, tp: int, pp: int, stage: int) -> int:
     return n
 
 
+def stage_expert_params(m: Any, tp: int, pp: int, ep: int = 1) -> int:
+    """The routed experts' share of :func:`stage_params` (their optimizer state is sharded
+    over the dp / ep replicas of each expert, not over dp)."""
+    d = Dims.of(m)
+    per_layer = sum(spec_numel(s, d) for s in mlp_tensors(d) if s.expert) // (tp * ep)
+    return (m.num_layers // pp) * per_layer
+
+
 def activation_bytes_per_token_layer(m: Any, tp: int, itemsize: int) -> int:
-    """``w * (4h + (2q + 2kv + 3f) / tp)``: see the module docstring."""
+    """``w * (4h + (2q + 2kv + 3f) / tp)``: see the module docstring. For an MoE layer f is
+    what one token goes through: top-k experts plus the shared expert."""
     h, q = m.hidden_size, m.num_attention_heads * kv_channels(m)
     kv = m.num_query_groups * kv_channels(m)
-    return itemsize * (4 * h + (2 * q + 2 * kv + 3 * m.ffn_hidden_size) // tp)
+    f = m.ffn_hidden_size
+    if m.num_experts:
+        f = m.moe_router_topk * m.moe_ffn_hidden_size + m.shared_expert_ffn_hidden_size
+    return itemsize * (4 * h + (2 * q + 2 * kv + 3 * f) // tp)
 
 
 def microbatches(cfg: Any) -> int:
@@ -130,9 +140,11 @@ def microbatches(cfg: Any) -> int:
 def trainer_gpu(cfg: Any, stage: int) -> TrainerGPU:
     m, t = cfg.model, cfg.trainer
     w = DTYPE_BYTES[t.params_dtype]
-    p = stage_params(m, t.tp, t.pp, stage)
+    p = stage_params(m, t.tp, t.pp, stage, t.ep)
+    experts = stage_expert_params(m, t.tp, t.pp, t.ep)
     adam = 8 + (4 if w != 4 else 0)
     shards = t.dp if t.use_distributed_optimizer else 1
+    expert_shards = max(1, shards // t.ep)
     tokens = t.micro_batch_size * sequence_length(cfg)
     in_flight = min(t.pp - stage, microbatches(cfg))
     layers = m.num_layers // t.pp
@@ -144,7 +156,7 @@ def trainer_gpu(cfg: Any, stage: int) -> TrainerGPU:
         params=p,
         weights=p * w,
         grads=p * GRAD_BYTES,
-        optimizer=-(-p * adam // shards),
+        optimizer=-(-(p - experts) * adam // shards) + -(-experts * adam // expert_shards),
         activations=acts,
         logits=logits,
         reference=p * w if cfg.algorithm.kl_coef > 0 else 0,

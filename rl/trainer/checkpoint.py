@@ -24,6 +24,7 @@ if TYPE_CHECKING:
 FORMAT_VERSION = 1
 # Fields that must agree between a checkpoint and the model loading it.
 ARCH_FIELDS = (
+    "architecture",
     "num_layers",
     "hidden_size",
     "ffn_hidden_size",
@@ -32,8 +33,24 @@ ARCH_FIELDS = (
     "vocab_size",
     "make_vocab_size_divisible_by",
     "qkv_bias",
+    "qk_norm",
+    "head_dim",
     "tie_embeddings",
+    "num_experts",
+    "moe_ffn_hidden_size",
+    "shared_expert_ffn_hidden_size",
+    "shared_expert_gate",
 )
+# What a field absent from an older checkpoint meant (a Llama-family dense model).
+_ARCH_DEFAULTS = {
+    "architecture": "LlamaForCausalLM",
+    "qk_norm": False,
+    "head_dim": None,
+    "num_experts": 0,
+    "moe_ffn_hidden_size": None,
+    "shared_expert_ffn_hidden_size": 0,
+    "shared_expert_gate": False,
+}
 _OPTIM_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
 
 
@@ -155,9 +172,9 @@ def check_architecture(common: dict, model_cfg: Any, path: str) -> None:
         return
     mine = model_config_dict(model_cfg)
     diffs = [
-        f"{k}: checkpoint {stored.get(k)!r} vs config {mine.get(k)!r}"
+        f"{k}: checkpoint {stored.get(k, _ARCH_DEFAULTS.get(k))!r} vs config {mine.get(k)!r}"
         for k in ARCH_FIELDS
-        if stored.get(k) != mine.get(k)
+        if stored.get(k, _ARCH_DEFAULTS.get(k)) != mine.get(k)
     ]
     if diffs:
         raise CheckpointError(f"checkpoint {path!r} is for a different model: " + "; ".join(diffs))

@@ -15,7 +15,8 @@ import torch.distributed as dist
 
 @dataclass(frozen=True)
 class Layout:
-    """This rank's place in the trainer's TP x PP x DP grid, with its process groups."""
+    """This rank's place in the trainer's TP x PP x DP grid, with its process groups.
+    Expert parallelism (MoE) splits the experts over ``ep`` of the ``dp`` replicas."""
 
     tp: int
     pp: int
@@ -27,6 +28,8 @@ class Layout:
     pp_group: Any
     dp_group: Any
     pg_collection: Any
+    ep: int = 1
+    ep_rank: int = 0
 
     @property
     def first_stage(self) -> bool:
@@ -41,7 +44,7 @@ class Layout:
         return dist.get_global_rank(self.pp_group, self.pp - 1)
 
 
-def init_model_parallel(tp: int, pp: int, seed: int, group: Any = None) -> Layout:
+def init_model_parallel(tp: int, pp: int, seed: int, group: Any = None, ep: int = 1) -> Layout:
     """Initialise Megatron's TP/PP/DP groups over ``group`` (the whole trainer world).
 
     ``group`` must be the default (WORLD) group: Megatron-Core 0.16 builds its groups from
@@ -55,7 +58,11 @@ def init_model_parallel(tp: int, pp: int, seed: int, group: Any = None) -> Layou
     if group not in (None, dist.group.WORLD):
         raise ValueError("init_model_parallel needs the trainer's own default (WORLD) group")
     if not ps.model_parallel_is_initialized():
-        ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+        ps.initialize_model_parallel(
+            tensor_model_parallel_size=tp,
+            pipeline_model_parallel_size=pp,
+            expert_model_parallel_size=ep,
+        )
     tensor_parallel.model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
     return Layout(
         tp=tp,
@@ -68,6 +75,8 @@ def init_model_parallel(tp: int, pp: int, seed: int, group: Any = None) -> Layou
         pp_group=ps.get_pipeline_model_parallel_group(),
         dp_group=ps.get_data_parallel_group(),
         pg_collection=ProcessGroupCollection.use_mpu_process_groups(),
+        ep=ep,
+        ep_rank=ps.get_expert_model_parallel_rank(),
     )
 
 

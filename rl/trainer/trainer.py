@@ -421,7 +421,9 @@ def build_trainer(
     """Initialise model parallelism on this rank's world and build the trainer."""
     from rl.trainer.parallel import init_model_parallel
 
-    layout = init_model_parallel(trainer_cfg.tp, trainer_cfg.pp, trainer_cfg.seed)
+    layout = init_model_parallel(
+        trainer_cfg.tp, trainer_cfg.pp, trainer_cfg.seed, ep=trainer_cfg.ep
+    )
     return MegatronTrainer(model_cfg, trainer_cfg, layout, total_steps, frozen)
 
 

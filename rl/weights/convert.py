@@ -27,6 +27,7 @@ from rl.config.validate import ConfigError, validate_model, validate_trainer
 from rl.weights import keymap as km
 from rl.weights.hf_config import hf_config_from_model, model_config_from_hf
 from rl.weights.hf_io import TOKENIZER_FILES, HFCheckpoint, plan_shards, write_safetensors
+from rl.weights.megatron_io import checkpoint_key, stored_keys
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
@@ -42,7 +43,7 @@ def _log(msg: str) -> None:
 
 # --------------------------------------------------------------------------- HF -> mcore
 def prepare_hf_to_mcore(
-    hf_dir: str, tp: int, pp: int, vocab_multiple: int, dtype: str | None
+    hf_dir: str, tp: int, pp: int, vocab_multiple: int, dtype: str | None, ep: int = 1
 ) -> tuple[ModelConfig, str]:
     """Validate the HF input and the target layout; return the model config and dtype."""
     hf = HFCheckpoint(hf_dir)
@@ -54,7 +55,9 @@ def prepare_hf_to_mcore(
         if hf.dtype not in DTYPE_NAMES:
             raise ConfigError(f"checkpoint dtype {hf.dtype} is not supported: pass --dtype")
         dtype = DTYPE_NAMES[hf.dtype]
-    t = TrainerConfig(tp=tp, pp=pp, params_dtype=dtype, micro_batch_size=1, global_batch_size=1)
+    t = TrainerConfig(
+        tp=tp, pp=pp, dp=ep, ep=ep, params_dtype=dtype, micro_batch_size=1, global_batch_size=1
+    )
     validate_model(m)
     validate_trainer(t, m)
     hf.check(km.hf_shapes(km.Dims.of(m)))
@@ -68,7 +71,7 @@ def hf_provider(hf: HFCheckpoint, m: Any, dtype: torch.dtype) -> Any:
     def provide(key: str, layer: int | None, rows: tuple[int, int] | None) -> torch.Tensor:
         if key == km.OUTPUT and d.tied:
             key = km.EMBED
-        names = km.hf_names(key, layer)
+        names = km.hf_names(key, d, layer)
         if rows is not None:  # vocab rows [r0, r1); rows past the real vocab are padding
             r0, r1 = rows
             real = hf.get_rows(names[0], min(r0, d.vocab), min(r1, d.vocab)).to(dtype)
@@ -79,7 +82,9 @@ def hf_provider(hf: HFCheckpoint, m: Any, dtype: torch.dtype) -> Any:
     return provide
 
 
-def hf_to_mcore_rank(hf_dir: str, out_dir: str, m: ModelConfig, tp: int, pp: int, dtype: str):
+def hf_to_mcore_rank(
+    hf_dir: str, out_dir: str, m: ModelConfig, tp: int, pp: int, dtype: str, ep: int = 1
+):
     """One rank's part of the conversion (torch.distributed already initialised)."""
     import torch.distributed as dist
 
@@ -88,8 +93,8 @@ def hf_to_mcore_rank(hf_dir: str, out_dir: str, m: ModelConfig, tp: int, pp: int
     from rl.trainer.parallel import init_model_parallel
     from rl.weights.megatron_io import fill_model
 
-    lay = init_model_parallel(tp, pp, seed=0)
-    t = TrainerConfig(tp=tp, pp=pp, params_dtype=dtype)
+    lay = init_model_parallel(tp, pp, seed=0, ep=ep)
+    t = TrainerConfig(tp=tp, pp=pp, ep=ep, params_dtype=dtype)
     model = build_gpt(m, t, lay.first_stage, lay.last_stage, lay.pg_collection, initialize=False)
     hf = HFCheckpoint(hf_dir)
     t0 = time.perf_counter()
@@ -118,20 +123,21 @@ def hf_to_mcore(
     pp: int = 1,
     vocab_multiple: int = 128,
     dtype: str | None = None,
+    ep: int = 1,
 ) -> dict:
-    """Convert here, spawning ``tp*pp`` local ranks; returns the summary."""
+    """Convert here, spawning ``tp*pp*ep`` local ranks; returns the summary."""
     from rl.dist.launch import spawn
 
-    m, dtype = prepare_hf_to_mcore(hf_dir, tp, pp, vocab_multiple, dtype)
+    m, dtype = prepare_hf_to_mcore(hf_dir, tp, pp, vocab_multiple, dtype, ep)
     out = Path(out_dir)
     try:
-        res = spawn(hf_to_mcore_rank, tp * pp, hf_dir, str(out), m, tp, pp, dtype)[0]
+        res = spawn(hf_to_mcore_rank, tp * pp * ep, hf_dir, str(out), m, tp, pp, dtype, ep)[0]
     finally:
         shutil.rmtree(out.with_name(out.name + ".tmp"), ignore_errors=True)
     return res
 
 
-def hf_cache_key(hf_dir: str, m: Any, tp: int, pp: int, dtype: str) -> str:
+def hf_cache_key(hf_dir: str, m: Any, tp: int, pp: int, dtype: str, ep: int = 1) -> str:
     """A digest of the checkpoint's content (config.json and every weight byte) and of the
     target layout: a changed file or layout converts again, a rerun does not."""
     import xxhash
@@ -143,21 +149,21 @@ def hf_cache_key(hf_dir: str, m: Any, tp: int, pp: int, dtype: str) -> str:
         with f.open("rb") as fh:
             while chunk := fh.read(1 << 24):
                 h.update(chunk)
-    h.update(json.dumps([tp, pp, dtype, m.make_vocab_size_divisible_by]).encode())
+    h.update(json.dumps([tp, pp, ep, dtype, m.make_vocab_size_divisible_by]).encode())
     return h.hexdigest()[:20]
 
 
 def cached_hf_to_mcore(
-    hf_dir: str, cache_root: str | Path, m: Any, tp: int, pp: int, dtype: str
+    hf_dir: str, cache_root: str | Path, m: Any, tp: int, pp: int, dtype: str, ep: int = 1
 ) -> str:
     """``hf_dir`` as a Megatron checkpoint at ``tp``/``pp``, converted on the calling ranks
     (torch.distributed over exactly the trainer's ranks) unless the cache holds it."""
-    out = Path(cache_root) / hf_cache_key(hf_dir, m, tp, pp, dtype)
+    out = Path(cache_root) / hf_cache_key(hf_dir, m, tp, pp, dtype, ep)
     if (out / "metadata.json").exists():  # written last: the rename makes it complete
         _log(f"[convert] reusing {out} for {hf_dir}")
         return str(out)
-    res = hf_to_mcore_rank(hf_dir, str(out), m, tp, pp, dtype)
-    _log(f"[convert] {hf_dir} -> {out} (tp={tp}, pp={pp}) in {res['seconds']:.1f}s")
+    res = hf_to_mcore_rank(hf_dir, str(out), m, tp, pp, dtype, ep)
+    _log(f"[convert] {hf_dir} -> {out} (tp={tp}, pp={pp}, ep={ep}) in {res['seconds']:.1f}s")
     return str(out)
 
 
@@ -192,22 +198,15 @@ def mcore_to_hf(
     m = _stored_model_config(common, path)
     d = km.Dims.of(m)
     tensors = checkpoint_tensors(path)
-    for key in km.global_keys(d):
-        want = km.megatron_shape(key, d)
-        if key not in tensors or tensors[key][0] != want:
-            got = tensors[key][0] if key in tensors else "missing"
-            raise CheckpointError(f"checkpoint {path!r}: {key} is {got}, expected {want}")
-    for key in km.layer_keys(d):
-        want = (d.layers, *km.megatron_shape(key, d))
-        full = km.LAYERS + key
+    stored = stored_keys(d)
+    for full, want in stored.items():
         if full not in tensors or tensors[full][0] != want:
             got = tensors[full][0] if full in tensors else "missing"
             raise CheckpointError(f"checkpoint {path!r}: {full} is {got}, expected {want}")
     src_dtype = tensors[km.EMBED][1]
     out_dtype = DTYPES[dtype] if dtype else src_dtype
     hf_cfg = common.get("hf_config")
-    arch = architecture or (hf_cfg or {}).get("architectures", [None])[0]
-    arch = arch or ("Qwen2ForCausalLM" if m.qkv_bias else "LlamaForCausalLM")
+    arch = architecture or m.architecture
     dtype_name = str(out_dtype).removeprefix("torch.")
     config = hf_config_from_model(m, arch, dtype_name, extra=_carried_fields(hf_cfg))
 
@@ -218,19 +217,21 @@ def mcore_to_hf(
     t0 = time.perf_counter()
 
     def produce():
-        def convert(layer: int | None, keys: list[str], prefix: str = ""):
-            got = read_layer(path, {prefix + k: tensors[prefix + k] for k in keys}, layer)
+        def convert(layer: int | None, keys: list[str]):
+            want = {ckpt: tensors[ckpt] for ckpt in {checkpoint_key(k, layer)[0] for k in keys}}
+            got = read_layer(path, want, layer)
             for k in keys:
-                for name, t in zip(
-                    km.hf_names(k, layer), km.to_hf(k, got[prefix + k], d), strict=True
-                ):
-                    yield name, t.to(out_dtype)
+                ckpt, expert = checkpoint_key(k, layer)
+                t = got[ckpt] if expert is None else got[ckpt][expert]
+                for name, part in zip(km.hf_names(k, d, layer), km.to_hf(k, t, d), strict=True):
+                    yield name, part.to(out_dtype)
 
-        yield from convert(None, [km.EMBED])
+        first, *rest = km.global_keys(d)
+        yield from convert(None, [first])
         for i in range(d.layers):
-            yield from convert(i, km.layer_keys(d), km.LAYERS)
+            yield from convert(i, km.layer_keys(d))
             _log(f"[convert] layer {i + 1}/{d.layers} written")
-        yield from convert(None, [k for k in km.global_keys(d) if k != km.EMBED])
+        yield from convert(None, rest)
 
     out = Path(out_dir)
     tmp = out.with_name(out.name + ".tmp")
@@ -288,8 +289,7 @@ def init_hf_dir(m: ModelConfig, out_dir: str, token_ids: dict, dtype: str = "flo
     the trainer's weights into every server before the first rollout, so only the shapes
     and the token ids (``bos_token_id``/``eos_token_id``/``pad_token_id``) matter here.
     Written to a temporary directory and renamed, so a reader never sees half of it."""
-    arch = "Qwen2ForCausalLM" if m.qkv_bias else "LlamaForCausalLM"
-    config = hf_config_from_model(m, arch, dtype, extra=token_ids)
+    config = hf_config_from_model(m, dtype=dtype, extra=token_ids)
     shapes = km.hf_shapes(km.Dims.of(m))
     g = torch.Generator().manual_seed(0)
     out = Path(out_dir)

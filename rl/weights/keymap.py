@@ -1,17 +1,20 @@
-"""Names and layouts of Llama-architecture weights in Megatron-Core and Hugging Face.
+"""Names and layouts of a model's weights in Megatron-Core and Hugging Face.
 
-The single source of truth for how one model's tensors correspond across the two worlds;
-the checkpoint converters and the trainer -> generator weight sync both use it.
+How one model's tensors correspond across the two worlds, read from the architecture
+registry (rl/models/arch.py declares each tensor: its Megatron key, HF names, SGLang name
+and layout); the checkpoint converters and the trainer -> generator weight sync use it.
 
 Megatron side: the *global* tensors of a ``torch_dist`` checkpoint, whose keys do not
 depend on the layer spec (local or Transformer Engine) or on TP/PP; per-layer keys are
-stacked along a leading layer axis in the checkpoint, and this module handles one layer at
-a time. Two fused layouts matter:
+stacked along a leading layer axis in the checkpoint (and per-expert keys along an expert
+axis after it), and this module handles one layer (and one expert) at a time. Two fused
+layouts matter:
 
 * ``linear_qkv`` rows are grouped per query group: ``[q heads of group g | k_g | v_g]`` for
   g = 0..groups-1. TP splits whole groups, so TP shards are contiguous row blocks.
-* ``linear_fc1`` is ``[gate ; up]`` globally, but each TP shard is ``[gate_r ; up_r]``:
-  concatenating TP shards is *not* the global tensor (see :func:`tp_shard`).
+* ``linear_fc1`` (dense, shared expert, each routed expert) is ``[gate ; up]`` globally, but
+  each TP shard is ``[gate_r ; up_r]``: concatenating TP shards is *not* the global tensor
+  (see :func:`tp_shard`).
 
 Vocab rows are padded to ``make_vocab_size_divisible_by`` on the Megatron side and the
 padding is stripped on the Hugging Face side. Pure logic (torch tensors only). torch is
@@ -21,18 +24,17 @@ the DDMA planner and ``python -m rl.plan`` use loads in milliseconds without it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from functools import cache
+from typing import TYPE_CHECKING
 
-from rl.models.shapes import kv_channels, padded_vocab_size
+from rl.models import arch as a
+from rl.models.arch import EMBED, FINAL_NORM, LAYERS, OUTPUT, Dims, TensorSpec
 
 if TYPE_CHECKING:
     import torch
 
-EMBED = "embedding.word_embeddings.weight"
-OUTPUT = "output_layer.weight"
-FINAL_NORM = "decoder.final_layernorm.weight"
-LAYERS = "decoder.layers."
+__all__ = ["EMBED", "FINAL_NORM", "LAYERS", "OUTPUT", "Dims"]
+
 IN_NORM = "self_attention.linear_qkv.layer_norm_weight"
 QKV_W = "self_attention.linear_qkv.weight"
 QKV_B = "self_attention.linear_qkv.bias"
@@ -41,132 +43,103 @@ MLP_NORM = "mlp.linear_fc1.layer_norm_weight"
 FC1 = "mlp.linear_fc1.weight"
 FC2 = "mlp.linear_fc2.weight"
 
-# Megatron per-layer key -> Hugging Face names under "model.layers.{i}." (fused order).
-LAYER_MAP: dict[str, tuple[str, ...]] = {
-    IN_NORM: ("input_layernorm.weight",),
-    QKV_W: ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
-    QKV_B: ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"),
-    PROJ: ("self_attn.o_proj.weight",),
-    MLP_NORM: ("post_attention_layernorm.weight",),
-    FC1: ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
-    FC2: ("mlp.down_proj.weight",),
-}
-GLOBAL_MAP: dict[str, str] = {
-    EMBED: "model.embed_tokens.weight",
-    FINAL_NORM: "model.norm.weight",
-    OUTPUT: "lm_head.weight",
-}
-# Megatron tensor-parallel split dimension (None: replicated on every TP rank).
-TP_DIM: dict[str, int | None] = {
-    EMBED: 0,
-    OUTPUT: 0,
-    FINAL_NORM: None,
-    IN_NORM: None,
-    MLP_NORM: None,
-    QKV_W: 0,
-    QKV_B: 0,
-    FC1: 0,
-    PROJ: 1,
-    FC2: 1,
-}
+
+@cache
+def _tables(d: Dims) -> dict[str, TensorSpec]:
+    from rl.models.registry import get
+
+    return {s.key: s for s in get(d.arch, "architecture").tensors(d)}
 
 
-@dataclass(frozen=True)
-class Dims:
-    """The shape facts the layouts depend on, taken from a ModelConfig."""
+@cache
+def _layouts() -> dict[str, TensorSpec]:
+    """Every Megatron key any model can have -> its spec. Megatron's keys and layouts are
+    Megatron's, the same for every family, so TP splitting needs no model."""
+    full = dict(layers=1, hidden=1, ffn=1, heads=1, groups=1, head_dim=1, vocab=1,
+                padded_vocab=1, tied=False, qkv_bias=True, qk_norm=True)  # fmt: skip
+    dense = a.decoder_tensors(Dims(**full))
+    moe = a.decoder_tensors(Dims(**full, experts=1, moe_ffn=1, shared_ffn=1, shared_gate=True))
+    return {s.key: s for s in dense + moe}
 
-    layers: int
-    hidden: int
-    ffn: int
-    heads: int
-    groups: int
-    head_dim: int
-    vocab: int
-    padded_vocab: int
-    tied: bool
-    qkv_bias: bool
 
-    @classmethod
-    def of(cls, m: Any) -> Dims:
-        return cls(
-            layers=m.num_layers,
-            hidden=m.hidden_size,
-            ffn=m.ffn_hidden_size,
-            heads=m.num_attention_heads,
-            groups=m.num_query_groups,
-            head_dim=kv_channels(m),
-            vocab=m.vocab_size,
-            padded_vocab=padded_vocab_size(m),
-            tied=m.tie_embeddings,
-            qkv_bias=m.qkv_bias,
-        )
+def specs(d: Dims) -> list[TensorSpec]:
+    """The model's tensors, as its family declares them (globals last)."""
+    return list(_tables(d).values())
 
-    @property
-    def qkv_rows(self) -> int:
-        return (self.heads + 2 * self.groups) * self.head_dim
+
+def spec(key: str, d: Dims | None = None) -> TensorSpec:
+    """The spec of Megatron ``key`` (per-expert keys by their ``{e}`` template)."""
+    table = _tables(d) if d is not None else _layouts()
+    t = a.template(key)
+    if t not in table:
+        raise KeyError(f"{key!r} is not a tensor of {d.arch if d else 'any model'}")
+    return table[t]
+
+
+def tp_dim(key: str) -> int | None:
+    """Megatron's tensor-parallel split dimension of ``key`` (None: replicated)."""
+    return spec(key).tp_dim
+
+
+def _expand(specs: list[TensorSpec], d: Dims) -> list[str]:
+    out = []
+    for s in specs:
+        if s.expert:
+            out += [a.for_expert(s.key, e) for e in range(d.experts)]
+        else:
+            out.append(s.key)
+    return out
 
 
 def layer_keys(d: Dims) -> list[str]:
-    """Per-layer Megatron keys (without the ``decoder.layers.`` prefix)."""
-    return [k for k in LAYER_MAP if k != QKV_B or d.qkv_bias]
+    """Per-layer Megatron keys (without the ``decoder.layers.`` prefix), experts expanded."""
+    return _expand([s for s in _tables(d).values() if s.per_layer], d)
 
 
 def global_keys(d: Dims) -> list[str]:
-    return [k for k in (EMBED, FINAL_NORM, OUTPUT) if k != OUTPUT or not d.tied]
+    return _expand([s for s in _tables(d).values() if not s.per_layer], d)
 
 
-def hf_names(key: str, layer: int | None = None) -> tuple[str, ...]:
+def hf_names(key: str, d: Dims, layer: int | None = None) -> tuple[str, ...]:
     """Hugging Face names that make up Megatron ``key`` (of ``layer`` for per-layer keys)."""
-    if key in GLOBAL_MAP:
-        return (GLOBAL_MAP[key],)
+    s = spec(key, d)
+    e = a.expert_of(key)
+    names = tuple(a.for_expert(n, e) for n in s.hf) if e is not None else s.hf
+    if not s.per_layer:
+        return names
     if layer is None:
         raise ValueError(f"{key!r} is a per-layer key: give the layer")
-    return tuple(f"model.layers.{layer}.{n}" for n in LAYER_MAP[key])
+    return tuple(f"model.layers.{layer}.{n}" for n in names)
 
 
 def megatron_shape(key: str, d: Dims) -> tuple[int, ...]:
-    """Global Megatron shape of ``key`` (one layer, no stacking axis)."""
-    return {
-        EMBED: (d.padded_vocab, d.hidden),
-        OUTPUT: (d.padded_vocab, d.hidden),
-        FINAL_NORM: (d.hidden,),
-        IN_NORM: (d.hidden,),
-        MLP_NORM: (d.hidden,),
-        QKV_W: (d.qkv_rows, d.hidden),
-        QKV_B: (d.qkv_rows,),
-        PROJ: (d.hidden, d.heads * d.head_dim),
-        FC1: (2 * d.ffn, d.hidden),
-        FC2: (d.hidden, d.ffn),
-    }[key]
+    """Global Megatron shape of ``key`` (one layer, one expert, no stacking axis)."""
+    return spec(key, d).shape(d)
 
 
 def hf_shapes(d: Dims) -> dict[str, tuple[int, ...]]:
     """Every Hugging Face tensor name of the model with its shape, in file order."""
-    q, kv = d.heads * d.head_dim, d.groups * d.head_dim
-    per_layer = {
-        "input_layernorm.weight": (d.hidden,),
-        "self_attn.q_proj.weight": (q, d.hidden),
-        "self_attn.k_proj.weight": (kv, d.hidden),
-        "self_attn.v_proj.weight": (kv, d.hidden),
-        "self_attn.q_proj.bias": (q,),
-        "self_attn.k_proj.bias": (kv,),
-        "self_attn.v_proj.bias": (kv,),
-        "self_attn.o_proj.weight": (d.hidden, q),
-        "post_attention_layernorm.weight": (d.hidden,),
-        "mlp.gate_proj.weight": (d.ffn, d.hidden),
-        "mlp.up_proj.weight": (d.ffn, d.hidden),
-        "mlp.down_proj.weight": (d.hidden, d.ffn),
-    }
-    out = {"model.embed_tokens.weight": (d.vocab, d.hidden)}
+    first, *rest = global_keys(d)
+    out = dict(_hf_parts(first, d, None))
     for i in range(d.layers):
-        for name, shape in per_layer.items():
-            if name.endswith(".bias") and not d.qkv_bias:
-                continue
-            out[f"model.layers.{i}.{name}"] = shape
-    out["model.norm.weight"] = (d.hidden,)
-    if not d.tied:
-        out["lm_head.weight"] = (d.vocab, d.hidden)
+        for key in layer_keys(d):
+            out.update(_hf_parts(key, d, i))
+    for key in rest:
+        out.update(_hf_parts(key, d, None))
     return out
+
+
+def _hf_parts(key: str, d: Dims, layer: int | None) -> list[tuple[str, tuple[int, ...]]]:
+    s, names = spec(key, d), hf_names(key, d, layer)
+    shape = s.shape(d)
+    if s.layout == a.QKV:
+        q, kv = d.heads * d.head_dim, d.groups * d.head_dim
+        return [(n, (r, *shape[1:])) for n, r in zip(names, (q, kv, kv), strict=True)]
+    if s.layout == a.GATE_UP:
+        return [(n, (shape[0] // 2, *shape[1:])) for n in names]
+    if s.layout == a.VOCAB:
+        return [(names[0], (d.vocab, *shape[1:]))]
+    return [(names[0], shape)]
 
 
 # ---------------------------------------------------------------------- fused layouts
@@ -200,12 +173,13 @@ def to_megatron(key: str, hf: list[torch.Tensor], d: Dims) -> torch.Tensor:
     """Build the global Megatron tensor ``key`` from its HF parts (see :func:`hf_names`)."""
     import torch
 
-    if key in (QKV_W, QKV_B):
+    layout = spec(key, d).layout
+    if layout == a.QKV:
         return fuse_qkv(*hf, d)
-    if key == FC1:
+    if layout == a.GATE_UP:
         return torch.cat(hf, dim=0)
     (t,) = hf
-    if key in (EMBED, OUTPUT) and d.padded_vocab > d.vocab:
+    if layout == a.VOCAB and d.padded_vocab > d.vocab:
         pad = t.new_zeros(d.padded_vocab - d.vocab, *t.shape[1:])
         return torch.cat([t, pad], dim=0)
     return t
@@ -215,11 +189,12 @@ def to_hf(key: str, t: torch.Tensor, d: Dims) -> list[torch.Tensor]:
     """Split the global Megatron tensor ``key`` into its HF parts (padding stripped)."""
     import torch
 
-    if key in (QKV_W, QKV_B):
+    layout = spec(key, d).layout
+    if layout == a.QKV:
         return [x.contiguous() for x in split_qkv(t, d)]
-    if key == FC1:
+    if layout == a.GATE_UP:
         return [x.contiguous() for x in torch.chunk(t, 2, dim=0)]
-    if key in (EMBED, OUTPUT):
+    if layout == a.VOCAB:
         return [t[: d.vocab].contiguous()]
     return [t]
 
@@ -229,10 +204,10 @@ def tp_shard(key: str, t: torch.Tensor, tp: int, rank: int) -> torch.Tensor:
     """This TP rank's Megatron shard of the global tensor ``key``."""
     import torch
 
-    dim = TP_DIM[key]
+    dim = tp_dim(key)
     if dim is None or tp == 1:
         return t
-    if key == FC1:
+    if spec(key).layout == a.GATE_UP:
         gate, up = torch.chunk(t, 2, dim=0)
         return torch.cat([torch.chunk(gate, tp)[rank], torch.chunk(up, tp)[rank]], dim=0)
     return torch.chunk(t, tp, dim=dim)[rank]
@@ -242,10 +217,10 @@ def tp_unshard(key: str, shards: list[torch.Tensor]) -> torch.Tensor:
     """Inverse of :func:`tp_shard` over all ranks' shards (in rank order)."""
     import torch
 
-    dim = TP_DIM[key]
+    dim = tp_dim(key)
     if dim is None or len(shards) == 1:
         return shards[0]
-    if key == FC1:
+    if spec(key).layout == a.GATE_UP:
         halves = [torch.chunk(s, 2, dim=0) for s in shards]
         return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
     return torch.cat(shards, dim=dim)

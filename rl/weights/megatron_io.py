@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+from rl.models import arch as a
+from rl.weights import keymap as km
 from rl.weights.keymap import LAYERS
 
 # provider(key, layer, row_range) -> global tensor of ``key`` (for ``layer``), or only the
@@ -41,12 +43,42 @@ def leaves(obj: Any) -> Iterator[Any]:
 
 
 def split_key(key: str, prepend: int, offset: tuple[int, ...]) -> tuple[str, int | None]:
-    """Checkpoint key -> (keymap key, layer index or None)."""
-    if key.startswith(LAYERS):
-        if prepend != 1:
-            raise ValueError(f"{key}: expected one stacked layer axis, got {prepend}")
-        return key[len(LAYERS) :], int(offset[0])
-    return key, None
+    """Checkpoint key -> (keymap key, layer index or None).
+
+    Per-layer tensors carry a leading layer axis; routed experts (SequentialMLP) a second,
+    expert axis, under ``...mlp.experts.experts.<name>``, which the keymap names
+    ``mlp.experts.{e}.<name>`` for global expert e."""
+    if not key.startswith(LAYERS):
+        return key, None
+    rel = key[len(LAYERS) :]
+    if prepend == 1:
+        return rel, int(offset[0])
+    if prepend == 2 and _EXPERTS in rel:
+        return rel.replace(_EXPERTS, f".experts.{int(offset[1])}.", 1), int(offset[0])
+    raise ValueError(f"{key}: expected a layer axis (and an expert axis), got {prepend}")
+
+
+_EXPERTS = ".experts.experts."
+
+
+def checkpoint_key(key: str, layer: int | None) -> tuple[str, int | None]:
+    """Keymap key -> (full checkpoint key, expert index or None): the inverse of split_key."""
+    if layer is None:
+        return key, None
+    e = a.expert_of(key)
+    if e is None:
+        return LAYERS + key, None
+    return LAYERS + a.template(key).replace(".experts.{e}.", _EXPERTS, 1), e
+
+
+def stored_keys(d: km.Dims) -> dict[str, tuple[int, ...]]:
+    """Every model tensor a torch_dist checkpoint of ``d`` holds, with its stacked shape."""
+    out = {k: km.megatron_shape(k, d) for k in km.global_keys(d)}
+    for k in km.layer_keys(d):
+        full, e = checkpoint_key(k, 0)
+        experts = (d.experts,) if e is not None else ()
+        out[full] = (d.layers, *experts, *km.megatron_shape(k, d))
+    return out
 
 
 @torch.no_grad()

@@ -80,7 +80,7 @@ def trainer_shards(model_dir: Path, d: km.Dims, tp: int, rank: int) -> dict:
     keys += [(k, None) for k in km.global_keys(d)]
     out = {}
     for key, layer in keys:
-        full = km.to_megatron(key, [hf[n] for n in km.hf_names(key, layer)], d)
+        full = km.to_megatron(key, [hf[n] for n in km.hf_names(key, d, layer)], d)
         out[(key, layer)] = km.tp_shard(key, full, tp, rank).clone()
     return out
 

@@ -1,0 +1,1 @@
+"""One module per architecture family, each defining ``ARCH`` (see rl/models/registry.py)."""

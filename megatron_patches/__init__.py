@@ -14,6 +14,9 @@ from megatron_patches import (
     current_device,
     device_mode,
     flash_mla_guard,
+    moe_cuda_stream,
+    moe_split_sizes,
+    moe_te_gemm,
     psutil_check,
     rng_tracker,
     torch_adam_state,
@@ -21,7 +24,8 @@ from megatron_patches import (
 from megatron_patches._util import applied
 from megatron_patches.device_mode import cuda_to_cpu
 
-# Order matters: the flash_mla guard must precede any Megatron import.
+# Order matters: the flash_mla guard must precede any Megatron import, and the MoE
+# stream stand-in relies on cuda_sync's null ``torch.cuda.current_stream``.
 PATCHES = (
     flash_mla_guard,
     psutil_check,
@@ -31,6 +35,9 @@ PATCHES = (
     rng_tracker,
     causal_mask,
     torch_adam_state,
+    moe_te_gemm,
+    moe_cuda_stream,
+    moe_split_sizes,
 )
 
 __all__ = ["PATCHES", "applied", "apply_all", "cuda_to_cpu"]

@@ -47,17 +47,36 @@ def megatron_globals(hf: dict[str, torch.Tensor], d: km.Dims) -> dict:
 
 def megatron_shards(glob: dict, plan: Plan, rank: int) -> dict:
     """The local shards the trainer's global ``rank`` holds (only its stage's layers)."""
+    from rl.ddma.layout import expert_owner
+
     src = plan.src
     tp_rank = rank % src.tp
     pp_rank = rank // (src.tp * src.dp)
+    ep_rank = (rank // src.tp) % src.dp % src.ep
     out = {}
     for (key, layer), t in glob.items():
+        owner = expert_owner(plan.dims, src, key)
+        if owner is not None and owner != ep_rank:
+            continue  # another EP rank's expert
         if layer is None:
             stage = 0 if key == km.EMBED else src.pp - 1
         else:
             stage = src.stage_of(layer, plan.dims.layers)[0]
         if stage == pp_rank:
             out[(key, layer)] = km.tp_shard(key, t, src.tp, tp_rank).clone()
+    return out
+
+
+def expert_slabs(params: dict[str, torch.Tensor], names) -> dict[str, torch.Tensor]:
+    """SGLang's fused expert parameters (``...w13_weight``, experts first) as the plan names
+    them, one ``name[e]`` per expert; other parameters unchanged."""
+    fused = {n.rsplit("[", 1)[0] for n in names if n.endswith("]")}
+    out = {}
+    for name, t in params.items():
+        if name in fused:
+            out.update({f"{name}[{e}]": t[e] for e in range(t.shape[0])})
+        else:
+            out[name] = t
     return out
 
 

@@ -4,11 +4,16 @@ Why: the resharding planner (rl/ddma) must deliver, to generator rank ``rank`` o
 ``tp`` SGLang server, exactly the tensors SGLang's loaders would have produced from the full
 checkpoint. Checking it against a second hand-written slicer would only test that two
 copies of our assumptions agree, so this module takes every slice from SGLang itself: its
-model class (``LlamaForCausalLM`` / ``Qwen2ForCausalLM``) is built with the real layer
-classes, which size their per-rank parameters, and SGLang's ``DefaultModelLoader`` feeds the
-full checkpoint tensors through the model's ``load_weights`` and the layers' weight loaders
-(QKV with KV-head replication, merged gate/up, row-parallel, vocab-parallel with padding).
-Nothing here is imported from ``rl/``.
+model class (``LlamaForCausalLM``, ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``,
+``MistralForCausalLM``, ``Qwen3MoeForCausalLM``, ``Qwen2MoeForCausalLM``) is built with the
+real layer classes, which size their per-rank parameters, and SGLang's ``DefaultModelLoader``
+feeds the full checkpoint tensors through the model's ``load_weights`` and the layers' weight
+loaders (QKV with KV-head replication, merged gate/up, row-parallel, vocab-parallel with
+padding, replicated QK-norms and MoE router, and FusedMoE's per-expert loader, which stacks
+each expert's gate/up into ``w13_weight`` and its down into ``w2_weight``).
+Nothing here is imported from ``rl/`` but the architecture registry's name of the SGLang
+module that defines each architecture (``Arch.sglang_module``): every slice still comes from
+SGLang.
 
 How TP is faked, in one process, without a GPU or a process group (SGLang 0.5.23):
 
@@ -17,11 +22,20 @@ How TP is faked, in one process, without a GPU or a process group (SGLang 0.5.23
   process-wide one; from the rank it derives ``tp_rank``, ``attn_tp_rank`` and the rest, and
   ``use_context`` activates it only for the duration of the call.
 * No process groups exist, so ``get_parallel().override(...)`` (a scoped override) installs
-  metadata-only stand-ins for the TP, attention-TP, MoE-TP and pipeline groups, carrying
-  ``rank_in_group`` / ``world_size`` as SGLang's test fixture ``sglang/test/parallel_groups.py``
-  does. The layers read their partition from these, and ``get_tensor_model_parallel_rank`` /
-  ``_world_size`` answer ``rank`` / ``tp``. Attention-TP and MoE-TP are the TP stand-in
-  itself, as ``initialize_model_parallel`` aliases them when their widths equal TP.
+  metadata-only stand-ins for the TP, attention-TP, MoE-TP, MoE-EP and pipeline groups,
+  carrying ``rank_in_group`` / ``world_size`` as SGLang's test fixture
+  ``sglang/test/parallel_groups.py`` does. The layers read their partition from these, and
+  ``get_tensor_model_parallel_rank`` / ``_world_size`` answer ``rank`` / ``tp``. Attention-TP
+  and MoE-TP are the TP stand-in itself, as ``initialize_model_parallel`` aliases them when
+  their widths equal TP; MoE-EP is one rank wide (SGLang's default ``ep_size`` 1).
+* MoE: ``FusedMoE`` takes its placement from the context's ``moe_tp_rank`` / ``moe_tp_size``
+  / ``moe_ep_rank`` / ``moe_ep_size``, which ``create_context`` derives from ``ep_size`` 1 as
+  (rank, tp) and (0, 1); they are checked before the model is built. The MoE backend flags
+  (``get_moe_a2a_backend()`` / ``get_moe_runner_backend()``) live in the context's
+  ``flags.moe``: a context that never ran ``initialize_moe_config`` lazily answers ``none`` /
+  ``auto`` and records that in the created context only, not in the process-wide one. No
+  shared-expert fusion happens (it needs CUDA or aiter), so Qwen2-MoE keeps its separate
+  ``shared_expert`` MLP and ``shared_expert_gate``.
 * ``vllm._custom_ops`` (imported by SGLang's rotary embedding when it is built off CUDA) is
   served by a stub from a temporary directory that is on ``sys.path`` only during the call.
 
@@ -30,9 +44,15 @@ vocab-parallel embedding and LM head from the context's ``tp_rank``; both are ch
 with ``rank`` before the model is built, as they do in a real server.
 
 Scope: the weight loaders run the branch a CUDA server runs (``SGLANG_USE_CPU_ENGINE`` unset;
-with it set, SGLang takes CPU-engine branches that pad non-divisible shards), and the default
-legacy ``load_weights`` (``SGLANG_ENABLE_WEIGHT_LOADER_V2`` unset; the v2 loader gave identical
-tensors for llama, llama_tied and qwen2 at TP 1, 2 and 4 when checked).
+with it set, SGLang takes CPU-engine branches that pad non-divisible shards, FusedMoE
+included), and the default legacy ``load_weights`` (``SGLANG_ENABLE_WEIGHT_LOADER_V2`` unset;
+the v2 loader gave identical tensors for llama, llama_tied and qwen2 at TP 1, 2 and 4 when
+checked). The config is the checkpoint's as a GPU server sees it: a ``device="cpu"`` server
+additionally runs ``adjust_config_with_unaligned_cpu_tp`` (model_runner.py), which pads
+``intermediate_size`` / ``moe_intermediate_size`` / ``shared_expert_intermediate_size`` to a
+multiple of 32*tp and the head counts when TP does not divide them; that is not applied here,
+so e.g. llama's ``gate_up_proj`` is (352, 64) here at TP 1 but (384, 64) = [gate; 0; up; 0]
+on a CPU server.
 
 Nothing is monkeypatched; the scoped context, ``sys.path``, ``sys.modules['vllm*']`` and the
 environment variables that ``ServerArgs`` resolution writes are all restored on return.
@@ -55,14 +75,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-
-# Architectures this reference is meant for -> the SGLang module that defines them. Resolved
-# from the module's own ``EntryClass`` list instead of SGLang's ModelRegistry, which imports
-# every model SGLang ships (several seconds, and noisy import errors on CPU).
-_MODEL_MODULES = {
-    "LlamaForCausalLM": "sglang.srt.models.llama",
-    "Qwen2ForCausalLM": "sglang.srt.models.qwen2",
-}
 
 _VLLM_STUB = '''"""Stub of vllm._custom_ops written by tests/sglang_reference.py.
 
@@ -155,11 +167,11 @@ def _hf_weights(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def _model_class(architecture: str) -> type[torch.nn.Module]:
-    if architecture not in _MODEL_MODULES:
-        raise ValueError(
-            f"architecture {architecture!r} is not covered; known: {sorted(_MODEL_MODULES)}"
-        )
-    module = importlib.import_module(_MODEL_MODULES[architecture])
+    """Resolved from the module's own ``EntryClass`` list instead of SGLang's ModelRegistry,
+    which imports every model SGLang ships (several seconds, noisy import errors on CPU)."""
+    from rl.models import registry
+
+    module = importlib.import_module(registry.get(architecture, "architecture").sglang_module)
     entries = module.EntryClass  # a class or a list of classes, as SGLang's registry accepts
     by_name = {c.__name__: c for c in (entries if isinstance(entries, list) else [entries])}
     return by_name[architecture]
@@ -186,11 +198,16 @@ def _load_rank(model_dir: Path, tp: int, rank: int) -> dict[str, torch.Tensor]:
     context = create_context(server_args, role="test", ranks=SpawnRanks(world_rank=rank))
     with use_context(context):
         parallel = get_parallel()
-        if (parallel.tp_rank, parallel.tp_size) != (rank, tp):
-            raise AssertionError(
-                f"SGLang placed world rank {rank} at tp_rank {parallel.tp_rank} of "
-                f"{parallel.tp_size}, expected {rank} of {tp}"
-            )
+        # FusedMoE reads its MoE-TP / MoE-EP placement from these context ranks (not from
+        # the groups); with ep_size 1 SGLang makes MoE-TP the whole TP width.
+        placed = {
+            "tp": (parallel.tp_rank, parallel.tp_size),
+            "moe_tp": (parallel.moe_tp_rank, parallel.moe_tp_size),
+            "moe_ep": (parallel.moe_ep_rank, parallel.moe_ep_size),
+        }
+        expected = {"tp": (rank, tp), "moe_tp": (rank, tp), "moe_ep": (0, 1)}
+        if placed != expected:
+            raise AssertionError(f"SGLang placed world rank {rank} at {placed}, not {expected}")
         model_config = ModelConfig.from_server_args(server_args)
         cls = _model_class(model_config.hf_config.architectures[0])
         tp_group = _GroupStandIn(rank, tp, list(range(tp)))
@@ -198,6 +215,7 @@ def _load_rank(model_dir: Path, tp: int, rank: int) -> dict[str, torch.Tensor]:
             "tp_group": tp_group,
             "attn_tp_group": tp_group,
             "moe_tp_group": tp_group,
+            "moe_ep_group": _GroupStandIn(0, 1, [rank]),
             "pp_group": _GroupStandIn(0, 1, [rank]),
         }
         with (
@@ -236,7 +254,11 @@ def sglang_rank_params(model_dir: str | Path, tp: int, rank: int) -> dict[str, t
     loads the full Hugging Face checkpoint in ``model_dir`` (float32, CPU, cloned).
 
     Names are SGLang's ``model.named_parameters()`` (``model.layers.0.self_attn.qkv_proj
-    .weight``, ``...mlp.gate_up_proj.weight``, ``lm_head.weight`` only when untied). Results
+    .weight``, ``...mlp.gate_up_proj.weight``, ``lm_head.weight`` only when untied; for MoE
+    ``...mlp.experts.w13_weight`` (E, 2*I/tp, H), ``...mlp.experts.w2_weight`` (E, H, I/tp),
+    the replicated router ``...mlp.gate.weight`` and, for Qwen2-MoE,
+    ``...mlp.shared_expert.{gate_up,down}_proj.weight`` and ``...mlp.shared_expert_gate
+    .weight``). Results
     are cached per checkpoint/tp/rank; each call returns fresh clones, so callers may mutate
     them.
     """

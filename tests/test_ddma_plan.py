@@ -11,11 +11,12 @@ import itertools
 
 import pytest
 import torch
-from ddma_util import hf_state, megatron_globals, model_dims, run_in_process
+from ddma_util import expert_slabs, hf_state, megatron_globals, model_dims, run_in_process
 from hf_models import make_model
 from sglang_reference import sglang_rank_params
 
 from rl.ddma import fp8, wire
+from rl.ddma.layout import expert_owner
 from rl.ddma.plan import (
     DstLayout,
     PlanError,
@@ -26,6 +27,10 @@ from rl.ddma.plan import (
 from rl.weights import keymap as km
 
 KV_HEADS = {"llama": 2, "llama_tied": 2, "qwen2": 2, "llama_mha": 4}
+# Every other family: Qwen3 (explicit head_dim, QK norm; one with a single KV head, tied),
+# Mistral, and the two MoE families, whose experts also move from their EP owner.
+FAMILIES = {"qwen3": 2, "qwen3_kv1": 1, "mistral": 2, "qwen3_moe": 2, "qwen2_moe": 2}
+MOE = ("qwen3_moe", "qwen2_moe")
 # (model, src tp, src pp, dst tp): Megatron TP must divide the KV heads (whole query groups
 # per rank); SGLang TP may exceed them (replicated KV heads, checked with the 2-KV models).
 COMBOS = [
@@ -34,12 +39,19 @@ COMBOS = [
     for c in itertools.product((1, 2, 4), (1, 2), (1, 2, 4))
     if KV_HEADS[kind] % c[0] == 0
 ]
+# (model, src tp, src pp, src ep, dst tp) for the other families: TP x PP (x EP) in {1,2}.
+FAMILY_COMBOS = [
+    (kind, *c)
+    for kind in FAMILIES
+    for c in itertools.product((1, 2), (1, 2), (1, 2), (1, 2, 4))
+    if FAMILIES[kind] % c[0] == 0 and (c[2] == 1 or kind in MOE)
+]
 
 
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory):
     root = tmp_path_factory.mktemp("ddma_models")
-    return {kind: make_model(kind, root / kind) for kind in KV_HEADS}
+    return {kind: make_model(kind, root / kind) for kind in (*KV_HEADS, *FAMILIES)}
 
 
 @pytest.fixture(params=["llama", "llama_tied", "qwen2"])
@@ -88,6 +100,29 @@ def test_executed_plan_matches_sglang_loaders(ckpts, kind, src_tp, src_pp, dst_t
         assert set(got[rank]) == set(want)
         for name, t in want.items():
             torch.testing.assert_close(got[rank][name], t, rtol=0, atol=0, msg=name)
+
+
+@pytest.mark.parametrize("kind,src_tp,src_pp,src_ep,dst_tp", FAMILY_COMBOS)
+def test_every_family_matches_sglang_loaders(ckpts, kind, src_tp, src_pp, src_ep, dst_tp):
+    """Megatron TP x PP (x EP) -> SGLang TP, bit for bit against SGLang's own loaders;
+    with EP every expert comes from a trainer rank of its owner."""
+    path = ckpts[kind]
+    d = model_dims(path)
+    src = SrcLayout(src_tp, src_pp, dp=src_ep, ep=src_ep)
+    plan = make_plan(d, src, DstLayout(dst_tp), 4, 4096)
+    assert coverage_errors(plan) == []
+    assert plan.sent_bytes() == plan.dst_bytes(real_only=True)
+    got = run_in_process(plan, megatron_globals(hf_state(path), d), torch.float32)
+    for rank in range(dst_tp):
+        want = expert_slabs(sglang_rank_params(path, dst_tp, rank), plan.dst_shapes)
+        assert set(got[rank]) == set(want)
+        for name, t in want.items():
+            torch.testing.assert_close(got[rank][name], t, rtol=0, atol=0, msg=name)
+    if src_ep > 1:
+        for b in plan.buckets:
+            for p in b.pieces:
+                owner = expert_owner(d, src, p.key)
+                assert owner is None or (b.src // src_tp) % src.dp % src_ep == owner, p
 
 
 def test_data_parallel_replicas_share_the_sending(ckpt):

@@ -178,12 +178,13 @@ def _swiglu(key: str, hf: str, sglang: str | None, width: str, expert: bool) -> 
 
 
 def mlp_tensors(d: Dims) -> list[TensorSpec]:
+    # An MoE layer's pre_mlp_layernorm is checkpointed under the dense (fused) name too.
     post = "post_attention_layernorm.weight"
+    norm = TensorSpec("mlp.linear_fc1.layer_norm_weight", (post,), post, REPLICATED, _norm)
     if not d.experts:
-        norm = TensorSpec("mlp.linear_fc1.layer_norm_weight", (post,), post, REPLICATED, _norm)
         return [norm, *_swiglu("mlp.", "mlp.", "mlp.", "ffn", expert=False)]
     out = [
-        TensorSpec("pre_mlp_layernorm.weight", (post,), post, REPLICATED, _norm),
+        norm,
         TensorSpec(
             "mlp.router.weight", ("mlp.gate.weight",), "mlp.gate.weight", REPLICATED,
             lambda d: (d.experts, d.hidden),

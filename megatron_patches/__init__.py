@@ -20,6 +20,7 @@ from megatron_patches import (
     psutil_check,
     rng_tracker,
     torch_adam_state,
+    torch_norm_sp,
 )
 from megatron_patches._util import applied
 from megatron_patches.device_mode import cuda_to_cpu
@@ -35,6 +36,7 @@ PATCHES = (
     rng_tracker,
     causal_mask,
     torch_adam_state,
+    torch_norm_sp,
     moe_te_gemm,
     moe_cuda_stream,
     moe_split_sizes,

@@ -48,6 +48,9 @@ def run_layout(
         m = tr.train_step(b, nll_loss)
         res["losses"].append(m["loss"])
         res["grad_norms"].append(m["grad_norm"])
+        for k in ("moe_aux_loss", "moe_max_expert_load"):
+            if k in m:
+                res.setdefault("metrics", {}).setdefault(k, []).append(m[k])
         res["logprobs"].append(tr.logprobs(probe))
     if save_final:
         tr.save(save_final)
@@ -58,7 +61,7 @@ def run_layout(
 
 
 def convert_then_logits(
-    hf_dir: str, out: str, m, tp: int, pp: int, dtype: str, tokens, temps: tuple = ()
+    hf_dir: str, out: str, m, tp: int, pp: int, dtype: str, tokens, temps: tuple = (), ep: int = 1
 ):
     """Convert HF -> Megatron on this world, then load it into a trainer and return logits
     (and per-token log-probs at each temperature in ``temps``)."""
@@ -66,9 +69,10 @@ def convert_then_logits(
     from rl.trainer.trainer import build_trainer
     from rl.weights.convert import hf_to_mcore_rank
 
-    summary = hf_to_mcore_rank(hf_dir, out, m, tp, pp, dtype)
+    summary = hf_to_mcore_rank(hf_dir, out, m, tp, pp, dtype, ep)
     rows = tokens.shape[0]
     overrides = [f"trainer.tp={tp}", f"trainer.pp={pp}", "trainer.micro_batch_size=1"]
+    overrides += [f"trainer.ep={ep}", f"trainer.dp={ep}"]
     overrides += [f"trainer.global_batch_size={rows}", f"trainer.params_dtype={dtype}"]
     cfg = compose(overrides)
     tr = build_trainer(m, cfg.trainer, total_steps=1)

@@ -14,8 +14,8 @@ from hf_models import LLAMA3_ROPE
 from omegaconf import OmegaConf
 
 from rl.config.schema import ModelConfig, RopeScalingConfig
-from rl.models.shapes import param_count
 from rl.models import registry
+from rl.models.shapes import param_count
 from rl.weights.hf_config import HFConfigError, hf_config_from_model, model_config_from_hf
 
 SUPPORTED_ARCHITECTURES = tuple(registry.architectures())

@@ -53,7 +53,8 @@ def transformer_config(m: Any, t: Any, initialize: bool = True) -> Any:
         init_method_std=m.init_method_std,
         tensor_model_parallel_size=t.tp,
         pipeline_model_parallel_size=t.pp,
-        sequence_parallel=False,
+        # Megatron-Core refuses to train MoE with TP but without sequence parallelism.
+        sequence_parallel=bool(m.num_experts) and t.tp > 1,
         params_dtype=dtype,
         pipeline_dtype=dtype,
         bf16=dtype == torch.bfloat16,
@@ -82,13 +83,19 @@ def moe_options(m: Any, t: Any) -> dict[str, Any]:
     (no capacity factor), and the load-balancing loss is Switch-style ``aux_loss``."""
     if not m.num_experts:
         return {}
+    # Under sequence parallelism (MoE with TP > 1) Megatron-Core 0.16 scales the aux-loss
+    # gradient by the *local* token count, 1/tp of the sequence (router.py,
+    # attach_and_log_load_balancing_loss with calculate_per_token_loss): times tp restores
+    # the configured weight. Measured: TP=2 then matches TP=1 losses to 3e-7 over 5 steps,
+    # and differs by 2e-4 without it.
+    sp = t.tp if t.tp > 1 else 1
     return dict(
         num_moe_experts=m.num_experts,
         moe_ffn_hidden_size=m.moe_ffn_hidden_size,
         moe_router_topk=m.moe_router_topk,
         moe_router_pre_softmax=not m.moe_norm_topk_prob,
         moe_router_load_balancing_type="aux_loss",
-        moe_aux_loss_coeff=m.moe_aux_loss_coeff,
+        moe_aux_loss_coeff=m.moe_aux_loss_coeff * sp,
         moe_token_dispatcher_type="alltoall",
         moe_grouped_gemm=False,
         moe_shared_expert_intermediate_size=m.shared_expert_ffn_hidden_size or None,

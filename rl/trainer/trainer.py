@@ -131,6 +131,12 @@ class MegatronTrainer:
         self.optimizer = self.scheduler = None
         if not frozen:
             self._build_optimizer(total_steps)
+        self.moe = None
+        if model_cfg.num_experts:
+            from rl.trainer.moe_metrics import MoEMetrics
+
+            self.moe = MoEMetrics(model, layout, model_cfg.num_layers, model_cfg.num_experts)
+        self._microbatch_count = 0
 
     def _build_optimizer(self, total_steps: int) -> None:
         from megatron.core.distributed import finalize_model_grads
@@ -216,8 +222,9 @@ class MegatronTrainer:
         lengths = row_extents(mine) if trim else [seq] * per_rank
         groups = pack_by_tokens(lengths, self.token_budget)
         out = []
+        mult = self.layout.tp if self.config.sequence_parallel else 1
         for idx in groups:
-            width = max(max(lengths[i] for i in idx), 1)
+            width = min(-(-max(max(lengths[i] for i in idx), 1) // mult) * mult, seq)
             sel = torch.tensor(idx)
             # Per-token tensors are cut to the width; per-row ones ([B]) keep their shape.
             # Shorter rows keep their own padding and zero loss_mask up to the width.
@@ -243,9 +250,14 @@ class MegatronTrainer:
         """
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
+        seq = batch["tokens"].shape[1]
+        # Sequence parallelism splits the sequence over TP ranks: pad it to a multiple.
+        pad = (-seq) % self.layout.tp if self.config.sequence_parallel else 0
+        if pad:
+            batch = {k: _pad_columns(v, seq, pad) for k, v in batch.items()}
         # The last position is only the last column when nothing is trimmed.
         mbs, n, groups = self._microbatches(batch, trim=collect != "last_logits")
-        seq = batch["tokens"].shape[1]
+        self._microbatch_count = n
         forward_only = loss_fn is None
         own_ce = self.temperature != 1.0 or self._padded_vocab > self.mcfg.vocab_size
 
@@ -262,11 +274,11 @@ class MegatronTrainer:
                     output = self._cross_entropy(output, labels)
                 if forward_only:
                     if collect == "last_logits":
-                        value = output[:, -1, :].float()
+                        value = output[:, seq - 1, :].float()
                     elif collect == "logits":
-                        value = output.float()
+                        value = output[:, :seq].float()
                     else:
-                        value = -output.float()
+                        value = -output[:, :seq].float()
                     return output.sum() * 0, torch.tensor(1, dtype=torch.int), {collect: value}
                 res = loss_fn(-output.float(), mb)
                 stats = {k: v.detach() for k, v in res.stats.items()}
@@ -282,7 +294,7 @@ class MegatronTrainer:
                 data_iterator=iter(mbs),
                 model=[self.model],
                 num_microbatches=n,
-                seq_length=seq,
+                seq_length=seq + pad,
                 micro_batch_size=self.tcfg.micro_batch_size,
                 forward_only=forward_only,
             )
@@ -346,6 +358,8 @@ class MegatronTrainer:
         t0 = time.perf_counter()
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
+        if self.moe is not None:
+            self.moe.load.zero_()  # count this step's training forward only
         per_mb = self._run(batch, loss_fn)
         with cuda_to_cpu():
             ok, grad_norm, _ = self.optimizer.step()
@@ -363,6 +377,8 @@ class MegatronTrainer:
             skipped=float(not ok),
         )
         out["tokens_per_s"] = batch["tokens"].numel() / out["step_seconds"]
+        if self.moe is not None:
+            out.update(self.moe.step(self._microbatch_count))
         return out
 
     @torch.no_grad()
@@ -425,6 +441,13 @@ def build_trainer(
         trainer_cfg.tp, trainer_cfg.pp, trainer_cfg.seed, ep=trainer_cfg.ep
     )
     return MegatronTrainer(model_cfg, trainer_cfg, layout, total_steps, frozen)
+
+
+def _pad_columns(v: torch.Tensor, seq: int, pad: int) -> torch.Tensor:
+    """Per-token tensors (``[B, seq, ...]``) get ``pad`` zero columns; per-row ones stay."""
+    if v.dim() < 2 or v.shape[1] != seq:
+        return v
+    return torch.cat([v, v.new_zeros(v.shape[0], pad, *v.shape[2:])], dim=1)
 
 
 __all__ = ["MegatronTrainer", "build_trainer"]

@@ -56,7 +56,7 @@ def prepare_hf_to_mcore(
             raise ConfigError(f"checkpoint dtype {hf.dtype} is not supported: pass --dtype")
         dtype = DTYPE_NAMES[hf.dtype]
     t = TrainerConfig(
-        tp=tp, pp=pp, dp=ep, ep=ep, params_dtype=dtype, micro_batch_size=1, global_batch_size=1
+        tp=tp, pp=pp, dp=ep, ep=ep, params_dtype=dtype, micro_batch_size=1, global_batch_size=ep
     )
     validate_model(m)
     validate_trainer(t, m)

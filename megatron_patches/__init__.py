@@ -21,6 +21,7 @@ from megatron_patches import (
     rng_tracker,
     torch_adam_state,
     torch_norm_sp,
+    uneven_gather,
 )
 from megatron_patches._util import applied
 from megatron_patches.device_mode import cuda_to_cpu
@@ -40,6 +41,7 @@ PATCHES = (
     moe_te_gemm,
     moe_cuda_stream,
     moe_split_sizes,
+    uneven_gather,
 )
 
 __all__ = ["PATCHES", "applied", "apply_all", "cuda_to_cpu"]

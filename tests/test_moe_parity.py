@@ -1,4 +1,4 @@
-"""MoE training is real and exact: EP=2 (and TP=2 with sequence parallelism) reproduce EP=1.
+"""MoE training is real and exact: EP=2, TP=2 (sequence parallel) and both reproduce EP=1.
 
 The tiny Qwen3-MoE-style model (conf/model/tiny_moe.yaml) trains 5 optimizer steps from one
 checkpoint written by the reference (TP=1, DP=2, EP=1): losses, per-token log-probs and
@@ -37,7 +37,9 @@ def test_reference_learns_and_logs_the_router(reference):
     assert all(1.0 <= x <= 4.0 for x in ref["metrics"]["moe_max_expert_load"])
 
 
-@pytest.mark.parametrize(("tp", "dp", "ep"), [(1, 2, 2), (2, 1, 1)], ids=["ep2", "tp2-sp"])
+@pytest.mark.parametrize(
+    ("tp", "dp", "ep"), [(1, 2, 2), (2, 1, 1), (2, 2, 2)], ids=["ep2", "tp2-sp", "tp2-sp-ep2"]
+)
 def test_layout_matches_ep1(reference, tp: int, dp: int, ep: int):
     init, ref = reference
     out = spawn(run_layout, tp * dp, _layout(tp, dp, ep), random_batches(STEPS), None, init)

@@ -17,13 +17,21 @@ from omegaconf import DictConfig
 from rl.config import CONF_DIR, ConfigError, compose
 from rl.controller.job import placed_rank
 from rl.controller.roles import RoleError, RoleMap
+from rl.models.arch import Dims, active_count
 from rl.models.shapes import padded_vocab_size, param_count
-from rl.plan import PlanRefused, plan_cluster
+from rl.plan import ClusterPlan, PlanRefused, plan_cluster
 from rl.plan.__main__ import main
-from rl.plan.memory import GIB, MIB, stage_params
+from rl.plan.memory import GIB, MIB, stage_expert_params, stage_params
 
 ROOT = Path(__file__).resolve().parents[1]
 PAPER = ["llama3_8b_256gpu", "llama3_70b_512gpu", "llama3_405b_1024gpu"]
+# Qwen3 dense and Mixture-of-Experts presets on the same kind of cluster.
+QWEN3 = [
+    "qwen3_0_6b_16gpu",
+    "qwen3_8b_64gpu",
+    "qwen3_30b_a3b_128gpu",
+    "qwen3_235b_a22b_1024gpu",
+]
 
 
 @cache
@@ -31,18 +39,24 @@ def _cfg(*overrides: str) -> DictConfig:
     return compose(list(overrides))
 
 
+@cache
+def _plan(*overrides: str) -> ClusterPlan:
+    """A fitting plan, computed once per test session (235B-A22B's DDMA plan takes ~15 s)."""
+    return plan_cluster(_cfg(*overrides))
+
+
 def test_paper_experiments_exist() -> None:
     """Guards the parametrisation below against a renamed or missing preset."""
-    for name in PAPER:
+    for name in PAPER + QWEN3:
         assert (CONF_DIR / "experiment" / f"{name}.yaml").is_file()
 
 
-@pytest.mark.parametrize("name", PAPER)
+@pytest.mark.parametrize("name", PAPER + QWEN3)
 def test_paper_experiment_plans_and_fits(name: str) -> None:
     """Every GPU of the cluster is used exactly once, TP groups stay inside a node, each
     generator rank sits with its servers, and both kinds of GPU fit in memory."""
     cfg = _cfg(f"experiment={name}")
-    plan = plan_cluster(cfg)
+    plan = _plan(f"experiment={name}")
     assert plan.fits and plan.problems == []
     c, t, r, p = cfg.cluster, cfg.trainer, cfg.rollout, plan.placement
     gpn = c.gpus_per_node
@@ -469,6 +483,138 @@ def test_cli_plans_the_qwen_gsm8k_preset(capsys: pytest.CaptureFixture[str]) -> 
     for fragment in (
         "trainer    node 0 (8 GPUs): Megatron TP1 x PP1 x DP8",
         "generator  nodes 1-3 (24 GPUs): 24 SGLang server(s) x TP1",
+        "fits: yes",
+    ):
+        assert fragment in out, f"{fragment!r} not in:\n{out}"
+
+
+# ---------------------------------------------------------------------- Qwen3 and MoE
+def _qwen3_30b_a3b_by_hand() -> tuple[int, int, int, int]:
+    """Qwen3-30B-A3B from its published shapes: (total, active per token, one expert, the
+    tensors TP copies per layer), written out by hand."""
+    h, heads, kv, hd, experts, k, f, vocab, layers = 2048, 32, 4, 128, 128, 8, 768, 151936, 48
+    attention = h * (heads + 2 * kv) * hd + heads * hd * h  # fused QKV and o_proj
+    copied = 2 * h + 2 * hd + experts * h  # input/post norms, q/k norms, the router
+    expert = 3 * h * f  # gate, up, down
+    globals_ = 2 * vocab * h + h  # embedding, output layer (untied), final norm
+    total = layers * (attention + copied + experts * expert) + globals_
+    active = layers * (attention + copied + k * expert) + globals_
+    return total, active, expert, copied
+
+
+def test_qwen3_30b_a3b_parameters_by_hand() -> None:
+    """~30.5B parameters in all and ~3.3B per token (top-8 of 128 experts), as published;
+    rl/models/arch.py's active_count agrees."""
+    total, active, expert, _ = _qwen3_30b_a3b_by_hand()
+    assert (total, active) == (30_532_122_624, 3_353_032_704)
+    m = _cfg("model=qwen3_30b_a3b").model
+    assert param_count(m) == total
+    d = Dims.of(m)
+    per_layer = active_count(d, m.moe_router_topk)
+    assert per_layer == (active - 2 * 151936 * 2048 - 2048) // 48
+    assert active_count(d, m.num_experts) - per_layer == 120 * expert
+
+
+def test_qwen3_30b_a3b_trainer_gpu_by_hand() -> None:
+    """TP2 x DP16 x EP4: a GPU holds 32 of the 128 experts of every layer, halved by TP
+    (expert TP = TP), whose Adam state the 16 / 4 = 4 replicas of each expert shard; the
+    rest is sharded over DP16. Activations per token and layer: bf16 x (8 copies of h for
+    the experts' input + (4h + 2q + 2kv + 3 x 8 x 768) / 2, sequence parallel)."""
+    cfg = _cfg("experiment=qwen3_30b_a3b_128gpu")
+    t = cfg.trainer
+    assert (t.tp, t.pp, t.dp, t.ep) == (2, 1, 16, 4)
+    total, _, expert, copied = _qwen3_30b_a3b_by_hand()
+    experts = 48 * 32 * expert // 2
+    assert experts == 3_623_878_656 == stage_expert_params(cfg.model, 2, 1, 4)
+    # TP2 halves all but the copies (and the final norm); EP4 keeps a quarter of the experts.
+    dense = total - 48 * 128 * expert
+    params = (dense - 48 * copied - 2048) // 2 + 48 * copied + 2048 + experts
+    assert params == 4_400_822_272
+    plan = _plan("experiment=qwen3_30b_a3b_128gpu")
+    g = plan.busiest_trainer
+    assert g.params == params and (g.weights, g.grads) == (2 * params, 4 * params)
+    assert g.optimizer == 12 * (params - experts) // 16 + 12 * experts // 4
+    per_token_layer = 2 * (8 * 2048 + (4 * 2048 + 2 * 4096 + 2 * 512 + 3 * 8 * 768) // 2)
+    assert per_token_layer == 68608
+    assert g.activations == 8192 * 48 * per_token_layer
+    assert g.logits == 8192 * (151936 // 2) * (2 + 8)
+    assert g.total == 6 * params + g.optimizer + g.activations + g.logits + 5 * GIB
+    assert 71 * GIB < g.total < 72 * GIB  # the preset's 71.2 GB
+    # Megatron's expert groups: EP fastest inside DP, so each EP group is one node's
+    # GPUs at one TP rank and the all-to-all stays on NVLink.
+    trainer, node_of = plan.placement.ranks["trainer"], plan.placement.node_of
+    for tp_rank in range(t.tp):
+        for replica in range(t.dp // t.ep):
+            group = [tp_rank + t.tp * (e + t.ep * replica) for e in range(t.ep)]
+            assert len({node_of[trainer[r]] for r in group}) == 1
+    # The servers: TP2 holds 2 of the 4 KV heads per GPU; DDMA sends every parameter
+    # once per server plus the tensors each TP rank holds whole (norms, router) again.
+    gen, x = plan.generator, plan.transfer
+    assert gen is not None and x is not None and x.fp8_block is None
+    assert gen.kv_bytes_per_token == 2 * 48 * 2 * 128 * 2
+    assert x.per_server == 2 * (total + 48 * copied + 2048)
+    assert x.total == 48 * x.per_server
+
+
+def test_qwen3_235b_a22b_expert_shards_by_hand() -> None:
+    """TP4 x PP2 x EP16: a GPU holds 47 layers x 8 experts, quartered by TP4; TP8 servers
+    replicate each of the 4 KV heads on 2 GPUs (one KV head per GPU)."""
+    cfg = _cfg("experiment=qwen3_235b_a22b_1024gpu")
+    m, t = cfg.model, cfg.trainer
+    assert (t.tp, t.pp, t.dp, t.ep) == (4, 2, 32, 16)
+    expert = 3 * 4096 * 1536
+    assert stage_expert_params(m, t.tp, t.pp, t.ep) == 47 * 8 * expert // 4 == 1_774_190_592
+    d = Dims.of(m)
+    active = 94 * active_count(d, m.moe_router_topk) + 2 * 151936 * 4096 + 4096
+    assert abs(param_count(m) - 235.1e9) < 0.05e9 and abs(active - 22.2e9) < 0.05e9
+    plan = _plan("experiment=qwen3_235b_a22b_1024gpu")
+    assert plan.generator is not None
+    assert plan.generator.kv_bytes_per_token == 2 * 94 * 1 * 128 * 2
+    assert [s.layers for s in plan.placement.stages] == [(0, 46), (47, 93)]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "fragments"),
+    [
+        (
+            ["experiment=qwen3_30b_a3b_128gpu", "trainer.dp=12", "trainer.ep=6"],
+            ["trainer.ep=6 does not divide model.num_experts=128"],
+        ),
+        (
+            ["experiment=qwen3_30b_a3b_128gpu", "trainer.tp=8", "trainer.dp=4"],
+            ["trainer.tp=8 does not divide model.num_query_groups=4"],
+        ),
+        (
+            ["experiment=qwen3_30b_a3b_128gpu", "trainer.ep=32"],
+            ["trainer.ep=32 does not divide trainer.dp=16"],
+        ),
+        (
+            ["experiment=qwen3_235b_a22b_1024gpu", "trainer.pp=4", "trainer.dp=16"],
+            ["trainer.pp=4 does not divide model.num_layers=94"],
+        ),
+    ],
+    ids=["ep-experts", "tp-kv-heads", "ep-dp", "pp-layers"],
+)
+def test_moe_refusals_name_the_field(overrides: list[str], fragments: list[str]) -> None:
+    """Refused by validation (at launch) and by the planner alike."""
+    from rl.config import validate
+
+    for check in (validate, plan_cluster):
+        with pytest.raises(ConfigError) as info:
+            check(_cfg(*overrides))
+        msg = str(info.value)
+        for fragment in fragments:
+            assert fragment in msg, f"{fragment!r} not in {msg!r}"
+
+
+def test_cli_shows_expert_parallelism(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["experiment=qwen3_30b_a3b_128gpu"]) == 0
+    out = capsys.readouterr().out
+    for fragment in (
+        "Megatron TP2 x PP1 x DP16 (EP4 inside DP)",
+        "4.40B params (3.62B in 32 of the 128 routed experts per layer)",
+        "Adam 10.7 GB/DP16 (experts /4)",
+        "48 SGLang server(s) x TP2",
         "fits: yes",
     ):
         assert fragment in out, f"{fragment!r} not in:\n{out}"

@@ -32,6 +32,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (default 1)")
     p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (default 1)")
     p.add_argument(
+        "--ep", type=int, default=1, help="expert-parallel size for MoE models (default 1)"
+    )
+    p.add_argument(
         "--vocab-multiple",
         type=int,
         default=128,
@@ -65,24 +68,24 @@ def main(argv: list[str] | None = None) -> int:
             from rl.dist.launch import setup_rank
 
             m, dtype = prepare_hf_to_mcore(args.hf_dir, args.tp, args.pp, args.vocab_multiple,
-                                           args.dtype)  # fmt: skip
-            world = int(os.environ["WORLD_SIZE"])
-            if world != args.tp * args.pp:
-                raise ConfigError(f"--tp*--pp={args.tp * args.pp} but WORLD_SIZE={world}")
+                                           args.dtype, args.ep)  # fmt: skip
+            world, ranks = int(os.environ["WORLD_SIZE"]), args.tp * args.pp * args.ep
+            if world != ranks:
+                raise ConfigError(f"--tp*--pp*--ep={ranks} but WORLD_SIZE={world}")
             setup_rank("cpu", threads=1)
-            summary = hf_to_mcore_rank(args.hf_dir, str(out), m, args.tp, args.pp, dtype)
+            summary = hf_to_mcore_rank(args.hf_dir, str(out), m, args.tp, args.pp, dtype, args.ep)
             if int(os.environ["RANK"]) != 0:
                 return 0
         else:
             summary = hf_to_mcore(
-                args.hf_dir, str(out), args.tp, args.pp, args.vocab_multiple, args.dtype
+                args.hf_dir, str(out), args.tp, args.pp, args.vocab_multiple, args.dtype, args.ep
             )
     except (ConfigError, HFConfigError, HFCheckpointError, FileExistsError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     rss = summary["peak_rss_mb"]
     print(
-        f"wrote {out} (tp={args.tp}, pp={args.pp}): {summary['tensors']} shards of tensors in "
+        f"wrote {out} (tp={args.tp}, pp={args.pp}, ep={args.ep}): {summary['tensors']} shards of tensors in "
         f"{summary['seconds']:.1f}s; peak RSS per rank {max(rss):.0f} MB "
         f"({', '.join(f'{r:.0f}' for r in rss)})"
     )

@@ -30,10 +30,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="Hugging Face directory to write")
     p.add_argument(
         "--arch",
-        choices=["LlamaForCausalLM", "Qwen2ForCausalLM"],
         default=None,
-        help="architecture to write (default: the original one, else Qwen2 if the model\n"
-        "has QKV bias, otherwise Llama)",
+        help="architecture to write, a registered family's HF class (default: the model's\n"
+        "own, model.architecture in the checkpoint)",
     )
     p.add_argument(
         "--dtype",

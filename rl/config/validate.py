@@ -344,8 +344,9 @@ def validate_weight_sync(cfg: Any) -> None:
 
     try:
         # One bucket per pair: planning stays fast for 405B presets; layouts, vocab and
-        # FP8 block alignment are all checked.
-        plan_for(cfg.model, cfg.trainer, cfg.rollout, bucket_bytes=1 << 50)
+        # FP8 block alignment are all checked. The real DP: trainer.ep must divide it.
+        t = cfg.trainer
+        plan_for(cfg.model, t, cfg.rollout, dp=t.dp, bucket_bytes=1 << 50)
     except PlanError as e:
         raise ConfigError(str(e)) from None
 

@@ -10,15 +10,22 @@ Trainer GPU of pipeline stage p (P = its parameters, on this TP rank):
 * weights ``P * w`` (w = 2 for bf16, 4 for fp32 ``trainer.params_dtype``);
 * grads ``P * 4``: the DDP grad buffer is fp32 (``grad_reduce_in_fp32=True``);
 * Adam ``P * (8 + 4 if bf16) / dp``: fp32 m and v, plus fp32 main weights when training
-  in bf16, sharded over DP by the distributed optimizer (``/1`` without it);
+  in bf16, sharded over DP by the distributed optimizer (``/1`` without it); the routed
+  experts' share over ``dp / ep`` only, the replicas of each expert (EP sits inside DP);
 * activations ``b * s * layers_per_stage * min(pp - p, microbatches) * a`` with b the
   micro-batch, s the sequence (``rollout.context_length``, else the model's maximum) and
   1F1B keeping ``pp - p`` micro-batches in flight on stage p. Per token and layer,
   ``a = w * (4h + (2q + 2kv + 3f) / tp)`` bytes: without sequence parallelism or
-  recomputation (neither is enabled) the two norm inputs and the two column-parallel
-  inputs (4h) are replicated across TP; the q/k/v tensors and the attention output kept
-  by fused (flash) attention (2q + 2kv) and SwiGLU's gate, up and output (3f) are split.
-  No s^2 term: Transformer Engine's fused attention keeps no score matrix;
+  recomputation (a dense model enables neither) the two norm inputs and the two
+  column-parallel inputs (4h) are replicated across TP; the q/k/v tensors and the
+  attention output kept by fused (flash) attention (2q + 2kv) and SwiGLU's gate, up and
+  output (3f) are split. No s^2 term: Transformer Engine's fused attention keeps no score
+  matrix. An MoE layer (rl/models/megatron_gpt.py) differs in three ways: f is what one
+  token goes through (top-k experts plus the shared expert); the routed experts keep
+  their input, on average (even routing) k copies of each token the all-to-all brings
+  them (``k * h``, whole: with TP the dispatcher gathers the sequence, as the experts are
+  split over TP too); and with TP > 1 sequence parallelism is on (Megatron-Core requires
+  it for MoE), which splits the 4h too: ``a = w * (k * h + (4h + 2q + 2kv + 3f) / tp)``;
 * logits (last stage) ``b * s * vocab / tp * (w + 8)``: the logits plus the fp32 copy and
   softmax the vocab-parallel cross-entropy keeps;
 * a frozen reference copy ``P * w`` when ``algorithm.kl_coef > 0``; two DDMA buckets;
@@ -119,13 +126,16 @@ def stage_expert_params(m: Any, tp: int, pp: int, ep: int = 1) -> int:
 
 def activation_bytes_per_token_layer(m: Any, tp: int, itemsize: int) -> int:
     """``w * (4h + (2q + 2kv + 3f) / tp)``: see the module docstring. For an MoE layer f is
-    what one token goes through: top-k experts plus the shared expert."""
+    what one token goes through (top-k experts plus the shared expert), the routed experts
+    keep their k copies of the token (``k * h``, not split), and with TP > 1 sequence
+    parallelism splits the 4h."""
     h, q = m.hidden_size, m.num_attention_heads * kv_channels(m)
     kv = m.num_query_groups * kv_channels(m)
-    f = m.ffn_hidden_size
-    if m.num_experts:
-        f = m.moe_router_topk * m.moe_ffn_hidden_size + m.shared_expert_ffn_hidden_size
-    return itemsize * (4 * h + (2 * q + 2 * kv + 3 * f) // tp)
+    if not m.num_experts:
+        return itemsize * (4 * h + (2 * q + 2 * kv + 3 * m.ffn_hidden_size) // tp)
+    k = m.moe_router_topk
+    f = k * m.moe_ffn_hidden_size + m.shared_expert_ffn_hidden_size
+    return itemsize * (k * h + (4 * h + 2 * q + 2 * kv + 3 * f) // tp)
 
 
 def microbatches(cfg: Any) -> int:

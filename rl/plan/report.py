@@ -11,7 +11,7 @@ from dataclasses import asdict
 from typing import Any
 
 from rl.plan.cluster import ClusterPlan
-from rl.plan.memory import GIB, microbatches
+from rl.plan.memory import GIB, microbatches, stage_expert_params
 
 SHOW = 6  # longer lists print their first and last few lines
 
@@ -64,8 +64,9 @@ def render(plan: ClusterPlan, cfg: Any) -> str:
     tn = p.train_nodes
     where = _nodes(*tn)
     n_gpus = f" ({t.tp * t.pp * t.dp} GPUs)" if gpus else ""
+    ep = f" (EP{t.ep} inside DP)" if t.ep > 1 else ""
     out.append(
-        f"  trainer    {where}{n_gpus}: Megatron TP{t.tp} x PP{t.pp} x DP{t.dp}, "
+        f"  trainer    {where}{n_gpus}: Megatron TP{t.tp} x PP{t.pp} x DP{t.dp}{ep}, "
         f"{t.params_dtype}, global ranks {_ranks(p.ranks['trainer'])}"
     )
     out += _shorten(
@@ -123,9 +124,16 @@ def render(plan: ClusterPlan, cfg: Any) -> str:
     budget = f" GPU (of {fmt_bytes(plan.gpu_bytes)})" if plan.gpu_bytes else " rank (host memory)"
     g = plan.busiest_trainer
     dist = f"/DP{t.dp}" if t.use_distributed_optimizer else ""
+    experts, e = "", cfg.model.num_experts
+    if e:  # a GPU holds e / ep experts per layer; each has dp / ep replicas to shard Adam
+        n = stage_expert_params(cfg.model, t.tp, t.pp, t.ep)
+        experts = f" ({_params(n)} in {e // t.ep} of the {e} routed experts per layer)"
+        if t.use_distributed_optimizer and t.ep > 1:
+            dist += f" (experts /{t.dp // t.ep})"
     in_flight = min(t.pp - g.stage, microbatches(cfg))
     out += [
-        f"memory per trainer{budget}, busiest: stage {g.stage}, {_params(g.params)} params",
+        f"memory per trainer{budget}, busiest: stage {g.stage}, {_params(g.params)} params"
+        + experts,
         f"  weights {fmt_bytes(g.weights)} + grads {fmt_bytes(g.grads)} + Adam "
         f"{fmt_bytes(g.optimizer)}{dist} + activations {fmt_bytes(g.activations)} "
         f"({t.micro_batch_size}x{plan.sequence} tokens x {cfg.model.num_layers // t.pp} layers x "

@@ -154,12 +154,12 @@ def _prepare(cfg: Any, log: Any) -> tuple[Any, Any, Ready]:
 
 
 def _from_hf(cfg: Any, out: Path) -> str:
-    """``model.hf_checkpoint`` as a Megatron checkpoint at this trainer's TP/PP (cached)."""
+    """``model.hf_checkpoint`` as a Megatron checkpoint at this trainer's TP/PP/EP (cached)."""
     from rl.weights.convert import cached_hf_to_mcore
 
     t = cfg.trainer
     return cached_hf_to_mcore(cfg.model.hf_checkpoint, out / "hf_cache", cfg.model, t.tp, t.pp,
-                              t.params_dtype)  # fmt: skip
+                              t.params_dtype, t.ep)  # fmt: skip
 
 
 def _export_hf(cfg: Any, path: str, step: int) -> str:

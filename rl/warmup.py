@@ -52,6 +52,7 @@ def supervised_warmup(
     for step in range(1, sft.steps + 1):
         m = trainer.train_step(sft_batch(take(stream, gbs), task.codec.pad_id), nll_loss)
         keep = ("loss", "grad_norm", "lr", "tokens_per_s", "step_seconds")
+        keep += tuple(k for k in m if k.startswith("moe_"))  # MoE router health
         stop = False
         if target is not None and step % sft.check_every == 0:
             val = evaluate(task.validation_set)

@@ -137,12 +137,37 @@ def test_sync_job_trains_on_exactly_the_sampled_distribution(tmp_path):
     _no_server_left(out)
 
 
+def test_moe_job_with_expert_parallelism_samples_what_it_trains(tmp_path):
+    """A Qwen3-MoE-style model (conf/model/tiny_moe.yaml) trained with Megatron EP=2: the
+    servers start from random HF weights, the warmed-up experts reach them by DDMA from
+    their EP owners, and in sync mode the trainer scores every sampled token as SGLang did
+    (routing included: a token routed differently would change its log-prob). The router's
+    load-balancing loss and the busiest expert's load are logged every step."""
+    out = tmp_path / "run"
+    res = _run(
+        "model=tiny_moe", "trainer.tp=1", "trainer.dp=2", "trainer.ep=2",
+        "trainer.micro_batch_size=16", "sft.steps=20", "sft.eval_every=20",
+        "task.eval_size=32", "rl.prompts_per_step=8", "rl.steps=2", "rl.mode=sync",
+        "rl.eval_every=0", f"run.output_dir={out}",
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr[-4000:]
+    steps = _records(out, "rl")
+    assert len(steps) == 2
+    for r in steps:
+        assert r["mismatch_abs_logp"] < 1e-5, r
+        assert abs(r["is_ratio"] - 1) < 1e-4
+        assert 0.9 < r["moe_aux_loss"] < 4.0 and 1.0 <= r["moe_max_expert_load"] <= 4.0, r
+    assert all("moe_aux_loss" in r for r in _records(out, "warmup"))
+    _no_server_left(out)
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
         (["algorithm.max_policy_lag=-1"], "algorithm.max_policy_lag=-1 must be >= 0"),
         (["algorithm.rho=0"], "algorithm.rho=0.0 must be > 0"),
         (["cluster.roles.reward=0"], "cluster.roles.reward=0: rl.steps=400 needs at least one"),
+        (["model=tiny_moe", "trainer.ep=2"], "trainer.ep=2 does not divide trainer.dp=1"),
     ],
 )
 def test_bad_config_fails_before_any_rank_starts(args, message):

@@ -85,8 +85,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     rss = summary["peak_rss_mb"]
     print(
-        f"wrote {out} (tp={args.tp}, pp={args.pp}, ep={args.ep}): {summary['tensors']} shards of tensors in "
-        f"{summary['seconds']:.1f}s; peak RSS per rank {max(rss):.0f} MB "
+        f"wrote {out} (tp={args.tp}, pp={args.pp}, ep={args.ep}): {summary['tensors']} shards "
+        f"of tensors in {summary['seconds']:.1f}s; peak RSS per rank {max(rss):.0f} MB "
         f"({', '.join(f'{r:.0f}' for r in rss)})"
     )
     return 0

@@ -43,7 +43,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from rl.models.arch import Dims, mlp_tensors, spec_numel
+from rl.models.arch import Dims, expert_count
 from rl.models.shapes import kv_channels, layer_param_count, padded_vocab_size
 
 GIB = 1 << 30
@@ -119,9 +119,7 @@ def stage_params(m: Any, tp: int, pp: int, stage: int, ep: int = 1) -> int:
 def stage_expert_params(m: Any, tp: int, pp: int, ep: int = 1) -> int:
     """The routed experts' share of :func:`stage_params` (their optimizer state is sharded
     over the dp / ep replicas of each expert, not over dp)."""
-    d = Dims.of(m)
-    per_layer = sum(spec_numel(s, d) for s in mlp_tensors(d) if s.expert) // (tp * ep)
-    return (m.num_layers // pp) * per_layer
+    return (m.num_layers // pp) * (expert_count(Dims.of(m)) // (tp * ep))
 
 
 def activation_bytes_per_token_layer(m: Any, tp: int, itemsize: int) -> int:

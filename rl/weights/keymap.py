@@ -46,9 +46,7 @@ FC2 = "mlp.linear_fc2.weight"
 
 @cache
 def _tables(d: Dims) -> dict[str, TensorSpec]:
-    from rl.models.registry import get
-
-    return {s.key: s for s in get(d.arch, "architecture").tensors(d)}
+    return {s.key: s for s in a.tensors(d)}
 
 
 @cache

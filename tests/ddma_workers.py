@@ -105,10 +105,28 @@ def _exit_after_first_bucket(report) -> None:
     wire.unpack = unpack_then_die
 
 
-def train_then_sync(mcore_dir: str, m, url: str, save_dir: str, batch: dict) -> dict:
-    """A Megatron trainer (this world's TP) loads ``mcore_dir``, takes one optimizer step
-    on ``batch``, saves, and DDMAs its own shards into the SGLang server at ``url`` as
-    version 1 (rank 0 brackets the transfer as the controller would)."""
+def train_then_sync(
+    mcore_dir: str,
+    m,
+    url: str,
+    save_dir: str,
+    batch: dict,
+    tp: int | None = None,
+    ep: int = 1,
+    lr: float | None = None,
+    hf_dir: str | None = None,
+) -> dict:
+    """A Megatron trainer loads ``mcore_dir``, takes one optimizer step on ``batch``, saves,
+    and DDMAs its own shards into the SGLang server at ``url`` as version 1 (rank 0
+    brackets the transfer as the controller would). ``url`` may instead be the path of a
+    file the parent writes the URL into once the server is up: the trainer then converts
+    and trains while the server starts (an empty file: the server failed; give up).
+
+    Layout: TP ``tp`` (default: the whole world), DP the rest of the world, experts split
+    over ``ep`` of the DP ranks (MoE). ``lr``: the step's exact learning rate (no warm-up,
+    constant); None: lr 0.05 under the default config's schedule (its warm-up starts the
+    first step at lr / warmup_steps). ``hf_dir``: first convert that HF checkpoint into
+    ``mcore_dir`` on these same ranks (saves a second world's start-up)."""
     from rl.algorithms.losses import nll_loss
     from rl.config import compose
     from rl.ddma.megatron_source import shard_getter, source_rank
@@ -117,17 +135,29 @@ def train_then_sync(mcore_dir: str, m, url: str, save_dir: str, batch: dict) -> 
     from rl.trainer.trainer import build_trainer
     from rl.weights.keymap import Dims
 
-    tp = dist.get_world_size()
+    world = dist.get_world_size()
+    tp = tp or world
+    dp = world // tp
     rows = batch["tokens"].shape[0]
+    if hf_dir is not None:
+        from rl.weights.convert import hf_to_mcore_rank
+
+        hf_to_mcore_rank(hf_dir, mcore_dir, m, tp, 1, "float32", ep)
     cfg = compose(
-        [f"trainer.tp={tp}", "trainer.micro_batch_size=1", f"trainer.global_batch_size={rows}",
-         "trainer.optim.lr=0.05", "trainer.optim.clip_grad=0"]
+        [f"trainer.tp={tp}", f"trainer.dp={dp}", f"trainer.ep={ep}",
+         "trainer.micro_batch_size=1", f"trainer.global_batch_size={rows}",
+         "trainer.optim.clip_grad=0"]
+        + (["trainer.optim.lr=0.05"] if lr is None else
+           [f"trainer.optim.lr={lr}", f"trainer.optim.min_lr={lr}",
+            "trainer.optim.warmup_steps=0", "trainer.optim.decay_style=constant"])
     )  # fmt: skip
     tr = build_trainer(m, cfg.trainer, total_steps=1)
     tr.load(mcore_dir, load_optimizer=False)
     metrics = tr.train_step(batch, nll_loss)
     tr.save(save_dir)
-    plan = make_plan(Dims.of(m), SrcLayout(tp), DstLayout.sglang(1, "cpu"), 4, 1 << 16)
+    url = _await_url(url)
+    src = SrcLayout(tp, 1, dp, ep=ep)
+    plan = make_plan(Dims.of(m), src, DstLayout.sglang(1, "cpu"), 4, 1 << 16)
     rank = source_rank(tr.layout, plan.src)
     target = SGLangTarget(url, plan, torch.float32)
     if rank == 0:
@@ -137,7 +167,24 @@ def train_then_sync(mcore_dir: str, m, url: str, save_dir: str, batch: dict) -> 
     dist.barrier()
     if rank == 0:
         target.commit(1)
-    return {"metrics": metrics, "stats": stats}
+    return {"metrics": metrics, "stats": stats, "rank": rank}
+
+
+def _await_url(url: str, timeout_s: float = 600.0) -> str:
+    """``url`` itself, or the URL the parent writes into the file at path ``url``."""
+    import time
+
+    if url.startswith("http"):
+        return url
+    deadline = time.monotonic() + timeout_s
+    while not Path(url).exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no server URL in {url} after {timeout_s:.0f}s")
+        time.sleep(0.2)
+    got = Path(url).read_text().strip()
+    if not got:
+        raise RuntimeError(f"{url}: the server did not start")
+    return got
 
 
 def baseline_rank(model_dir: str, tp: int, dst_tp: int) -> dict:

@@ -166,8 +166,14 @@ def spawn(
             if not ok:
                 raise RuntimeError(f"rank {rank} failed:\n{payload}")
             out[rank] = torch.load(io.BytesIO(payload), weights_only=False)
+        # Poll the exit status (waitpid) instead of join(), which waits for EOF on the
+        # rank's sentinel pipe: a daemon the rank started (torch_shm_manager, kept alive
+        # while a server still maps the rank's shared memory) inherits that pipe and held
+        # join() for its full 60 s after the rank had exited.
+        end = time.monotonic() + 60
         for p in procs:
-            p.join(timeout=60)
+            while p.exitcode is None and time.monotonic() < end:
+                time.sleep(0.05)
     finally:
         for p in procs:
             if p.is_alive():

@@ -15,11 +15,14 @@ Versions: megatron-core 0.16.1.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from megatron_patches._util import once, replace_attr
+
+if TYPE_CHECKING:
+    import numpy as np
 
 NAME = "moe_split_sizes"
 
@@ -31,8 +34,8 @@ def apply() -> bool:
         original = token_dispatcher.maybe_move_tensor_to_cpu
 
         def maybe_move_tensor_to_cpu(
-            tensor: Any, as_numpy: bool = False, record_stream: bool = False
-        ) -> Any:
+            tensor: torch.Tensor | None, as_numpy: bool = False, record_stream: bool = False
+        ) -> torch.Tensor | np.ndarray | None:
             if as_numpy and torch.is_tensor(tensor) and tensor.device.type == "cpu":
                 return tensor.detach().clone().numpy()  # a copy, as the GPU path returns
             return original(tensor, as_numpy=as_numpy, record_stream=record_stream)

@@ -16,9 +16,14 @@ Versions: megatron-core 0.16.1 (local spec, without Transformer Engine).
 from __future__ import annotations
 
 import copy
-from typing import Any
+from typing import TYPE_CHECKING
+
+import torch
 
 from megatron_patches._util import once, replace_attr
+
+if TYPE_CHECKING:
+    from megatron.core.transformer import TransformerConfig
 
 NAME = "torch_norm_sp"
 
@@ -30,7 +35,9 @@ def apply() -> bool:
         cls = torch_norm.WrappedTorchNorm
         original = cls.__new__
 
-        def __new__(wrapped: type, config: Any, *args: Any, **kwargs: Any) -> Any:
+        def __new__(
+            wrapped: type, config: TransformerConfig, *args: object, **kwargs: object
+        ) -> torch.nn.Module:
             if not config.sequence_parallel:
                 return original(wrapped, config, *args, **kwargs)
             plain = copy.copy(config)  # not dataclasses.replace: no second __post_init__

@@ -17,8 +17,6 @@ Versions: megatron-core 0.16.1 on gloo.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 import torch.distributed as dist
 
@@ -34,8 +32,11 @@ def apply() -> bool:
         gather, scatter = mappings._gather_along_first_dim, mappings._reduce_scatter_along_first_dim
 
         def _gather(
-            input_: Any, group: Any, output_split_sizes: Any = None, use_global_buffer: bool = False
-        ) -> Any:
+            input_: torch.Tensor,
+            group: dist.ProcessGroup,
+            output_split_sizes: list[int] | None = None,
+            use_global_buffer: bool = False,
+        ) -> torch.Tensor:
             if output_split_sizes is None or group.size() == 1:
                 return gather(input_, group, output_split_sizes, use_global_buffer)
             sizes = [int(s) for s in output_split_sizes]
@@ -47,8 +48,11 @@ def apply() -> bool:
             return torch.cat([p[:n] for p, n in zip(parts, sizes, strict=True)], dim=0)
 
         def _scatter(
-            input_: Any, group: Any, input_split_sizes: Any = None, use_global_buffer: bool = False
-        ) -> Any:
+            input_: torch.Tensor,
+            group: dist.ProcessGroup,
+            input_split_sizes: list[int] | None = None,
+            use_global_buffer: bool = False,
+        ) -> torch.Tensor:
             if input_split_sizes is None or group.size() == 1:
                 return scatter(input_, group, input_split_sizes, use_global_buffer)
             sizes = [int(s) for s in input_split_sizes]

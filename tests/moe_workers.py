@@ -13,7 +13,6 @@ import zlib
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 VOCAB = 128
 SEQ = 8
@@ -24,46 +23,39 @@ AUX_COEFF = 1e-2
 
 
 def moe_config(dispatcher: str, tp: int = 1, ep: int = 1, **overrides: Any) -> Any:
-    """The tiny MoE model's TransformerConfig (fp32, the CPU fusion flags off)."""
-    from megatron.core.transformer.transformer_config import TransformerConfig
+    """The tiny MoE model's TransformerConfig, as the trainer builds it
+    (rl/models/megatron_gpt.py: fp32, the CPU fusion flags off), with the dispatcher under
+    test and Megatron's defaults for the loss scaling and sequence parallelism."""
+    import dataclasses
 
-    kw: dict[str, Any] = dict(
+    from rl.config.schema import ModelConfig, TrainerConfig
+    from rl.models.megatron_gpt import transformer_config
+
+    m = ModelConfig(
+        name="moe_patch_test",
+        architecture="Qwen3MoeForCausalLM",
         num_layers=NUM_LAYERS,
         hidden_size=64,
         ffn_hidden_size=128,
         num_attention_heads=4,
         num_query_groups=2,
-        kv_channels=16,
-        normalization="RMSNorm",
-        qk_layernorm=True,
-        gated_linear_unit=True,
-        activation_func=F.silu,
-        add_bias_linear=False,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        tensor_model_parallel_size=tp,
-        expert_model_parallel_size=ep,
-        sequence_parallel=False,
-        params_dtype=torch.float32,
-        pipeline_dtype=torch.float32,
-        use_cpu_initialization=True,
-        bias_activation_fusion=False,
-        bias_dropout_fusion=False,
-        masked_softmax_fusion=False,
-        persist_layer_norm=False,
-        apply_rope_fusion=False,
-        gradient_accumulation_fusion=False,
-        cross_entropy_loss_fusion=False,
-        num_moe_experts=NUM_EXPERTS,
-        moe_router_topk=2,
+        vocab_size=VOCAB,
+        max_position_embeddings=SEQ,
+        qk_norm=True,
+        num_experts=NUM_EXPERTS,
         moe_ffn_hidden_size=32,
-        moe_grouped_gemm=False,
-        moe_token_dispatcher_type=dispatcher,
-        moe_router_load_balancing_type="aux_loss",
+        moe_router_topk=2,
         moe_aux_loss_coeff=AUX_COEFF,
     )
-    kw.update(overrides)
-    return TransformerConfig(**kw)
+    base = transformer_config(m, TrainerConfig(tp=tp, ep=ep))
+    return dataclasses.replace(
+        base,
+        moe_token_dispatcher_type=dispatcher,
+        moe_aux_loss_coeff=AUX_COEFF,
+        calculate_per_token_loss=False,
+        sequence_parallel=False,
+        **overrides,
+    )
 
 
 def build_moe_gpt(config: Any) -> Any:

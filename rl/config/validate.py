@@ -14,6 +14,9 @@ from rl.models.arch import kv_channels
 from rl.models.shapes import padded_vocab_size
 
 if TYPE_CHECKING:  # the task layer is imported where it is used (it loads tokenizers)
+    from omegaconf import DictConfig
+
+    from rl.config.schema import ModelConfig
     from rl.tasks import Task
 
 DEVICES = ("cpu", "cuda")
@@ -106,7 +109,7 @@ def validate_model(m: Any) -> None:
             )
 
 
-def _validate_moe(m: Any, moe: bool) -> None:
+def _validate_moe(m: ModelConfig, moe: bool) -> None:
     _require(
         (m.num_experts > 0) == moe,
         f"model.num_experts={m.num_experts} does not fit {m.architecture} "
@@ -232,7 +235,7 @@ def validate_task(cfg: Any) -> None:
         _optim("sft.optim", sft.optim)
 
 
-def check_task(cfg: Any) -> Task:
+def check_task(cfg: DictConfig) -> Task:
     """Build the task (reads and renders its data) and check it against the model and
     the rollouts; returns it. Run once before launch, after :func:`validate`."""
     from rl.tasks import TaskError, build_task

@@ -16,9 +16,8 @@ group.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -47,7 +46,14 @@ def _lost(b: Bucket, peer: int, role: str, e: Exception) -> TransferError:
     )
 
 
-def _post(op: Any, tensor: torch.Tensor, peer: int, group: Any, b: Bucket, role: str) -> Any:
+def _post(
+    op: Callable[..., object],
+    tensor: torch.Tensor,
+    peer: int,
+    group: dist.ProcessGroup | None,
+    b: Bucket,
+    role: str,
+) -> dist.Work:
     """Post one point-to-point op. A peer already gone can fail here as well as in the
     wait (gloo notices a closed connection at either, depending on timing)."""
     try:
@@ -57,7 +63,7 @@ def _post(op: Any, tensor: torch.Tensor, peer: int, group: Any, b: Bucket, role:
     return work
 
 
-def _wait(work: Any, b: Bucket, peer: int, role: str) -> None:
+def _wait(work: dist.Work, b: Bucket, peer: int, role: str) -> None:
     try:
         work.wait()
     except Exception as e:  # gloo: connection reset / timeout; NCCL: watchdog errors
@@ -74,7 +80,7 @@ def send(
     shards: wire.SrcGetter,
     version: int,
     dtype: torch.dtype,
-    group: Any,
+    group: dist.ProcessGroup | None,
     dst_ranks: Sequence[int],
     device: str | torch.device = "cpu",
 ) -> TransferStats:
@@ -86,7 +92,7 @@ def send(
     t0 = time.perf_counter()
     bufs = _buffers(plan, device)
     stats.buffer_bytes = sum(b.numel() for b in bufs)
-    inflight: list[tuple[Any, Bucket] | None] = [None, None]
+    inflight: list[tuple[dist.Work, Bucket] | None] = [None, None]
     for i, b in enumerate(mine):
         slot = i % 2
         if inflight[slot] is not None:
@@ -110,7 +116,7 @@ def receive(
     tensors: wire.DstGetter,
     version: int,
     dtype: torch.dtype,
-    group: Any,
+    group: dist.ProcessGroup | None,
     src_ranks: Sequence[int],
     device: str | torch.device = "cpu",
 ) -> TransferStats:
@@ -128,7 +134,7 @@ def receive(
     bufs = _buffers(plan, device) if mine else []
     stats.buffer_bytes = sum(b.numel() for b in bufs)
 
-    def post(i: int) -> Any:
+    def post(i: int) -> dist.Work:
         b = mine[i]
         return _post(dist.irecv, bufs[i % 2][: b.nbytes], src_ranks[b.src], group, b,
                      "trainer rank")  # fmt: skip

@@ -102,7 +102,7 @@ def _tp_rank() -> int:
         return 0
 
 
-def targets(model: Any, plan: Plan) -> dict[str, torch.Tensor]:
+def targets(model: torch.nn.Module, plan: Plan) -> dict[str, torch.Tensor]:
     """The tensors the plan writes, by name: the model's parameters, and for a fused expert
     parameter (``...experts.w13_weight``) the plan's ``name[e]`` slabs as views of it."""
     fused = {n.rsplit("[", 1)[0] for n in plan.dst_shapes if n.endswith("]")}

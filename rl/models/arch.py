@@ -29,7 +29,10 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:  # types only: the config layer sits above this one
+    from rl.config.schema import ModelConfig
 
 # Layouts: how a tensor is fused from its HF parts and split by tensor parallelism.
 REPLICATED = "replicated"  # whole on every TP rank (norms, the MoE router)
@@ -44,6 +47,28 @@ FINAL_NORM = "decoder.final_layernorm.weight"
 LAYERS = "decoder.layers."
 
 _EXPERT_INDEX = re.compile(r"\.experts\.(\d+)\.")
+
+
+class ModelShape(Protocol):
+    """What the shape arithmetic reads of a model config: a ``ModelConfig`` or the composed
+    ``DictConfig`` of one (this layer does not import the config layer)."""
+
+    architecture: str
+    num_layers: int
+    hidden_size: int
+    ffn_hidden_size: int
+    num_attention_heads: int
+    num_query_groups: int
+    head_dim: int | None
+    vocab_size: int
+    make_vocab_size_divisible_by: int
+    tie_embeddings: bool
+    qkv_bias: bool
+    qk_norm: bool
+    num_experts: int
+    moe_ffn_hidden_size: int | None
+    shared_expert_ffn_hidden_size: int
+    shared_expert_gate: bool
 
 
 @dataclass(frozen=True)
@@ -68,7 +93,7 @@ class Dims:
     arch: str = "LlamaForCausalLM"
 
     @classmethod
-    def of(cls, m: Any) -> Dims:
+    def of(cls, m: ModelShape) -> Dims:
         moe = m.num_experts > 0
         return cls(
             layers=m.num_layers,
@@ -83,7 +108,7 @@ class Dims:
             qkv_bias=m.qkv_bias,
             qk_norm=m.qk_norm,
             experts=m.num_experts,
-            moe_ffn=m.moe_ffn_hidden_size if moe else 0,
+            moe_ffn=(m.moe_ffn_hidden_size or 0) if moe else 0,
             shared_ffn=m.shared_expert_ffn_hidden_size if moe else 0,
             shared_gate=bool(moe and m.shared_expert_gate),
             arch=m.architecture,
@@ -241,12 +266,12 @@ def template(key: str) -> str:
 
 
 # ------------------------------------------------------------------ shape arithmetic
-def kv_channels(m: Any) -> int:
+def kv_channels(m: ModelShape) -> int:
     """Per-head width: the explicit ``head_dim`` (Qwen3, Mistral) or hidden / heads."""
     return m.head_dim or m.hidden_size // m.num_attention_heads
 
 
-def padded_vocab_size(m: Any) -> int:
+def padded_vocab_size(m: ModelShape) -> int:
     """Rows of the embedding and output layer: vocab_size rounded up to the padding multiple."""
     mult = m.make_vocab_size_divisible_by
     return -(-m.vocab_size // mult) * mult
@@ -314,9 +339,9 @@ class Arch:
     hf_class: str
     model_type: str
     sglang_module: str
-    fixed: dict[str, Any] = field(default_factory=dict)
+    fixed: dict[str, bool | int] = field(default_factory=dict)
     from_hf: Callable[[dict], dict] = lambda hf: {}
-    to_hf: Callable[[Any], dict] = lambda m: {}
+    to_hf: Callable[[ModelConfig], dict] = lambda m: {}
     moe: bool = False
 
     def tensors(self, d: Dims) -> list[TensorSpec]:

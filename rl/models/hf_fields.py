@@ -7,7 +7,7 @@ before any weight is read.
 
 from __future__ import annotations
 
-from typing import Any, NoReturn
+from typing import NoReturn, TypeGuard
 
 
 class HFConfigError(ValueError):
@@ -18,29 +18,29 @@ def fail(msg: str) -> NoReturn:
     raise HFConfigError(f"config.json: {msg}")
 
 
-def _is_number(v: Any) -> bool:
+def _is_number(v: object) -> TypeGuard[int | float]:
     return isinstance(v, int | float) and not isinstance(v, bool)
 
 
-def required(hf: dict, key: str) -> Any:
+def required(hf: dict, key: str) -> object:
     if hf.get(key) is None:
         fail(f"required key {key!r} is missing")
     return hf[key]
 
 
-def positive_int(key: str, v: Any) -> int:
+def positive_int(key: str, v: object) -> int:
     if not (isinstance(v, int) and not isinstance(v, bool) and v >= 1):
         fail(f"{key}={v!r} must be an integer >= 1")
     return v
 
 
-def positive_float(key: str, v: Any) -> float:
+def positive_float(key: str, v: object) -> float:
     if not (_is_number(v) and v > 0):
         fail(f"{key}={v!r} must be a number > 0")
     return float(v)
 
 
-def non_negative_float(key: str, v: Any) -> float:
+def non_negative_float(key: str, v: object) -> float:
     if not (_is_number(v) and v >= 0):
         fail(f"{key}={v!r} must be a number >= 0")
     return float(v)

@@ -6,19 +6,17 @@ Megatron: tested in milliseconds.
 
 from __future__ import annotations
 
-from typing import Any
-
-from rl.models.arch import Dims, count, kv_channels, padded_vocab_size
+from rl.models.arch import Dims, ModelShape, count, kv_channels, padded_vocab_size
 
 __all__ = ["kv_channels", "layer_param_count", "padded_vocab_size", "param_count"]
 
 
-def layer_param_count(m: Any, tp: int = 1, ep: int = 1) -> int:
+def layer_param_count(m: ModelShape, tp: int = 1, ep: int = 1) -> int:
     """Parameters of one decoder layer (on one rank of TP ``tp`` and EP ``ep``)."""
     return count(Dims.of(m), tp, ep)
 
 
-def param_count(m: Any, padded: bool = False) -> int:
+def param_count(m: ModelShape, padded: bool = False) -> int:
     """Total parameters: the HF count, or with ``padded`` the Megatron count (padding rows)."""
     d = Dims.of(m)
     if not padded:

@@ -2,8 +2,15 @@
 and a Mixture-of-Experts MLP in every layer: a softmax router, top-k experts with their
 weights renormalised (``norm_topk_prob``), no shared expert."""
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
 from rl.models import hf_fields as f
 from rl.models.arch import Arch
+
+if TYPE_CHECKING:
+    from rl.config.schema import ModelConfig
 
 
 def moe_from_hf(hf: dict) -> dict:
@@ -32,7 +39,7 @@ def moe_from_hf(hf: dict) -> dict:
     }
 
 
-def moe_to_hf(m) -> dict:
+def moe_to_hf(m: ModelConfig) -> dict:
     return {
         "num_experts": m.num_experts,
         "num_experts_per_tok": m.moe_router_topk,

@@ -1,6 +1,6 @@
 # The two commands of the README. Both build (or reuse) the cached venv first.
 #   make run    set up and run the main job (the embedded tiny default, on CPU)
-#   make test   set up and run lint and the test suite
+#   make test   set up and run lint and the test suite (make test ARGS=tests/unit: seconds)
 SHELL := /bin/bash
 .SHELLFLAGS := -euo pipefail -c
 export PYTHONPATH := $(CURDIR)
@@ -13,9 +13,12 @@ venv:
 run:
 	@V=$$(tools/setup_env.sh) && $$V/bin/python -m rl.train $(ARGS)
 
+# ruff; the import layers (.importlinter); the types of the pure and transport layers.
+LINT = $$V/bin/ruff check . && $$V/bin/ruff format --check . \
+	&& $$V/bin/lint-imports --no-cache && $$V/bin/mypy
+
 lint:
-	@V=$$(tools/setup_env.sh) && $$V/bin/ruff check . && $$V/bin/ruff format --check .
+	@V=$$(tools/setup_env.sh) && $(LINT)
 
 test:
-	@V=$$(tools/setup_env.sh) && $$V/bin/ruff check . && $$V/bin/ruff format --check . \
-		&& $$V/bin/python -m pytest $(ARGS)
+	@V=$$(tools/setup_env.sh) && $(LINT) && $$V/bin/python -m pytest $(ARGS)

@@ -8,7 +8,7 @@ Launch from the repo root (the README's ``make run`` runs the first line):
     torchrun --nproc-per-node 5 -m rl.train ...         # ranks started by torchrun / srun
 
 The config is composed and validated here before any rank starts. One launch starts every
-rank; the role map (rl/controller/roles.py) makes rank 0 the controller, then come the
+rank; the role map (rl/config/roles.py) makes rank 0 the controller, then come the
 trainer ranks (Megatron, tp*pp*dp), the generator ranks (SGLang servers) and the reward
 ranks, each executor on a process group of its own. The trainer warms the policy up on
 the task, then the controller runs the loop (rl/controller/loop.py): rollouts stream from
@@ -26,7 +26,7 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from rl.config import ConfigError, check_task, register, resolve_model, validate
-from rl.controller.roles import RoleMap
+from rl.config.roles import RoleMap
 from rl.dist.launch import quiet_known_warnings, spawn, under_launcher
 
 
@@ -45,8 +45,13 @@ def run(cfg: DictConfig) -> dict[str, float]:
 
             return controller(cfg, job)
         if job.role == "trainer":
-            from rl.trainer.service import serve
-        elif job.role == "generator":
+            from rl.generator.ddma_target import SGLangTarget
+            from rl.trainer.service import serve as serve_trainer
+
+            # The trainer pushes weights into SGLang servers without knowing the generator.
+            serve_trainer(cfg, job, make_target=SGLangTarget)
+            return {}
+        if job.role == "generator":
             from rl.generator.service import serve
         else:
             from rl.reward.service import serve
@@ -67,7 +72,7 @@ def _title(title: str) -> None:
 
 @hydra.main(config_path="../conf", config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> None:
-    from rl.controller import resume
+    from rl.dist import resume
 
     try:  # under a launcher, its world must be exactly the role map's
         resolve_model(cfg)  # model.hf_checkpoint: the architecture from its config.json

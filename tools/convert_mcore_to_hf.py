@@ -23,6 +23,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def parser() -> argparse.ArgumentParser:
+    from rl.config.dtypes import PARAM_DTYPES
+
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter
     )
@@ -36,7 +38,7 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--dtype",
-        choices=["float32", "bfloat16"],
+        choices=PARAM_DTYPES,
         default=None,
         help="dtype of the written tensors (default: the checkpoint's)",
     )
@@ -64,8 +66,8 @@ def parse_size(text: str) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
-    from rl.trainer.checkpoint import CheckpointError
     from rl.weights.convert import mcore_to_hf
+    from rl.weights.dist_ckpt import CheckpointError
     from rl.weights.hf_config import HFConfigError
 
     out = Path(args.out)

@@ -1,4 +1,6 @@
-"""Config schemas, composition and validation (see conf/ for the YAML tree)."""
+"""Config schemas, composition and validation (see conf/ for the YAML tree), and the typed
+forms of config sections that executors share: the role map (``roles``), sampling
+parameters (``sampling``), SGLang's server limits (``sglang``) and dtypes (``dtypes``)."""
 
 from __future__ import annotations
 

@@ -150,7 +150,7 @@ class SFTConfig:
 
 @dataclass
 class SamplingConfig:
-    """Default sampling of rollouts (checked by rl.generator.types.SamplingParams)."""
+    """Default sampling of rollouts (checked by rl.config.sampling.SamplingParams)."""
 
     temperature: float = 1.0
     top_p: float = 1.0

@@ -9,18 +9,22 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from rl.config.dtypes import PARAM_DTYPES
+from rl.config.roles import RoleError, RoleMap
+from rl.config.sampling import RequestError, SamplingParams
+from rl.config.sglang import layout_problem
 from rl.models import registry
 from rl.models.arch import kv_channels
 from rl.models.shapes import padded_vocab_size
+from rl.tasks import scoring
 
-if TYPE_CHECKING:  # the task layer is imported where it is used (it loads tokenizers)
+if TYPE_CHECKING:  # a task is built (data files, tokenizers) only where it is checked
     from omegaconf import DictConfig
 
     from rl.config.schema import ModelConfig
     from rl.tasks import Task
 
 DEVICES = ("cpu", "cuda")
-DTYPES = ("float32", "bfloat16")
 DECAY_STYLES = ("constant", "linear", "cosine")
 # Megatron-Core 0.16 applies Llama 3 RoPE scaling with only `factor` configurable.
 MCORE_LLAMA3_ROPE = {
@@ -169,7 +173,8 @@ def validate_trainer(t: Any, m: Any) -> None:
     )
     _require(t.device in DEVICES, f"trainer.device={t.device!r} must be one of {DEVICES}")
     _require(
-        t.params_dtype in DTYPES, f"trainer.params_dtype={t.params_dtype!r} must be one of {DTYPES}"
+        t.params_dtype in PARAM_DTYPES,
+        f"trainer.params_dtype={t.params_dtype!r} must be one of {PARAM_DTYPES}",
     )
     _optim("trainer.optim", t.optim)
     budget = t.max_tokens_per_microbatch
@@ -264,9 +269,6 @@ def check_task(cfg: DictConfig) -> Task:
 
 
 def validate_rollout(r: Any) -> None:
-    from rl.generator.launcher import layout_problem
-    from rl.generator.types import RequestError, SamplingParams
-
     _positive("rollout", r, "servers", "max_in_flight")
     problem = layout_problem(r.device, r.tp, r.dtype, "rollout")
     _require(problem is None, str(problem))
@@ -331,13 +333,11 @@ def validate_algorithm(a: Any) -> None:
 
 def validate_reward(r: Any) -> None:
     """The reward function must import and take (prompt, response, label, metadata)."""
-    from rl.reward.functions import RewardFnError, check
-
     _require(r.workers >= 1, f"reward.workers={r.workers} must be >= 1")
     _require(r.timeout_s > 0, f"reward.timeout_s={r.timeout_s} must be > 0 seconds")
     try:
-        check(r.fn)
-    except RewardFnError as e:
+        scoring.check(r.fn)
+    except scoring.RewardFnError as e:
         raise ConfigError(f"reward.{e}") from None
 
 
@@ -394,9 +394,7 @@ def validate_rl(cfg: Any) -> None:
 
 
 def validate_roles(cfg: Any, world_size: int | None = None) -> None:
-    """Every rank of the launch must get exactly one executor (rl/controller/roles.py)."""
-    from rl.controller.roles import RoleError, RoleMap
-
+    """Every rank of the launch must get exactly one executor (rl/config/roles.py)."""
     try:
         roles = RoleMap.from_config(cfg)
         if world_size is not None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import sys
 
 from rl.config import ConfigError, compose, validate
-from rl.controller.roles import RoleMap
+from rl.config.roles import RoleMap
 
 
 def main(argv: list[str]) -> int:

@@ -17,9 +17,10 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from rl.generator.types import Rollout, SamplingParams
-from rl.reward.functions import ScoreItem, ScoreResult
+from rl.config.sampling import SamplingParams
+from rl.generator.types import Rollout
 from rl.tasks.common import Example, Task
+from rl.tasks.scoring import ScoreItem, ScoreResult
 
 if TYPE_CHECKING:
     from rl.generator.client import GeneratorClient

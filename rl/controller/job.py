@@ -6,19 +6,20 @@ executor then gets a default process group of its own over its own ranks, throug
 prefix of that store. That is what Megatron-Core needs (it builds its TP/PP/DP groups
 from the default group's ranks, so the trainer's world must be exactly the trainer ranks),
 and it keeps each executor's collectives away from the others. Executors talk to the
-controller only through :class:`~rl.controller.channel.Channel` queues.
+controller only through :class:`~rl.dist.channel.Channel` queues.
 """
 
 from __future__ import annotations
 
 import os
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-from rl.controller.channel import Channel
-from rl.controller.roles import RoleError, RoleMap
+from rl.config.roles import NODE_RANKS_ENV, RoleError, RoleMap, parse_node_ranks
+from rl.dist.channel import Channel
 
 EXIT_KEY = "job/exited"
 
@@ -50,20 +51,20 @@ class Job:
             time.sleep(0.05)
 
 
-def placed_rank(cfg: Any, env: Any, rank: int) -> int:
+def placed_rank(roles: RoleMap, env: Mapping[str, str], rank: int) -> int:
     """The role-map rank this process plays.
 
     Why not the launcher's rank: under ``srun torchrun --rdzv_backend c10d`` the global
-    ranks follow the rendezvous order of the nodes' agents, not the nodes' order, so
-    launch/slurm/train.sbatch sets MSRL_PLACED=1 and each process finds its place from its
-    node (SLURM_NODEID) and its local rank in the planner's placement (rl/plan: trainer
-    ranks on the training nodes, generator ranks next to their servers). Elsewhere the
-    launcher's rank is the role-map rank."""
-    if env.get("MSRL_PLACED") != "1":
+    ranks follow the rendezvous order of the nodes' agents, not the nodes' order. So
+    launch/slurm/train.sbatch asks the planner, before any rank starts, which role-map
+    ranks each node runs (trainer ranks on the training nodes, generator ranks next to
+    their servers) and hands that to every process in MSRL_NODE_RANKS; each finds its
+    place from its node (SLURM_NODEID) and its local rank. Elsewhere the launcher's rank
+    is the role-map rank."""
+    text = env.get(NODE_RANKS_ENV)
+    if text is None:
         return rank
-    from rl.plan.placement import place
-
-    per_node = place(cfg).node_ranks()
+    per_node = parse_node_ranks(text, roles)
     node, local = int(env["SLURM_NODEID"]), int(env["LOCAL_RANK"])
     started = int(env["LOCAL_WORLD_SIZE"])
     if node >= len(per_node) or started != len(per_node[node]):
@@ -83,7 +84,7 @@ def join(cfg: Any, device: str = "cpu") -> Job:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     roles = RoleMap.from_config(cfg)
     roles.check_world(world)
-    role, role_rank = roles.role_of(placed_rank(cfg, os.environ, rank))
+    role, role_rank = roles.role_of(placed_rank(roles, os.environ, rank))
     timeout = float(cfg.rl.channel_timeout)
     store, _, _ = next(dist.rendezvous("env://", timeout=timedelta(seconds=timeout)))
     # The trainer is the one executor with heavy collectives: NCCL on GPUs.

@@ -16,18 +16,18 @@ from typing import TYPE_CHECKING, Any
 
 from omegaconf import DictConfig
 
-from rl.controller import resume
+from rl.config.sampling import SamplingParams
+from rl.dist import resume
 from rl.controller.batch import build_batch
 from rl.controller.evaluate import Evaluator, score_items
 from rl.controller.rollouts import Group, RolloutStream
 from rl.controller.staleness import StalenessGate
-from rl.generator.types import SamplingParams
 from rl.metrics import MetricsLogger, plot_curves, plot_rl
 from rl.tasks import Task, build_task
 
 if TYPE_CHECKING:  # the executors' handles, imported where they are used
     from rl.controller.job import Job
-    from rl.ddma.live import ControllerSide
+    from rl.controller.weight_sync import WeightSync
     from rl.generator.client import GeneratorClient
     from rl.generator.service import GeneratorHandle
     from rl.reward.service import RewardHandle
@@ -101,7 +101,7 @@ def rl_loop(
     point: resume.ResumePoint | None = None,
 ) -> dict[str, float]:
     """RL steps ``first``..``rl.steps`` (``first`` > 1 when resuming ``point``)."""
-    from rl.ddma.live import connect
+    from rl.controller.weight_sync import WeightSync
     from rl.generator.client import GeneratorClient
 
     steps, r, a = cfg.rl.steps, cfg.rollout, cfg.algorithm
@@ -115,9 +115,10 @@ def rl_loop(
     client = GeneratorClient.for_urls(urls, model_path, r)
     evaluator = Evaluator(client, task, reward, replace(sampling, n=1), cfg.rl.eval_k,
                           cfg.reward.pass_threshold, out / "eval")  # fmt: skip
-    sync = connect(cfg, trainer, urls)
-    version = first  # the trainer's weights as they are now (after step first - 1)
-    push(sync, trainer, client, version)
+    # The trainer's weights as they are now (after step first - 1) become version first.
+    sync = WeightSync.connect(cfg, trainer, urls, weight_version=first - 1)
+    push(sync, client)
+    version = sync.weight_version
     if point is None:
         start_eval = evaluator.run()
         log.log(0, start_eval, phase="rl_eval")
@@ -153,8 +154,8 @@ def rl_loop(
                                 a.overlong_penalty)  # fmt: skip
             m.update(trainer.train(step, batch))
             m["train_s"], m["train_tokens_per_s"] = m.pop("step_seconds"), m.pop("tokens_per_s")
-            version += 1
-            m.update(push(sync, trainer, client, version))
+            m.update(push(sync, client))
+            version = sync.weight_version
             stream.commit(version)
             m.update(batch_metrics(groups, batch, cfg.reward.pass_threshold))
             m.update(reward_failures=reward.failures, reward_timeouts=reward.timeouts)
@@ -196,10 +197,9 @@ def batch_metrics(groups: list[Group], batch: dict[str, Any], threshold: float) 
     return out
 
 
-def push(
-    sync: ControllerSide, trainer: TrainerHandle, client: GeneratorClient, version: int
-) -> dict[str, float]:
-    """DDMA the trainer's weights into every server as ``version``; route rollouts by it."""
-    stats = sync.push(version, lambda: trainer.push(version))
-    client.adopt_version(version)
+def push(sync: WeightSync, client: GeneratorClient) -> dict[str, float]:
+    """DDMA the trainer's weights into every server as the next version; route rollouts
+    by it."""
+    stats = sync.push()
+    client.adopt_version(sync.weight_version)
     return stats

@@ -28,10 +28,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from rl.config.sampling import SamplingParams
 from rl.controller.staleness import StalenessGate
-from rl.generator.types import Rollout, SamplingParams
-from rl.reward.functions import ScoreResult
+from rl.generator.types import Rollout
 from rl.tasks.common import Example
+from rl.tasks.scoring import ScoreResult
 
 
 @dataclass

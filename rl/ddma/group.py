@@ -16,6 +16,12 @@ from typing import Any
 import torch.distributed as dist
 
 
+def group_name(port: int, server: int) -> str:
+    """The DDMA group of ``server`` (its index in the job) for a sync whose first group
+    listens on ``port``: trainer ranks and that server's ranks find it by this name."""
+    return f"ddma-{port}-{server}"
+
+
 def join(
     address: str,
     port: int,

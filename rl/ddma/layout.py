@@ -24,6 +24,7 @@ Pure logic: integers only, no torch.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from rl.models import arch as a
 from rl.weights import keymap as km
@@ -36,11 +37,22 @@ class PlanError(ValueError):
     """Two layouts that cannot be planned, named by the bad field and value."""
 
 
+class RankCoords(NamedTuple):
+    """A trainer rank's place in Megatron's grid: TP, PP and DP rank, and its EP rank (which
+    experts it holds)."""
+
+    tp: int
+    pp: int
+    dp: int
+    ep: int
+
+
 @dataclass(frozen=True)
 class SrcLayout:
     """The trainer: Megatron TP x PP x DP. Global rank = tp + tp*(dp + dp*pp), which is
     Megatron-Core's default ``tp-cp-ep-dp-pp`` order; EP (which divides DP) is the inner
-    part of the DP rank, so expert e lives on the DP ranks with ``dp % ep == owner(e)``."""
+    part of the DP rank, so expert e lives on the DP ranks with ``dp % ep == owner(e)``.
+    :meth:`rank` and :meth:`coords` are the one statement of that order."""
 
     tp: int
     pp: int = 1
@@ -54,6 +66,16 @@ class SrcLayout:
 
     def rank(self, tp_rank: int, pp_rank: int, dp_rank: int = 0) -> int:
         return tp_rank + self.tp * (dp_rank + self.dp * pp_rank)
+
+    def coords(self, rank: int) -> RankCoords:
+        """Where trainer rank ``rank`` (0-based in the trainer) sits: the inverse of
+        :meth:`rank`, with the EP rank Megatron gives it (its expert groups run TP fastest,
+        then EP, then expert DP, then PP)."""
+        if not 0 <= rank < self.world:
+            raise PlanError(f"trainer rank {rank} is outside tp*pp*dp={self.world}")
+        tp_rank, rest = rank % self.tp, rank // self.tp
+        dp_rank, pp_rank = rest % self.dp, rest // self.dp
+        return RankCoords(tp_rank, pp_rank, dp_rank, dp_rank % self.ep)
 
     def stages(self, layers: int) -> tuple[int, ...]:
         if self.layers_per_stage is not None:

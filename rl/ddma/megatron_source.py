@@ -8,12 +8,26 @@ once and reflects every optimizer step without copying anything.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
+from rl.ddma import wire
 from rl.ddma.plan import Plan, SrcLayout
 from rl.weights.megatron_io import leaves, split_key
+
+
+class ParallelRank(Protocol):
+    """This rank's place in the trainer's grid (rl.models.parallel.Layout is one)."""
+
+    tp: int
+    pp: int
+    dp: int
+    ep: int
+    tp_rank: int
+    pp_rank: int
+    dp_rank: int
+    ep_rank: int
 
 
 def shard_map(model: Any) -> dict[tuple[str, int | None], torch.Tensor]:
@@ -34,15 +48,22 @@ def shard_map(model: Any) -> dict[tuple[str, int | None], torch.Tensor]:
     return out
 
 
-def source_rank(layout: Any, src: SrcLayout) -> int:
-    """This trainer rank's index in the plan; checks that the plan describes this trainer."""
-    got = (layout.tp, layout.pp, layout.dp)
-    if got != (src.tp, src.pp, src.dp):
-        raise ValueError(f"plan is for trainer tp,pp,dp={src.tp},{src.pp},{src.dp}; this is {got}")
-    return src.rank(layout.tp_rank, layout.pp_rank, layout.dp_rank)
+def source_rank(layout: ParallelRank, src: SrcLayout) -> int:
+    """This trainer rank's index in the plan; checks that the plan describes this trainer
+    and places this rank where Megatron did (its experts included)."""
+    got = (layout.tp, layout.pp, layout.dp, layout.ep)
+    if got != (src.tp, src.pp, src.dp, src.ep):
+        want = f"{src.tp},{src.pp},{src.dp},{src.ep}"
+        raise ValueError(f"plan is for trainer tp,pp,dp,ep={want}; this is {got}")
+    rank = src.rank(layout.tp_rank, layout.pp_rank, layout.dp_rank)
+    here = (layout.tp_rank, layout.pp_rank, layout.dp_rank, layout.ep_rank)
+    if src.coords(rank) != here:
+        raise ValueError(f"trainer rank {rank} is at tp,pp,dp,ep={here}; the plan puts it at "
+                         f"{tuple(src.coords(rank))}")  # fmt: skip
+    return rank
 
 
-def shard_getter(model: Any, plan: Plan, rank: int):
+def shard_getter(model: Any, plan: Plan, rank: int) -> wire.SrcGetter:
     """A source getter for ``plan`` on ``rank`` that fails early on a missing or
     mis-shaped shard (a trainer whose model is not the one planned)."""
     shards = shard_map(model)

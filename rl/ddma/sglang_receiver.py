@@ -37,17 +37,15 @@ from typing import Any
 
 import torch
 
+from rl.config.dtypes import dtype_name, torch_dtype
 from rl.ddma import engine, group, wire
 from rl.ddma.plan import DstLayout, Plan, SrcLayout, make_plan
 from rl.weights.keymap import Dims
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def plan_spec(plan: Plan, dtype: torch.dtype) -> str:
     """What a receiver needs to recompute the sender's plan (it checks the result against
     its own model, so a wrong spec cannot write anything)."""
-    name = next(k for k, v in DTYPES.items() if v == dtype)
     return json.dumps(
         {
             "dims": plan.dims.__dict__,
@@ -56,7 +54,7 @@ def plan_spec(plan: Plan, dtype: torch.dtype) -> str:
             "itemsize": plan.itemsize,
             "bucket_bytes": plan.bucket_bytes,
             "fp8_block": plan.fp8_block,
-            "dtype": name,
+            "dtype": dtype_name(dtype),
         },
         sort_keys=True,
     )
@@ -72,7 +70,7 @@ def plan_from_spec(spec: str) -> tuple[Plan, torch.dtype]:
         Dims(**s["dims"]), SrcLayout(**src), DstLayout(**s["dst"]), s["itemsize"],
         s["bucket_bytes"], s["fp8_block"],
     )  # fmt: skip
-    return plan, DTYPES[s["dtype"]]
+    return plan, torch_dtype(s["dtype"])
 
 
 @dataclass

@@ -1,1 +1,7 @@
-"""Process launch and torch.distributed setup shared by every executor."""
+"""The transport layer, shared by every executor and the controller.
+
+* ``launch``: spawning ranks (locally, or under torchrun/SLURM), never leaving orphans;
+* ``net``: host addresses and free ports;
+* ``channel``: typed one-way channels over the job's store;
+* ``resume``: the resume point a restarted job's ranks read to find where to start.
+"""

@@ -20,7 +20,6 @@ import asyncio
 import concurrent.futures as cf
 import contextlib
 import itertools
-import json
 import threading
 from collections.abc import Iterable
 from pathlib import Path
@@ -29,16 +28,11 @@ from typing import Any
 import aiohttp
 import torch
 
+from rl.config.sampling import RequestError, SamplingParams
+from rl.generator import server_api as api
 from rl.generator.launcher import ServerError, ServerLauncher
-from rl.generator.types import (
-    ModelLimits,
-    RequestError,
-    Rollout,
-    SamplingParams,
-    parse_result,
-    parse_version,
-)
-from rl.generator.weight_payload import FlatBucket, buckets, update_body, use_file_system_sharing
+from rl.generator.types import ModelLimits, Rollout, parse_result
+from rl.generator.weight_payload import FlatBucket, buckets, update_call, use_file_system_sharing
 
 _seq = itertools.count()
 
@@ -217,19 +211,12 @@ class GeneratorClient:
                     rids.append(f"{r.rid}.{r.segments}.{next(_seq)}")
                     self._active[r.rid] = (server, rids[-1])
                     r.server = server
-                one = len(live) == 1
-                body = {
-                    "input_ids": ids[0] if one else ids,
-                    "sampling_params": sps[0] if one else sps,
-                    "return_logprob": True,
-                    "rid": rids[0] if one else rids,
-                }
-                out = await self._post(server, "/generate", body)
+                out = await self._post(server, api.generate(ids, sps, rids))
         finally:
             self._in_flight[server] -= len(rollouts)
             for r in rollouts:
                 self._active.pop(r.rid, None)
-        results = iter([out] if one else out)
+        results = iter(api.generate_results(out, len(live)))
         sent = {id(r) for r in live}
         return [next(results) if id(r) in sent else None for r in rollouts]
 
@@ -250,28 +237,23 @@ class GeneratorClient:
     def _live(self) -> list[int]:
         return [i for i in range(len(self.urls)) if i not in self._dead]
 
-    async def _post(self, server: int, path: str, body: dict | None = None) -> dict:
-        url = self.urls[server] + path
+    async def _post(self, server: int, call: api.Call) -> Any:
+        """Make ``call`` on ``server``; a server that does not answer is marked dead."""
         try:
-            async with self._session.post(url, json=body or {}) as resp:
-                text = await resp.text()
-                if resp.status != 200:
-                    raise ServerError(f"{url} answered HTTP {resp.status}: {text[:500]}")
-        except (TimeoutError, aiohttp.ClientConnectionError) as e:
+            return await api.acall(self._session, self.urls[server], call)
+        except api.CallError as e:
+            if e.answered:
+                raise ServerError(str(e)) from e
             self._dead.add(server)
             raise self._failure(server, e) from e
-        try:
-            return json.loads(text) if text.strip() else {}
-        except ValueError:  # /flush_cache answers in plain text
-            return {"text": text}
 
-    def _failure(self, server: int, err: BaseException) -> ServerError:
+    def _failure(self, server: int, err: api.CallError) -> ServerError:
         if self.launcher is not None:
             s = self.launcher.servers[server]
             if not s.alive():
                 return s.error(f"died (exit code {s.exit_code})")
         where = f"generator server {server} ({self.urls[server]})"
-        return ServerError(f"{where} unreachable: {type(err).__name__}: {err}")
+        return ServerError(f"{where} unreachable: {err.detail}")
 
     def restart_server(self, server: int) -> int:
         """Restart a server through the launcher; return the weight version it came back
@@ -288,9 +270,9 @@ class GeneratorClient:
 
     # ---- control ----------------------------------------------------------------------
 
-    def _all(self, path: str, body: dict | None = None) -> list[dict]:
-        async def run() -> list[dict]:
-            return list(await asyncio.gather(*(self._post(i, path, body) for i in self._live())))
+    def _all(self, call: api.Call) -> list[Any]:
+        async def run() -> list[Any]:
+            return list(await asyncio.gather(*(self._post(i, call) for i in self._live())))
 
         return self._call(run())
 
@@ -300,11 +282,11 @@ class GeneratorClient:
         self._user_aborted.add(rollout.rid)
         where = self._active.get(rollout.rid)
         if where is not None:
-            self._call(self._post(where[0], "/abort_request", {"rid": where[1]}))
+            self._call(self._post(where[0], api.abort_request(where[1])))
 
     def abort_all(self) -> None:
         self._user_aborted.update(self._active)
-        self._all("/abort_request", {"abort_all": True})
+        self._all(api.abort_all())
 
     def pause(self, mode: str = "retract") -> None:
         """``retract``: running requests go back to the server's queue (KV freed) and
@@ -312,21 +294,16 @@ class GeneratorClient:
         and resumable; ``in_place``: they stay put (KV kept)."""
         if mode not in ("retract", "abort", "in_place"):
             raise ValueError(f"pause mode={mode!r} must be retract, abort or in_place")
-        self._all("/pause_generation", {"mode": mode})
+        self._all(api.pause_generation(mode))
 
     def continue_generation(self) -> None:
-        self._all("/continue_generation")
+        self._all(api.continue_generation())
 
     def flush_cache(self) -> None:
-        self._all("/flush_cache")
+        self._all(api.flush_cache())
 
     async def _version_of(self, server: int) -> int:
-        try:
-            async with self._session.get(self.urls[server] + "/model_info") as r:
-                return parse_version((await r.json())["weight_version"])
-        except aiohttp.ClientConnectionError as e:
-            self._dead.add(server)
-            raise self._failure(server, e) from e
+        return api.weight_version(await self._post(server, api.model_info()))
 
     def weight_versions(self) -> list[int]:
         """The weight version every live server reports (in server order)."""
@@ -358,16 +335,15 @@ class GeneratorClient:
         self.pause("retract")
         ok = False
         try:
-            self._all("/begin_weight_update")
+            self._all(api.begin_weight_update())
             try:
                 for bucket in packs:
-                    body, keep = update_body(bucket, self.tp)
-                    self._check_all(self._all("/update_weights_from_tensor", body), "update")
+                    call, keep = update_call(bucket, self.tp)
+                    self._check_all(self._all(call), "update")
                     del keep
             finally:
-                self._all("/end_weight_update")
-            body = {"new_version": str(version), "abort_all_requests": False}
-            self._check_all(self._all("/update_weight_version", body), "set version")
+                self._all(api.end_weight_update())
+            self._check_all(self._all(api.update_weight_version(version)), "set version")
             self.flush_cache()
             got = self.weight_versions()
             if any(v != version for v in got):
@@ -382,12 +358,12 @@ class GeneratorClient:
                 # rollouts to any server until an update succeeds.
                 self._stale.update(self._live())
                 with contextlib.suppress(ServerError):
-                    self._all("/abort_request", {"abort_all": True})
+                    self._all(api.abort_all())
             self.continue_generation()
 
     def adopt_version(self, version: int) -> None:
         """Route by ``version`` once weights reached the servers another way (DDMA: trainer
-        ranks push and :class:`rl.ddma.sglang_target.SGLangTarget` commits on each server).
+        ranks push and :class:`rl.generator.ddma_target.SGLangTarget` commits on each server).
         A server that does not report ``version`` gets no rollouts until it does."""
         live = self._live()
         got = self.weight_versions()
@@ -395,10 +371,10 @@ class GeneratorClient:
         self._stale = {i for i, v in zip(live, got, strict=True) if v != version}
 
     @staticmethod
-    def _check_all(results: list[dict], what: str) -> None:
+    def _check_all(results: list[dict[str, Any]], what: str) -> None:
         for r in results:
-            if r.get("success") is False:
-                raise ServerError(f"weight {what} failed on a server: {r.get('message')}")
+            if (why := api.refusal(r)) is not None:
+                raise ServerError(f"weight {what} failed on a server: {why}")
 
     def close(self) -> None:
         if self._loop.is_running():

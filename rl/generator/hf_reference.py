@@ -15,7 +15,8 @@ from pathlib import Path
 
 import torch
 
-from rl.generator.types import Rollout, SamplingParams
+from rl.config.sampling import SamplingParams
+from rl.generator.types import Rollout
 
 
 class HFReferenceGenerator:

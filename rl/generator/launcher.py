@@ -24,14 +24,14 @@ import sys
 import tempfile
 import threading
 import time
-import urllib.error
-import urllib.request
 import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from rl.config.sglang import layout_problem
 from rl.dist.net import free_port
+from rl.generator import server_api
 from rl.generator.cpu_shim import server_env
 
 LOG_TAIL_LINES = 40
@@ -40,10 +40,6 @@ GUARD = Path(__file__).with_name("server_guard.py")
 STOP_GRACE_S = 20.0
 # Starts of a server on fresh ports when its port was taken before it could bind.
 PORT_ATTEMPTS = 3
-# Weights are served in these; FP8 is a quantisation of them (GPU only), not a dtype.
-SERVER_DTYPES = ("float32", "bfloat16")
-# The DDMA receiver, imported by every server process from this checkout.
-DDMA_LOAD_FORMAT = "rl.ddma.sglang_receiver.load"
 
 
 class ServerError(RuntimeError):
@@ -119,7 +115,7 @@ class ServerConfig:
         args.append("--sleep-on-idle")
         # DDMA weight sync: trainer ranks post buckets already in this server's layout
         # to our receiver, which stages them and swaps them in whole (rl/ddma).
-        args += ["--custom-weight-loader", DDMA_LOAD_FORMAT]
+        args += ["--custom-weight-loader", server_api.DDMA_LOAD_FORMAT]
         for flag, value in (
             ("--max-total-tokens", self.max_total_tokens),
             ("--max-running-requests", self.max_running_requests),
@@ -131,30 +127,6 @@ class ServerConfig:
             # Warmup sends a text request, which needs the tokenizer we skip.
             args.append("--skip-server-warmup")
         return args + list(self.extra_args)
-
-
-def layout_problem(device: str, tp: int, dtype: str, where: str) -> str | None:
-    """Why SGLang cannot serve ``tp``/``dtype`` on ``device`` (None if it can).
-
-    Shared by config validation (before launch) and the launcher."""
-    if device not in ("cpu", "cuda"):
-        return f"{where}.device={device!r} must be 'cpu' or 'cuda'"
-    if not (isinstance(tp, int) and tp >= 1):
-        return f"{where}.tp={tp!r} must be an integer >= 1"
-    if dtype not in SERVER_DTYPES:
-        return f"{where}.dtype={dtype!r} must be one of {SERVER_DTYPES}"
-    if device == "cpu" and tp != 1:
-        return f"{where}.tp={tp}: SGLang runs on CPU only at tp=1"
-    return None
-
-
-def http_json(url: str, body: dict | None = None, timeout: float = 30.0) -> dict:
-    """One blocking JSON request (GET without a body, POST with one)."""
-    data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=timeout) as r:
-        raw = r.read()
-    return json.loads(raw) if raw.strip() else {}
 
 
 @dataclass
@@ -194,11 +166,7 @@ class Server:
         return self.proc.returncode if self.proc else None
 
     def healthy(self, timeout: float = 5.0) -> bool:
-        try:
-            urllib.request.urlopen(f"{self.url}/health", timeout=timeout).close()
-            return True
-        except (urllib.error.URLError, OSError):
-            return False
+        return server_api.healthy(self.url, timeout)
 
 
 _live: weakref.WeakSet[ServerLauncher] = weakref.WeakSet()

@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from rl.controller.channel import Channel, Failed
+from rl.dist.channel import Channel, Failed
 from rl.dist.net import host_address
 
 

@@ -1,16 +1,16 @@
-"""Pure request/rollout types for the generator: no torch, no HTTP.
+"""Pure rollout types for the generator: no torch, no HTTP.
 
 Why a type of our own instead of SGLang's dicts: a rollout in this framework outlives one
 HTTP request. It can be cut after ``segment_tokens`` new tokens, parked while the trainer
 steps, and resumed on another server under a newer policy. Every token therefore carries
 the behaviour log-prob and the weight version it was sampled with, and those lists only
-ever grow. Validation happens here, before anything reaches a server, so a bad field fails
-with its name and value instead of as a 400 (or a silent truncation) deep in SGLang.
+ever grow. Validation happens here (token ids against the model, sampling parameters in
+rl/config/sampling.py), before anything reaches a server, so a bad field fails with its
+name and value instead of as a 400 (or a silent truncation) deep in SGLang.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import itertools
 import json
@@ -18,12 +18,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from rl.config.sampling import RequestError, SamplingParams
+
 FINISHED = ("stop", "length", "abort")
 _ids = itertools.count()
-
-
-class RequestError(ValueError):
-    """A request that cannot be valid, raised before it is sent."""
 
 
 class ServerResponseError(RuntimeError):
@@ -32,100 +30,6 @@ class ServerResponseError(RuntimeError):
 
 def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _is_number(v: Any) -> bool:
-    return isinstance(v, int | float) and not isinstance(v, bool)
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """What a caller may ask of the generator; ``temperature=0`` is greedy.
-
-    ``n`` samples of one prompt are sent as ``n`` independent requests (seeds ``seed + i``)
-    so the load balancer can spread them over servers.
-    """
-
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    max_new_tokens: int = 64
-    stop_token_ids: tuple[int, ...] = ()
-    n: int = 1
-    seed: int | None = None
-    ignore_eos: bool = False
-
-    def __post_init__(self) -> None:
-        stops = self.stop_token_ids
-        if not all(_is_int(t) and t >= 0 for t in stops):
-            raise RequestError(f"sampling.stop_token_ids={stops!r} must be token ids >= 0")
-        object.__setattr__(self, "stop_token_ids", tuple(stops))
-        num = _is_number
-        checks = (
-            ("temperature", num(self.temperature) and self.temperature >= 0, "must be >= 0"),
-            ("top_p", num(self.top_p) and 0 < self.top_p <= 1, "must be in (0, 1]"),
-            (
-                "top_k",
-                _is_int(self.top_k) and (self.top_k == -1 or self.top_k >= 1),
-                "must be -1 (off) or an integer >= 1",
-            ),
-            (
-                "max_new_tokens",
-                _is_int(self.max_new_tokens) and self.max_new_tokens >= 1,
-                "must be an integer >= 1",
-            ),
-            ("n", _is_int(self.n) and self.n >= 1, "must be an integer >= 1"),
-            (
-                "seed",
-                self.seed is None or (_is_int(self.seed) and self.seed >= 0),
-                "must be None or an integer >= 0",
-            ),
-            ("ignore_eos", isinstance(self.ignore_eos, bool), "must be true or false"),
-        )
-        for name, ok, why in checks:
-            if not ok:
-                raise RequestError(f"sampling.{name}={getattr(self, name)!r} {why}")
-        if self.ignore_eos and self.stop_token_ids:
-            # SGLang's ignore_eos switches off every token-based stop, not only EOS.
-            raise RequestError(
-                f"sampling.stop_token_ids={list(self.stop_token_ids)!r} cannot be used with "
-                "sampling.ignore_eos=True (the server then stops on max_new_tokens only)"
-            )
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> SamplingParams:
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - known)
-        if unknown:
-            raise RequestError(
-                f"unknown sampling field {unknown[0]!r} (known: {', '.join(sorted(known))})"
-            )
-        return cls(**d)
-
-    def to_sglang(self, max_new_tokens: int, seed: int | None) -> dict[str, Any]:
-        """SGLang's sampling dict. A rollout ends on the model's EOS ids (from its config)
-        or any of ``stop_token_ids``, and the stop token is kept in the output, because the
-        trainer must see (and learn) the token that ended the response.
-
-        ``seed`` becomes SGLang's ``sampling_seed``, which SGLang honours only with
-        ``--enable-deterministic-inference`` (a GPU attention backend); on CPU sampling is
-        random regardless."""
-        out: dict[str, Any] = {
-            "temperature": self.temperature,
-            "top_p": self.top_p,
-            "top_k": self.top_k,
-            "max_new_tokens": max_new_tokens,
-            "stop_token_ids": list(self.stop_token_ids),
-            "ignore_eos": self.ignore_eos,
-            "no_stop_trim": True,
-        }
-        if seed is not None:
-            out["sampling_seed"] = seed
-        return out
-
-    def stops(self, eos_ids: tuple[int, ...]) -> frozenset[int]:
-        """Token ids that end a rollout under these params."""
-        return frozenset() if self.ignore_eos else frozenset(self.stop_token_ids + eos_ids)
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,8 @@ from types import SimpleNamespace
 
 import torch
 
+from rl.generator import server_api
+
 ALIGN = 64  # bytes; covers every dtype's itemsize and keeps slices cache-line aligned
 
 
@@ -123,23 +125,18 @@ def serialize(obj: object) -> str:
     raise AssertionError("unreachable")
 
 
-def update_body(
+def update_call(
     payload: FlatBucket | list[tuple[str, torch.Tensor]], tp: int
-) -> tuple[dict, object]:
-    """The JSON body of one ``/update_weights_from_tensor`` call to a server with ``tp``
+) -> tuple[server_api.Call, object]:
+    """The ``/update_weights_from_tensor`` call of one payload to a server with ``tp``
     ranks (SGLang wants one serialized entry per rank; each rank's loader cuts its own
     shard), and the object that owns its shared storages: keep that alive until the
     server has answered, or the shared-memory files may be gone before the server opens
-    them. The cache is flushed once after the last bucket, not per bucket."""
+    them."""
     if isinstance(payload, FlatBucket):
         keep: object = {"flattened_tensor": payload.flat, "metadata": payload.meta}
         load_format = "flattened_bucket"
     else:
         keep = [(n, t.detach().cpu().contiguous()) for n, t in payload]
         load_format = None
-    body = {
-        "serialized_named_tensors": [serialize(keep)] * tp,
-        "load_format": load_format,
-        "flush_cache": False,
-    }
-    return body, keep
+    return server_api.update_weights_from_tensor([serialize(keep)] * tp, load_format), keep

@@ -16,9 +16,8 @@ import torch
 import torch.nn.functional as F
 
 from megatron_patches import cuda_to_cpu
+from rl.config.dtypes import torch_dtype
 from rl.models.shapes import kv_channels, padded_vocab_size
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def have_transformer_engine() -> bool:
@@ -32,7 +31,7 @@ def have_transformer_engine() -> bool:
 def transformer_config(m: Any, t: Any, initialize: bool = True) -> Any:
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    dtype = _DTYPES[t.params_dtype]
+    dtype = torch_dtype(t.params_dtype)
     return TransformerConfig(
         **moe_options(m, t),
         num_layers=m.num_layers,

@@ -12,7 +12,7 @@ import pkgutil
 from functools import cache
 
 from rl.models import families
-from rl.models.arch import Arch
+from rl.models.arch import Arch, Dims, TensorSpec, spec_numel
 
 
 class UnknownArchitecture(ValueError):
@@ -50,3 +50,36 @@ def by_model_type(model_type: str, field: str = "model_type") -> Arch:
             return arch
     types = ", ".join(sorted(a.model_type for a in architectures().values()))
     raise UnknownArchitecture(f"{field}={model_type!r} is not supported (supported: {types})")
+
+
+def tensors(d: Dims) -> list[TensorSpec]:
+    """The model's tensors as its family declares them (its ``Arch.tensors``)."""
+    return get(d.arch, "architecture").tensors(d)
+
+
+def count(d: Dims, tp: int = 1, ep: int = 1, per_layer: bool = True) -> int:
+    """Elements of one layer's tensors (``per_layer``) or of the globals, as held by one rank
+    of TP ``tp`` and EP ``ep`` (split tensors / tp, experts / ep)."""
+    n = 0
+    for s in tensors(d):
+        if s.per_layer != per_layer:
+            continue
+        k = spec_numel(s, d)
+        if s.tp_dim is not None:
+            k //= tp
+        if s.expert:
+            k //= ep
+        n += k
+    return n
+
+
+def expert_count(d: Dims) -> int:
+    """Elements of one layer's routed experts, all of them."""
+    return sum(spec_numel(s, d) for s in tensors(d) if s.expert)
+
+
+def active_count(d: Dims, topk: int) -> int:
+    """Parameters one token goes through per layer (top-k of the experts)."""
+    if not d.experts:
+        return count(d)
+    return count(d) - expert_count(d) * (d.experts - topk) // d.experts

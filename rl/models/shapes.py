@@ -6,7 +6,8 @@ Megatron: tested in milliseconds.
 
 from __future__ import annotations
 
-from rl.models.arch import Dims, ModelShape, count, kv_channels, padded_vocab_size
+from rl.models.arch import Dims, ModelShape, kv_channels, padded_vocab_size
+from rl.models.registry import count
 
 __all__ = ["kv_channels", "layer_param_count", "padded_vocab_size", "param_count"]
 

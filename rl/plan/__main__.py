@@ -1,9 +1,11 @@
-"""``python -m rl.plan [--json | --ranks-per-node] [hydra overrides...]``: print a job's
-placement and memory.
+"""``python -m rl.plan [--json | --ranks-per-node | --node-ranks] [hydra overrides...]``:
+print a job's placement and memory.
 
 ``--ranks-per-node`` prints only the processes to start on each node, comma-separated
 (launch/slurm/train.sbatch starts that many on each node, and refuses a plan that does
-not fit before anything is allocated to it).
+not fit before anything is allocated to it). ``--node-ranks`` prints which role-map ranks
+those processes play, node by node (``0,1,2;3,4``, rl/config/roles.py); the script hands
+it to every rank, which takes its role from its node and local rank.
 
 Exit status: 0 the plan fits, 1 refused (cannot be placed or does not fit), 2 the config
 itself is wrong (a Hydra typo, a bad value), each with a one-line reason on stderr.
@@ -14,11 +16,12 @@ from __future__ import annotations
 import json
 import sys
 
-USAGE = """usage: python -m rl.plan [--json | --ranks-per-node] [overrides...]
+USAGE = """usage: python -m rl.plan [--json | --ranks-per-node | --node-ranks] [overrides...]
 
 Compose the config (same overrides as python -m rl.train, e.g. experiment=llama3_8b_256gpu
 trainer.pp=2) and print where every rank and GPU goes, the DDMA volume per step and the
 memory each GPU needs; refuse a plan that does not fit."""
+OPTIONS = ("--json", "--ranks-per-node", "--node-ranks")
 
 
 def _composition_error(e: BaseException) -> str:
@@ -35,19 +38,18 @@ def main(argv: list[str]) -> int:
     if any(a in ("-h", "--help") for a in argv):
         print(USAGE)
         return 0
-    as_json, per_node = "--json" in argv, "--ranks-per-node" in argv
-    overrides = [a for a in argv if a not in ("--json", "--ranks-per-node")]
+    as_json, per_node, node_ranks = (opt in argv for opt in OPTIONS)
+    overrides = [a for a in argv if a not in OPTIONS]
     bad = [a for a in overrides if a.startswith("--")]
     if bad:
-        print(
-            f"unknown option {bad[0]} (options: --json, --ranks-per-node)\n{USAGE}", file=sys.stderr
-        )
+        print(f"unknown option {bad[0]} (options: {', '.join(OPTIONS)})\n{USAGE}", file=sys.stderr)
         return 2
 
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
     from rl.config import ConfigError, compose, resolve_model
+    from rl.config.roles import format_node_ranks
     from rl.plan.cluster import plan_cluster
     from rl.plan.placement import PlanRefused
     from rl.plan.report import render, to_json
@@ -68,9 +70,10 @@ def main(argv: list[str]) -> int:
     except (ConfigError, OmegaConfBaseException) as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
-    if per_node:
+    if per_node or node_ranks:
         if plan.fits:
-            print(",".join(str(len(r)) for r in plan.placement.node_ranks()))
+            ranks = plan.placement.node_ranks()
+            print(format_node_ranks(ranks) if node_ranks else ",".join(str(len(r)) for r in ranks))
     else:
         print(json.dumps(to_json(plan), indent=1) if as_json else render(plan, cfg))
     if not plan.fits:

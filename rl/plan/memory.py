@@ -43,7 +43,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from rl.models.arch import Dims, expert_count
+from rl.models.arch import Dims
+from rl.models.registry import expert_count
 from rl.models.shapes import kv_channels, layer_param_count, padded_vocab_size
 
 GIB = 1 << 30

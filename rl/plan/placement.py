@@ -3,7 +3,7 @@
 Why: a 1024-GPU launch that splits a TP group across two nodes, or asks for more servers
 than the generation nodes have GPUs, fails minutes in (or runs at a fraction of its
 speed). The placement here is the deterministic layout that the role map
-(rl/controller/roles.py: controller, trainer, generator owners, reward, in that order)
+(rl/config/roles.py: controller, trainer, generator owners, reward, in that order)
 implies on the cluster's nodes, and every arithmetic mismatch between the cluster and the
 layouts is refused up front, naming the field and its value.
 
@@ -29,8 +29,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from rl.config.roles import RoleError, RoleMap
 from rl.config.validate import ConfigError, validate_cluster
-from rl.controller.roles import RoleError, RoleMap
 
 
 class PlanRefused(ConfigError):
@@ -85,7 +85,7 @@ class Placement:
     def node_ranks(self) -> list[list[int]]:
         """The role-map ranks each node runs, in rank order: how many processes a launcher
         starts on each node (``python -m rl.plan --ranks-per-node``), and which role the
-        i-th of them plays (rl/controller/job.py)."""
+        i-th of them plays (``--node-ranks``, read by rl/controller/job.py)."""
         out: list[list[int]] = [[] for _ in range(self.nodes)]
         for rank, node in sorted(self.node_of.items()):
             out[node].append(rank)

@@ -1,1 +1,1 @@
-"""The reward executor: reward functions (rl/reward/functions.py) in worker processes."""
+"""The reward executor: reward functions (rl/tasks/scoring.py) in worker processes."""

@@ -7,7 +7,7 @@ not a score, or a dead worker gives that item a failed score of 0. Each outcome 
 (``timeouts``, ``failures``) so a run can report them, and the trainer never waits on a
 hung function for longer than the timeout.
 
-Workers load the function themselves, by spec (rl/reward/functions.py): a function from a
+Workers load the function themselves, by spec (rl/tasks/scoring.py): a function from a
 file must load in a fresh process too. A worker says when it is ready, and only then gets
 items, so its start-up (imports, sympy's first call) never counts against an item's limit.
 """
@@ -24,7 +24,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
-from rl.reward.functions import ScoreItem, ScoreResult, absolute, call, load, prepare
+from rl.tasks.scoring import ScoreItem, ScoreResult, absolute, call, load, prepare
 
 _READY = -1  # the task id of a worker's "loaded, send me items" message
 _START_S = 120.0  # a worker must load its function within this (imports can be slow)

@@ -20,8 +20,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
-from rl.controller.channel import Failed
-from rl.reward.functions import ScoreItem, ScoreResult
+from rl.dist.channel import Failed
+from rl.tasks.scoring import ScoreItem, ScoreResult
 
 
 @dataclass

@@ -3,20 +3,22 @@
 A task is a stream of training prompts (token ids, the rendered text, a label and
 metadata for the reward function), one or more evaluation sets, a validation set for
 decisions taken during training (when to end a warm-up), and, where labels allow, the
-supervised target of each prompt for a warm-up. The reward is *not* part of the task:
-one reward function (``reward.fn``, rl/reward) scores training rollouts and evaluation
-alike, so there is exactly one scoring path.
+supervised target of each prompt for a warm-up. The reward is *not* a method of the
+task: one reward function (``reward.fn``, rl/tasks/scoring.py) scores training rollouts and
+evaluation alike, so there is exactly one scoring path.
 
-Pure logic: no torch.distributed, no Megatron.
+Pure logic: no torch.distributed, no Megatron. torch is imported only to build a batch,
+so the reward executor's worker processes, which import rl.tasks.scoring, start without it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 
 class TaskError(ValueError):
@@ -73,6 +75,8 @@ def sft_batch(examples: Sequence[Example], pad_id: int) -> dict[str, torch.Tenso
     ``loss_mask[:, t]`` weights the prediction of token ``t+1`` (the trainer's log-prob
     convention), so a row with a P-token prompt and a T-token target is 1 on
     ``[P-1, P-1+T)``. Right padding never moves a real position under causal attention."""
+    import torch
+
     missing = [e.uid for e in examples if not e.target_ids]
     if missing:
         raise TaskError(f"example {missing[0]} has no supervised target (no label)")

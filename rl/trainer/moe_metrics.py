@@ -16,13 +16,17 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from rl.models.parallel import Layout
+
 TRACKED = "load_balancing_loss"
 
 
 class MoEMetrics:
     """Hooks on ``model``'s routers; :meth:`step` returns the step's metrics (every rank)."""
 
-    def __init__(self, model: Any, layout: Any, num_layers: int, num_experts: int) -> None:
+    def __init__(
+        self, model: torch.nn.Module, layout: Layout, num_layers: int, num_experts: int
+    ) -> None:
         from megatron.core.transformer.moe.router import TopKRouter
 
         self.layout, self.num_layers = layout, num_layers
@@ -65,7 +69,7 @@ class MoEMetrics:
         }
 
 
-def _summed(t: torch.Tensor, group: Any) -> torch.Tensor:
+def _summed(t: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     t = t.clone()
     dist.all_reduce(t, group=group)
     return t

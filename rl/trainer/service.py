@@ -5,6 +5,10 @@ process group, runs the supervised warm-up if configured (its progress goes to t
 controller's log), then obeys the controller: train a step on a batch, push the weights
 (DDMA) as a version, save. Every rank receives every command and acts on its own shards;
 rank 0 of the trainer answers for all of them. Both sides of the protocol are here.
+
+What the weights are pushed into is injected: the entry point (rl/train.py) hands
+:func:`serve` the factory of the generator's DDMA target, so the trainer knows the DDMA
+sender (rl/ddma/sender.py) and nothing of the generator.
 """
 
 from __future__ import annotations
@@ -15,11 +19,14 @@ import os
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from rl.controller.channel import Failed
+from rl.dist.channel import Failed
+
+if TYPE_CHECKING:
+    from rl.ddma.sender import TargetFactory
 
 
 @dataclass
@@ -101,14 +108,14 @@ def _prepare(cfg: Any, log: Any) -> tuple[Any, Any, Ready]:
     """Build the trainer; run the warm-up first if ``sft.steps`` > 0. The RL stage gets a
     fresh trainer (optimizer state and LR schedule of its own) loaded from the warm-up,
     and, with a KL penalty, a frozen copy of that starting policy as the reference. A
-    restarted job (rl/controller/resume.py) skips the warm-up and loads its last RL
+    restarted job (rl/dist/resume.py) skips the warm-up and loads its last RL
     checkpoint, optimizer, LR schedule and step count included. A policy from
     ``model.hf_checkpoint`` starts from its weights, converted once to this trainer's
     TP/PP and cached under the output dir by the checkpoint's content."""
-    from rl.controller import resume
+    from rl.dist import resume
     from rl.tasks import build_task
     from rl.trainer.trainer import build_trainer
-    from rl.warmup import evaluator, supervised_warmup
+    from rl.trainer.warmup import evaluator, supervised_warmup
 
     t, sft, out = cfg.trainer, cfg.sft, Path(cfg.run.output_dir)
     start, acc, ckpt = t.load_dir, None, None  # start: the RL stage's starting policy
@@ -173,8 +180,9 @@ def _export_hf(cfg: Any, path: str, step: int) -> str:
     return str(dst)
 
 
-def serve(cfg: Any, job: Any) -> None:
-    """The trainer ranks' main loop (each rank of the trainer's process group)."""
+def serve(cfg: Any, job: Any, make_target: TargetFactory) -> None:
+    """The trainer ranks' main loop (each rank of the trainer's process group);
+    ``make_target`` builds what each generator server is to the DDMA sender."""
     import torch.distributed as dist
 
     import megatron_patches
@@ -183,8 +191,9 @@ def serve(cfg: Any, job: Any) -> None:
     torch.set_num_threads(cfg.trainer.threads_per_rank)
     os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")  # Megatron's advice for TP
     from rl.algorithms.losses import loss_from_config
-    from rl.ddma.live import TrainerSide
+    from rl.config.dtypes import torch_dtype
     from rl.ddma.plan import plan_for
+    from rl.ddma.sender import Sender
     from rl.metrics import MetricsLogger
 
     inbox = job.channel(f"trainer/in/{job.role_rank}", *COMMANDS)
@@ -196,7 +205,7 @@ def serve(cfg: Any, job: Any) -> None:
         tr, ref, ready = _prepare(cfg, log)
         answer(ready)
         loss_fn = loss_from_config(cfg.algorithm)
-        dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.trainer.params_dtype]
+        dtype = torch_dtype(cfg.trainer.params_dtype)
         sender = None
         while not isinstance(msg := inbox.wait(), Stop):
             if isinstance(msg, Train):
@@ -206,7 +215,8 @@ def serve(cfg: Any, job: Any) -> None:
             elif isinstance(msg, Connect):
                 plan = plan_for(cfg.model, cfg.trainer, cfg.rollout, dp=tr.layout.dp)
                 w = cfg.rollout.weight_sync
-                sender = TrainerSide(tr.model.module, tr.layout, plan, dtype, msg.urls, w.timeout)
+                sender = Sender(tr.model.module, tr.layout, plan, dtype, msg.urls, make_target,
+                                w.timeout)  # fmt: skip
                 answer(Done({"address": _address(), "ports": _ports(len(msg.urls))}))
             elif isinstance(msg, Join):
                 assert sender is not None, "Join before Connect"

@@ -21,9 +21,10 @@ import torch.distributed as dist
 from megatron_patches import cuda_to_cpu
 from rl.algorithms.losses import LossFn
 from rl.models.megatron_gpt import build_gpt
+from rl.models.parallel import Layout, init_model_parallel
 from rl.models.shapes import padded_vocab_size
 from rl.trainer import checkpoint
-from rl.trainer.parallel import Layout
+from rl.trainer.checkpoint import TrainState
 
 
 def pack_by_tokens(lengths: Sequence[int], budget: int) -> list[list[int]]:
@@ -424,19 +425,33 @@ class MegatronTrainer:
         assert stats is not None
         return stats
 
+    def state_dict(self) -> TrainState:
+        """The counters a checkpoint keeps next to the optimizer state."""
+        return TrainState(step=self.step)
+
+    def load_state_dict(self, state: TrainState) -> None:
+        self.step = state.step
+
     def save(self, path: str) -> None:
-        checkpoint.save(self, path)
+        """Collective save to ``path``: weights, plus optimizer state once a step was taken."""
+        module = self.model.module
+        opt, sched = self.optimizer, self.scheduler
+        checkpoint.save(path, module, self.mcfg, opt, sched, self.state_dict())
 
     def load(self, path: str, load_optimizer: bool = True) -> None:
-        checkpoint.load(self, path, load_optimizer)
+        """Load a checkpoint of any TP/PP in place; the optimizer state and step too if
+        ``load_optimizer`` and the checkpoint has them."""
+        module = self.model.module
+        opt, sched = self.optimizer, self.scheduler
+        state = checkpoint.load(path, module, self.mcfg, opt, sched, load_optimizer)
+        if state is not None:
+            self.load_state_dict(state)
 
 
 def build_trainer(
     model_cfg: Any, trainer_cfg: Any, total_steps: int, frozen: bool = False
 ) -> MegatronTrainer:
     """Initialise model parallelism on this rank's world and build the trainer."""
-    from rl.trainer.parallel import init_model_parallel
-
     layout = init_model_parallel(
         trainer_cfg.tp, trainer_cfg.pp, trainer_cfg.seed, ep=trainer_cfg.ep
     )

@@ -22,15 +22,14 @@ from typing import Any
 
 import torch
 
+from rl.config.dtypes import PARAM_DTYPES, dtype_name, torch_dtype
 from rl.config.schema import ModelConfig, TrainerConfig
 from rl.config.validate import ConfigError, validate_model, validate_trainer
 from rl.weights import keymap as km
+from rl.weights.dist_ckpt import CheckpointError, check, model_state, write
 from rl.weights.hf_config import hf_config_from_model, model_config_from_hf
 from rl.weights.hf_io import TOKENIZER_FILES, HFCheckpoint, plan_shards, write_safetensors
 from rl.weights.megatron_io import checkpoint_key, stored_keys
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 
 
 def peak_rss_mb() -> float:
@@ -52,9 +51,9 @@ def prepare_hf_to_mcore(
         # Pad to the requested multiple, made a multiple of TP as well.
         m = replace(m, make_vocab_size_divisible_by=math.lcm(vocab_multiple, tp))
     if dtype is None:
-        if hf.dtype not in DTYPE_NAMES:
+        if dtype_name(hf.dtype) not in PARAM_DTYPES:
             raise ConfigError(f"checkpoint dtype {hf.dtype} is not supported: pass --dtype")
-        dtype = DTYPE_NAMES[hf.dtype]
+        dtype = dtype_name(hf.dtype)
     t = TrainerConfig(
         tp=tp, pp=pp, dp=ep, ep=ep, params_dtype=dtype, micro_batch_size=1, global_batch_size=ep
     )
@@ -89,8 +88,7 @@ def hf_to_mcore_rank(
     import torch.distributed as dist
 
     from rl.models.megatron_gpt import build_gpt
-    from rl.trainer.checkpoint import model_state, write
-    from rl.trainer.parallel import init_model_parallel
+    from rl.models.parallel import init_model_parallel
     from rl.weights.megatron_io import fill_model
 
     lay = init_model_parallel(tp, pp, seed=0, ep=ep)
@@ -103,7 +101,7 @@ def hf_to_mcore_rank(
         if lay.tp_rank == 0:
             _log(f"[convert] stage {lay.pp_rank}: layer {layer + 1}/{m.num_layers} written")
 
-    n = fill_model(model, hf_provider(hf, m, DTYPES[dtype]), progress)
+    n = fill_model(model, hf_provider(hf, m, torch_dtype(dtype)), progress)
     common = {"hf_config": hf.config, "hf_generation_config": hf.generation_config}
     write(model_state(model, m, **common), out_dir)
     stats = torch.tensor([peak_rss_mb(), n], dtype=torch.float64)
@@ -171,8 +169,6 @@ def cached_hf_to_mcore(
 def _stored_model_config(common: dict, path: str) -> ModelConfig:
     from omegaconf import OmegaConf
 
-    from rl.trainer.checkpoint import CheckpointError
-
     stored = common.get("model_config")
     if stored is None:
         raise CheckpointError(f"checkpoint {path!r} carries no model_config")
@@ -190,7 +186,6 @@ def mcore_to_hf(
     """Convert a Megatron checkpoint (any TP/PP) into a Hugging Face directory."""
     from megatron.core import dist_checkpointing
 
-    from rl.trainer.checkpoint import CheckpointError, check
     from rl.weights.megatron_io import checkpoint_tensors, read_layer
 
     path = str(check(ckpt_dir))
@@ -204,11 +199,10 @@ def mcore_to_hf(
             got = tensors[full][0] if full in tensors else "missing"
             raise CheckpointError(f"checkpoint {path!r}: {full} is {got}, expected {want}")
     src_dtype = tensors[km.EMBED][1]
-    out_dtype = DTYPES[dtype] if dtype else src_dtype
+    out_dtype = torch_dtype(dtype) if dtype else src_dtype
     hf_cfg = common.get("hf_config")
     arch = architecture or m.architecture
-    dtype_name = str(out_dtype).removeprefix("torch.")
-    config = hf_config_from_model(m, arch, dtype_name, extra=_carried_fields(hf_cfg))
+    config = hf_config_from_model(m, arch, dtype_name(out_dtype), extra=_carried_fields(hf_cfg))
 
     elem = torch.empty(0, dtype=out_dtype).element_size()
     shapes = km.hf_shapes(d)
@@ -297,7 +291,7 @@ def init_hf_dir(m: ModelConfig, out_dir: str, token_ids: dict, dtype: str = "flo
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     tensors = [
-        (n, (0.02 * torch.randn(s, generator=g)).to(DTYPES[dtype])) for n, s in shapes.items()
+        (n, (0.02 * torch.randn(s, generator=g)).to(torch_dtype(dtype))) for n, s in shapes.items()
     ]
     write_safetensors(tmp, iter(tensors), [list(shapes)])
     (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")

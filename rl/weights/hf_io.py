@@ -19,6 +19,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from rl.config.dtypes import SAFETENSORS, torch_dtype
+
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 TOKENIZER_FILES = (
@@ -31,12 +33,6 @@ TOKENIZER_FILES = (
     "added_tokens.json",
     "chat_template.jinja",
 )
-_ST_DTYPES = {
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "F64": torch.float64,
-}
 
 
 class HFCheckpointError(ValueError):
@@ -96,9 +92,9 @@ class HFCheckpoint:
             if not fpath.exists():
                 raise HFCheckpointError(f"{str(self.path)!r}: shard {fname} is missing")
             for name, v in read_header(fpath).items():
-                if v["dtype"] not in _ST_DTYPES:
+                if v["dtype"] not in SAFETENSORS:
                     raise HFCheckpointError(f"{fname}: tensor {name} has dtype {v['dtype']}")
-                self.meta[name] = (fname, _ST_DTYPES[v["dtype"]], tuple(v["shape"]))
+                self.meta[name] = (fname, torch_dtype(SAFETENSORS[v["dtype"]]), tuple(v["shape"]))
         self._handles: dict[str, Any] = {}
 
     @property

@@ -28,6 +28,7 @@ from functools import cache
 from typing import TYPE_CHECKING
 
 from rl.models import arch as a
+from rl.models import registry
 from rl.models.arch import EMBED, FINAL_NORM, LAYERS, OUTPUT, Dims, TensorSpec
 
 if TYPE_CHECKING:
@@ -46,7 +47,7 @@ FC2 = "mlp.linear_fc2.weight"
 
 @cache
 def _tables(d: Dims) -> dict[str, TensorSpec]:
-    return {s.key: s for s in a.tensors(d)}
+    return {s.key: s for s in registry.tensors(d)}
 
 
 @cache

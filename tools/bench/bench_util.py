@@ -14,8 +14,8 @@ import psutil
 
 
 def write_result(result: dict, path: str | Path) -> Path:
-    """Add the machine's description and write ``result`` as JSON (committed by benchmarks
-    that ask for a number)."""
+    """Add the machine's description and write ``result`` as JSON. Results are kept in the
+    repository (tools/bench/results/), so a number is read next to the machine it came from."""
     result["machine"] = {"cpus": psutil.cpu_count(), "python": platform.python_version()}
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -25,9 +25,10 @@ from pathlib import Path
 import torch
 from bench_util import tree_peak_rss_mb, write_result
 
+from rl.config.sampling import SamplingParams
 from rl.generator.client import GeneratorClient
-from rl.generator.launcher import ServerConfig, ServerLauncher, http_json
-from rl.generator.types import SamplingParams
+from rl.generator import server_api as api
+from rl.generator.launcher import ServerConfig, ServerLauncher
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -79,18 +80,12 @@ def main(argv: list[str] | None = None) -> dict:
                 client.generate([prompts[0]], SamplingParams(max_new_tokens=4))  # warm up
 
                 # Baseline: one request at a time, straight to the server.
-                body = {
-                    "sampling_params": sampling.to_sglang(args.max_new_tokens, None),
-                    "return_logprob": True,
-                }
+                sp = sampling.to_sglang(args.max_new_tokens, None)
                 n_base, tokens = args.baseline_requests, 0
                 t = time.perf_counter()
                 for i in range(n_base):
-                    out = http_json(
-                        launcher.urls[i % args.servers] + "/generate",
-                        {**body, "input_ids": prompts[i % len(prompts)]},
-                        timeout=600,
-                    )
+                    call = api.generate([prompts[i % len(prompts)]], [sp])
+                    out = api.call(launcher.urls[i % args.servers], call, timeout=600)
                     tokens += len(out["output_ids"])
                 base_s = time.perf_counter() - t
                 base_tps = tokens / base_s

@@ -10,7 +10,7 @@ layout the converter tests check against Megatron's own checkpoints).
    TP=2 layout. DDMA (rl.ddma.engine) against the baseline (rl.ddma.baseline: gather every
    tensor to trainer rank 0, rename to HF, broadcast everything to every generator rank,
    which cuts out its shard as SGLang's loaders do). Both must leave identical buffers.
-2. Into a live SGLang server (TP=1, CPU): DDMA (rl.ddma.sglang_target: each trainer rank
+2. Into a live SGLang server (TP=1, CPU): DDMA (rl.generator.ddma_target: each trainer rank
    stages its own buckets, then one commit) against the generator client's HF-named
    bucketed update fed by a gather to trainer rank 0. Both must serve the same tokens.
 
@@ -37,7 +37,7 @@ from bench_util import peak_mb, reset_peak, rss_mb, tree_peak_rss_mb, tree_rss_m
 
 from rl.ddma import baseline, engine
 from rl.ddma.plan import DstLayout, SrcLayout, make_plan
-from rl.ddma.sglang_target import SGLangTarget
+from rl.generator.ddma_target import SGLangTarget
 from rl.dist.launch import spawn
 from rl.weights import keymap as km
 from rl.weights.hf_config import model_config_from_hf
@@ -161,9 +161,10 @@ def world_rank(model_dir: str, tp: int, dst_tp: int, bucket_mb: int, reps: int) 
 def server_rank(model_dir: str, url: str, bucket_mb: int, reps: int, mode: str, port: int):
     """mode: "ipc" (DDMA, shared-memory buckets), "p2p" (DDMA over a gloo group the server
     joins) or "baseline" (gather to rank 0, HF-named buckets through the client)."""
+    from rl.config.sampling import SamplingParams
     from rl.ddma import group
     from rl.generator.client import GeneratorClient
-    from rl.generator.types import ModelLimits, SamplingParams
+    from rl.generator.types import ModelLimits
 
     path = Path(model_dir)
     d = dims(path)

@@ -1,0 +1,193 @@
+"""DDMA into a live SGLang server through its weight-update API (rl/generator/server_api.py).
+
+Two transports, one receiver (:mod:`rl.ddma.sglang_receiver`, staging then commit):
+
+* ``ipc`` (:meth:`SGLangTarget.stage`, same host): every trainer rank packs its own
+  buckets (already in SGLang's layout, one per server TP rank per request) into two
+  shared-memory buffers and posts them to ``/update_weights_from_tensor`` with our custom
+  load format. Packing the next bucket overlaps the server's verify-and-scatter of the
+  current one. Tensors travel by reference (``file_system`` sharing; CUDA IPC on GPU),
+  so a bucket's bytes are copied once by the trainer and once by the server. The
+  buffers are kept across versions, so the server keeps them mapped.
+* ``p2p`` (:meth:`open_group`, :meth:`receive`, :meth:`send`; any host): trainer ranks
+  and the server's ranks join one process group through ``/init_weights_update_group``
+  and every server rank receives only its own buckets point to point.
+
+Trainer ranks call :meth:`SGLangTarget.stage` / :meth:`SGLangTarget.send` through the
+generic sender (rl/ddma/sender.py, which gets this class injected); the controller (one
+process, rl/controller/weight_sync.py) brackets the transfer with :meth:`begin` and
+:meth:`commit` / :meth:`abort`: generation is paused only for that window, and a failed
+version is discarded whole.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+import uuid
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from rl.ddma import engine, wire
+from rl.ddma import sglang_receiver as rx
+from rl.ddma.engine import TransferError, TransferStats
+from rl.ddma.plan import Bucket, Plan
+from rl.generator import server_api as api
+from rl.generator.weight_payload import serialize, use_file_system_sharing
+
+
+class SyncError(RuntimeError):
+    """The server refused or lost a version; it keeps serving the previous one."""
+
+
+class SGLangTarget:
+    """One SGLang server (``plan.dst.tp`` ranks) at ``url``, fed under ``plan``."""
+
+    def __init__(self, url: str, plan: Plan, dtype: torch.dtype, timeout: float = 120.0) -> None:
+        self.url, self.plan, self.dtype, self.timeout = url.rstrip("/"), plan, dtype, timeout
+        self.spec = rx.plan_spec(plan, dtype)
+        use_file_system_sharing()  # else SGLang's scheduler dies unpickling any tensor
+        self._pool = ThreadPoolExecutor(2, thread_name_prefix="ddma-control")
+        self._slots: list[list[torch.Tensor]] | None = None
+        self.status_dir = Path(tempfile.gettempdir(), "ddma-status")
+        self.status_dir.mkdir(exist_ok=True)
+
+    # ------------------------------------------------------------------ one request
+    def _request(self, entries: list[tuple[dict, torch.Tensor]]) -> list[dict]:
+        """Send one control entry per server TP rank; return each rank's status."""
+        call = uuid.uuid4().hex
+        status = str(self.status_dir / f"{call}.rank{{rank}}.json")
+        payload = [serialize([(json.dumps({**ctl, "status": status}), t)]) for ctl, t in entries]
+        reply = self._call(api.update_weights_from_tensor(payload, api.DDMA_LOAD_FORMAT))
+        if (why := api.refusal(reply)) is not None:
+            raise SyncError(f"{self.url}: {why}")
+        out = []
+        for rank in range(len(entries)):
+            path = Path(status.format(rank=rank))
+            if not path.exists():
+                raise SyncError(f"{self.url} rank {rank} wrote no status ({path})")
+            out.append(json.loads(path.read_text()))
+            path.unlink()
+        return out
+
+    def _call(self, call: api.Call) -> Any:
+        try:
+            return api.call(self.url, call, self.timeout)
+        except api.CallError as e:
+            if e.answered:
+                raise SyncError(str(e)) from e
+            raise TransferError(
+                f"generator {self.url} disconnected during {e.route}: {e.detail}"
+            ) from e
+
+    def _control(self, op: str, version: int, **extra: object) -> list[dict]:
+        ctl = {"op": op, "plan": self.spec, "version": version, **extra}
+        empty = torch.zeros(1, dtype=torch.uint8)
+        statuses = self._request([(ctl, empty)] * self.plan.dst.tp)
+        errors = [s["error"] for s in statuses if not s.get("ok")]
+        if errors:
+            raise SyncError(f"{self.url} version {version} {op} failed: {errors[0]}")
+        return statuses
+
+    # ------------------------------------------------------------------ trainer side
+    def stage(self, src_rank: int, shards: wire.SrcGetter, version: int) -> TransferStats:
+        """Send this trainer rank's buckets for ``version`` into the server's staging."""
+        plan, tp = self.plan, self.plan.dst.tp
+        mine = plan.sends(src_rank)
+        stats = TransferStats(buckets=len(mine))
+        # Requests carry one bucket per server rank: group this rank's buckets by round.
+        rounds: dict[int, list[Bucket]] = {}
+        for b in mine:
+            rounds.setdefault(b.round, []).append(b)
+        if self._slots is None:  # kept across versions: the server keeps them mapped
+            self._slots = [
+                [
+                    torch.empty(plan.bucket_bytes, dtype=torch.uint8).share_memory_()
+                    for _ in range(tp)
+                ]
+                for _ in range(2)
+            ]
+        slots = self._slots
+        stats.buffer_bytes = 2 * tp * plan.bucket_bytes
+        noop = ({"op": "noop"}, torch.zeros(1, dtype=torch.uint8))
+        t0 = time.perf_counter()
+        pending = None
+        with ThreadPoolExecutor(1) as pool:
+            for i, group in enumerate(rounds.values()):
+                entries = [noop] * tp
+                for b in group:
+                    msg = wire.pack(slots[i % 2][b.dst], plan, b, shards, self.dtype, version)
+                    ctl = {"op": "stage", "plan": self.spec, "version": version}
+                    entries[b.dst] = (ctl, msg)
+                    stats.payload_bytes += sum(plan.piece_bytes(p) for p in b.pieces)
+                    stats.wire_bytes += b.nbytes
+                if pending is not None:
+                    self._check_stage(pending.result())
+                pending = pool.submit(self._request, entries)
+            if pending is not None:
+                self._check_stage(pending.result())
+        stats.seconds = time.perf_counter() - t0
+        return stats
+
+    def _check_stage(self, statuses: list[dict]) -> None:
+        if os.environ.get("DDMA_DEBUG"):
+            print("   server:", [round(s.get("seconds", -1), 3) for s in statuses])
+        for s in statuses:
+            if not s.get("ok"):
+                raise SyncError(f"{self.url} refused a bucket: {s['error']}")
+
+    def send(
+        self, src_rank: int, shards: wire.SrcGetter, version: int, pg: dist.ProcessGroup
+    ) -> TransferStats:
+        """Point-to-point transport: send this trainer rank's buckets over the DDMA group
+        ``pg`` (see :meth:`open_group`) while the server runs :meth:`receive`."""
+        n = self.plan.src.world
+        dst = [n + r for r in range(self.plan.dst.tp)]
+        return engine.send(self.plan, src_rank, shards, version, self.dtype, pg, dst)
+
+    # ------------------------------------------------------------------ controller side
+    def open_group(self, name: str, address: str, port: int, backend: str = "gloo") -> Future:
+        """Ask every server rank to join the DDMA group ``name`` (trainer ranks join with
+        :func:`rl.ddma.group.join` at the same time; the call returns once all did)."""
+        n = self.plan.src.world
+        call = api.init_weights_update_group(address, port, n, n + self.plan.dst.tp, name, backend)
+        return self._pool.submit(self._call, call)
+
+    def receive(self, version: int, name: str) -> Future:
+        """Have every server rank receive its buckets of ``version`` over group ``name``
+        into staging; resolves when they have (raises :class:`SyncError` on a bad one)."""
+        return self._pool.submit(self._control, "recv", version, group=name)
+
+    def begin(self, version: int) -> None:
+        """Pause generation (requests go back to the queue) and open a weight update."""
+        self._call(api.pause_generation("retract"))
+        self._call(api.begin_weight_update())
+        self._control("discard", version)  # leftovers of a version that never committed
+
+    def commit(self, version: int) -> None:
+        """Swap the staged version in on every rank (only if all of them hold all of it),
+        set the server's version, drop the KV cache and resume generation."""
+        try:
+            self._control("prepare", version)
+            self._control("commit", version)
+        except BaseException:
+            self.abort(version)
+            raise
+        self._call(api.end_weight_update())
+        self._call(api.update_weight_version(version))
+        self._call(api.flush_cache())
+        self._call(api.continue_generation())
+
+    def abort(self, version: int) -> None:
+        """Drop the staged version; the server resumes on its previous weights."""
+        try:
+            self._control("discard", version)
+        finally:
+            self._call(api.end_weight_update())
+            self._call(api.continue_generation())

@@ -1,0 +1,296 @@
+"""Scoring a task's responses: the reward function, ``fn(prompt, response, label, metadata)
+-> float | dict``.
+
+A task's evaluation and its reward are the same function: it scores training rollouts in
+the reward executor's worker processes (rl/reward/executor.py, which enforce its time
+limit and turn an exception, a bad return value or a dead process into a failed score of
+0), the warm-up's evaluation in the trainer and the controller's evaluation alike. So this
+module is pure (no torch) and everything here must be importable in a fresh process.
+
+A function is named by a spec (``reward.fn``):
+
+- a built-in: ``exact``, ``math_verify`` or ``gsm8k`` (each returns a float in [0, 1]);
+- a dotted path ``pkg.module:fn``, imported from ``sys.path``;
+- a file ``path/to/rewards.py:fn`` (absolute, or relative to the current directory).
+
+A dict return carries ``score`` plus extra numeric metrics (say ``{"score": 1.0,
+"format_ok": 1.0}``), which are averaged and logged next to the reward.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import importlib.util
+import inspect
+import math
+import numbers
+import re
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from decimal import Decimal, InvalidOperation
+from pathlib import Path
+from typing import Any
+
+RewardFn = Callable[[str, str, Any, dict], float | dict]
+
+
+class RewardFnError(ValueError):
+    """A spec that does not name a usable reward function (one line, naming the spec)."""
+
+
+class RewardValueError(ValueError):
+    """A reward function returned something that is not a score."""
+
+
+@dataclass(frozen=True)
+class ScoreItem:
+    prompt: str
+    response: str
+    label: Any  # the reference: an answer string, a number, or whatever the function wants
+    metadata: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ScoreResult:
+    score: float
+    metrics: dict[str, float] = field(default_factory=dict)
+    failed: bool = False  # the function raised, returned garbage, hung or died: score is 0
+
+
+# ---------------------------------------------------------------------- answer extraction
+# A number: optional sign, digits with optional thousands commas (1,234,567), optional
+# decimals. Not glued to a preceding word, digit or dot, so "x2", "3-5" and "1.2.3" do not
+# yield "2", "-5" or ".3" by accident.
+_NUMBER = re.compile(r"(?<![\w.])-?(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?|(?<![\w.])-?\.\d+")
+
+
+def last_boxed(text: str) -> str | None:
+    """The contents of the last ``\\boxed{...}`` (braces balanced), or None."""
+    start = text.rfind("\\boxed")
+    while start >= 0:
+        i = start + len("\\boxed")
+        while i < len(text) and text[i] == " ":
+            i += 1
+        if i < len(text) and text[i] == "{":
+            depth = 0
+            for j in range(i, len(text)):
+                if text[j] == "{":
+                    depth += 1
+                elif text[j] == "}":
+                    depth -= 1
+                    if depth == 0:
+                        return text[i + 1 : j]
+        # An unclosed or bare \boxed: an earlier, complete one is still the answer.
+        start = text.rfind("\\boxed", 0, start)
+    return None
+
+
+def last_number(text: str) -> str | None:
+    """The last number in the text, commas removed ("1,234" -> "1234"), or None."""
+    found = _NUMBER.findall(text)
+    return found[-1].replace(",", "") if found else None
+
+
+def _first_number(text: str) -> str | None:
+    m = _NUMBER.search(text)
+    return m.group().replace(",", "") if m else None
+
+
+def _decimal(text: str | None) -> Decimal | None:
+    if text is None:
+        return None
+    try:
+        d = Decimal(text)
+    except InvalidOperation:
+        return None
+    return d if d.is_finite() else None
+
+
+# ---------------------------------------------------------------------- built-ins
+def exact(prompt: str, response: str, label: Any, metadata: dict) -> float:
+    """1.0 when the response, stripped, is exactly the label, stripped."""
+    return float(response.strip() == str(label).strip())
+
+
+def math_verify(prompt: str, response: str, label: Any, metadata: dict) -> float:
+    """1.0 when the response's answer (its last ``\\boxed{}``, else its last number) is
+    mathematically equal to the label as ``math-verify`` judges it (``42.0`` = ``42``,
+    ``\\frac{1}{2}`` = ``0.5``, ``1,234`` = ``1234``)."""
+    from math_verify import parse, verify
+
+    answer = last_boxed(response)
+    if answer is None:
+        answer = last_number(response)
+    if answer is None:
+        return 0.0
+    # Its signal-based timeouts only work in a main thread; the executor kills a worker
+    # that overruns instead.
+    target = parse(f"\\boxed{{{answer}}}", parsing_timeout=None)
+    # A bare answer is read whole when boxed ("1 + x^2" alone would parse as 1); LaTeX
+    # text with its own \boxed{} or $...$ is read as it is. The other reading is a fallback.
+    raw, boxed = str(label), f"\\boxed{{{label}}}"
+    gold: list = []
+    for text in (raw, boxed) if "\\boxed" in raw or "$" in raw else (boxed, raw):
+        gold = gold or parse(text, parsing_timeout=None)
+    if not gold or not target:
+        return 0.0
+    return float(verify(gold, target, timeout_seconds=None))
+
+
+def gsm8k(prompt: str, response: str, label: Any, metadata: dict) -> float:
+    """1.0 when the response's final number equals the gold one. The gold answer is the
+    text after ``####`` in the label if present (a raw GSM8K solution), else the label;
+    the response's is the first number after its last ``####`` if present, else its last
+    number. Commas and ``$`` are ignored, and ``72.00`` equals ``72``."""
+    gold_text = str(label).rpartition("####")[2].replace("$", "").replace(",", "").strip()
+    gold = _decimal(gold_text)
+    if gold is None:
+        gold = _decimal(_first_number(gold_text))
+    text = response.replace("$", "")
+    _, sep, tail = text.rpartition("####")
+    got = _decimal(_first_number(tail) if sep else last_number(text))
+    return float(gold is not None and got is not None and got == gold)
+
+
+BUILTINS: dict[str, RewardFn] = {"exact": exact, "math_verify": math_verify, "gsm8k": gsm8k}
+
+
+def prepare(fn: RewardFn) -> None:
+    """Run once in each worker before it takes items, so that imports and a first call's
+    set-up (sympy's, about 0.5 s) do not count against an item's time limit."""
+    if fn is math_verify:
+        math_verify("", "\\boxed{1}", "1", {})
+
+
+# ---------------------------------------------------------------------- loading
+_FORMS = "a built-in (exact, gsm8k, math_verify), 'pkg.module:fn' or 'path/to/rewards.py:fn'"
+
+
+def _one_line(e: BaseException) -> str:
+    text = " ".join(str(e).split())
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
+
+
+def _split(spec: str) -> tuple[str, str, bool]:
+    """(module or file, attribute, is_file) of a non-built-in spec."""
+    where, sep, attr = spec.rpartition(":")
+    is_file = where.endswith(".py") or "/" in where or "\\" in where
+    ok_attr = bool(attr) and all(p.isidentifier() for p in attr.split("."))
+    ok_mod = is_file or all(p.isidentifier() for p in where.split("."))
+    if not sep or not where or not ok_attr or not ok_mod:
+        raise RewardFnError(f"fn {spec!r}: not {_FORMS}")
+    return where, attr, is_file
+
+
+def absolute(spec: str) -> str:
+    """The spec with a relative file path made absolute (against the current directory),
+    so it means the same function in a process started elsewhere."""
+    spec = spec.strip()
+    if spec in BUILTINS:
+        return spec
+    where, attr, is_file = _split(spec)
+    return f"{Path(where).expanduser().absolute()}:{attr}" if is_file else spec
+
+
+def _import_file(spec: str, where: str) -> Any:
+    path = Path(where).expanduser().absolute()
+    if not path.is_file():
+        raise RewardFnError(f"fn {spec!r}: no such file {str(path)!r}")
+    # Unique per file, so two files both called rewards.py do not replace each other.
+    name = "_reward_fn_" + hashlib.sha1(str(path).encode()).hexdigest()[:16]
+    module_spec = importlib.util.spec_from_file_location(name, path)
+    if module_spec is None or module_spec.loader is None:
+        raise RewardFnError(f"fn {spec!r}: cannot load {str(path)!r} as a Python module")
+    module = importlib.util.module_from_spec(module_spec)
+    sys.modules[name] = module  # dataclasses and pickling look their module up here
+    try:
+        module_spec.loader.exec_module(module)
+    except Exception as e:
+        sys.modules.pop(name, None)
+        raise RewardFnError(
+            f"fn {spec!r}: importing {str(path)!r} failed: {_one_line(e)}"
+        ) from None
+    return module
+
+
+def _check_signature(spec: str, fn: Callable[..., object]) -> None:
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):  # some builtins and C callables have none to inspect
+        return
+    try:
+        sig.bind("prompt", "response", "label", {})
+    except TypeError:
+        # Without annotations: "(response, answer)" reads better than "(response: 'str', ...".
+        bare = sig.replace(
+            parameters=[p.replace(annotation=p.empty) for p in sig.parameters.values()],
+            return_annotation=sig.empty,
+        )
+        raise RewardFnError(
+            f"fn {spec!r}: takes {bare}; it must take (prompt, response, label, metadata)"
+        ) from None
+
+
+def load(spec: str) -> RewardFn:
+    """The reward function a spec names; :class:`RewardFnError` if there is none."""
+    spec = spec.strip()
+    if spec in BUILTINS:
+        fn = BUILTINS[spec]
+        if fn is math_verify and importlib.util.find_spec("math_verify") is None:
+            raise RewardFnError(f"fn {spec!r}: needs the math-verify package, not installed")
+        return fn
+    if ":" not in spec:
+        raise RewardFnError(f"fn {spec!r}: not {_FORMS}")
+    where, attr, is_file = _split(spec)
+    if is_file:
+        obj = _import_file(spec, where)
+    else:
+        try:
+            obj = importlib.import_module(where)
+        except Exception as e:
+            raise RewardFnError(
+                f"fn {spec!r}: importing {where!r} failed: {_one_line(e)}"
+            ) from None
+    for part in attr.split("."):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError:
+            raise RewardFnError(f"fn {spec!r}: {where!r} has no attribute {attr!r}") from None
+    if not callable(obj):
+        raise RewardFnError(f"fn {spec!r}: {attr!r} is a {type(obj).__name__}, not callable")
+    _check_signature(spec, obj)
+    return obj
+
+
+def check(spec: str) -> None:
+    """Fail before launch, in the caller's process, on a spec that names no function."""
+    load(spec)
+
+
+# ---------------------------------------------------------------------- calling
+def _finite(value: object, what: str) -> float:
+    # bool counts as 0/1: a pass/fail check is a natural reward. Strings, None and other
+    # objects are refused rather than coerced, so a buggy function shows up as failures.
+    if not isinstance(value, numbers.Real):
+        shown = repr(value)
+        shown = shown if len(shown) <= 60 else shown[:57] + "..."
+        raise RewardValueError(f"{what} is {type(value).__name__} {shown}, not a number")
+    x = float(value)
+    if not math.isfinite(x):
+        raise RewardValueError(f"{what} is {x}, not a finite number")
+    return x
+
+
+def call(fn: RewardFn, item: ScoreItem) -> ScoreResult:
+    """Score one item; :class:`RewardValueError` if the return is not a finite number or a
+    dict with a numeric ``score`` and numeric other values."""
+    value = fn(item.prompt, item.response, item.label, item.metadata)
+    if isinstance(value, dict):
+        if "score" not in value:
+            raise RewardValueError(f"returned a dict without 'score' (keys {list(value)[:8]})")
+        score = _finite(value["score"], "'score'")
+        metrics = {str(k): _finite(v, f"metric {k!r}") for k, v in value.items() if k != "score"}
+        return ScoreResult(score, metrics)
+    return ScoreResult(_finite(value, "the return value"), {})

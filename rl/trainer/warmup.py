@@ -1,0 +1,113 @@
+"""Supervised warm-up: teach the policy the task's answers before RL.
+
+RL from a policy that is almost never right gets almost no signal (a group whose samples
+all score 0 has no advantage); a short supervised phase on the task's labelled prompts
+gives a policy that is right sometimes, which is where group-relative RL takes over. It is
+SFT from any labelled task: the prompt as rendered for RL, the label's text (ending in the
+stop token) as the target. Every rank draws the same batches from the task's seeded
+stream, so no data is broadcast.
+
+Where a fixed number of steps leaves the policy is fragile: small models learn addition in
+a sudden jump whose timing moves with float summation order (another micro-batch split or
+CPU), and RL learns little from a policy that is rarely right. ``sft.stop_at_accuracy``
+therefore ends the warm-up once the greedy pass rate on the task's validation set (drawn
+from training data, never the held-out one) reaches a target.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from rl.algorithms.losses import nll_loss
+from rl.tasks.common import Example, Task, sft_batch, take
+from rl.tasks.scoring import ScoreItem, call
+
+
+def supervised_warmup(
+    trainer: Any,
+    task: Task,
+    sft: Any,
+    log: Any,
+    evaluate: Callable[[list], float],
+    save_dir: str | None = None,
+    save_interval: int = 0,
+) -> float | None:
+    """Run ``sft.steps`` optimizer steps; return the final held-out greedy pass rate
+    (None without an eval set, or with ``sft.eval_every=0``). ``evaluate(examples)`` is
+    the greedy pass rate on them.
+
+    With ``save_interval`` > 0 a checkpoint is written to ``save_dir`` every that many steps.
+    """
+    gbs, target = trainer.tcfg.global_batch_size, sft.stop_at_accuracy
+    # sft.eval_every=0: no held-out evaluation here (the RL stage's first one, on the
+    # servers, measures where the warm-up ended, far faster than this greedy decoder).
+    held = next(iter(task.eval_sets.values()), None) if sft.eval_every else None
+    acc = evaluate(held) if held else None
+    if acc is not None:
+        log.log(0, {"eval_accuracy": acc}, phase="warmup_eval")
+    stream = task.train_stream(0)
+    for step in range(1, sft.steps + 1):
+        m = trainer.train_step(sft_batch(take(stream, gbs), task.codec.pad_id), nll_loss)
+        keep = ("loss", "grad_norm", "lr", "tokens_per_s", "step_seconds")
+        keep += tuple(k for k in m if k.startswith("moe_"))  # MoE router health
+        stop = False
+        if target is not None and step % sft.check_every == 0:
+            val = evaluate(task.validation_set)
+            m["val_accuracy"], keep = val, (*keep, "val_accuracy")
+            stop = val >= target
+        last = stop or step == sft.steps
+        echo = step % sft.log_every == 0 or last
+        log.log(step, {k: m[k] for k in keep}, phase="warmup", echo=echo)
+        if held and (step % sft.eval_every == 0 or last):
+            acc = evaluate(held)
+            log.log(step, {"eval_accuracy": acc}, phase="warmup_eval")
+        if save_dir and save_interval and step % save_interval == 0:
+            trainer.save(save_dir)
+        if stop:
+            break
+    return acc
+
+
+def evaluator(trainer: Any, task: Task, cfg: Any) -> Callable[[list], float]:
+    """The warm-up's greedy pass rate, scored by ``reward.fn`` in this process."""
+    from rl.tasks.scoring import load
+
+    fn = load(cfg.reward.fn)
+    new = task.answer_tokens or cfg.rollout.sampling.max_new_tokens
+    return lambda examples: greedy_accuracy(
+        trainer, task, examples, fn, new, cfg.reward.pass_threshold
+    )
+
+
+# The greedy pass rate of the policy the trainer holds, for decisions during the warm-up,
+# before any server holds the policy. Prompts of one length are decoded together: the
+# trainer's greedy decoder has no attention mask, and padding inside a prompt would move
+# the positions of every token after it.
+def greedy_accuracy(
+    trainer: Any,
+    task: Task,
+    examples: Sequence[Example],
+    score_fn: Callable[..., Any],
+    max_new_tokens: int,
+    threshold: float = 1.0,
+) -> float:
+    """Fraction of ``examples`` whose greedy response scores at least ``threshold``."""
+    by_len: dict[int, list[Example]] = {}
+    for e in examples:
+        by_len.setdefault(len(e.prompt_ids), []).append(e)
+    unit = trainer.tcfg.micro_batch_size * trainer.layout.dp
+    passed = 0
+    for group in by_len.values():
+        prompts = torch.tensor([e.prompt_ids for e in group], dtype=torch.long)
+        extra = (-len(group)) % unit  # whole micro-batches per DP rank: pad with copies
+        if extra:
+            prompts = torch.cat([prompts, prompts[:1].expand(extra, -1)], dim=0)
+        out = trainer.greedy_generate(prompts, max_new_tokens)[: len(group)]
+        for e, row in zip(group, out, strict=True):
+            item = ScoreItem(e.prompt_text, task.codec.response_text(row.tolist()), e.label,
+                             dict(e.metadata))  # fmt: skip
+            passed += call(score_fn, item).score >= threshold
+    return passed / len(examples)

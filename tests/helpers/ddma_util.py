@@ -1,0 +1,99 @@
+"""Shared helpers for the DDMA tests: Megatron shards of a Hugging Face checkpoint, and
+running a plan in one process (pack -> verify -> unpack, no process group)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from rl.ddma import wire
+from rl.ddma.plan import Plan
+from rl.weights import keymap as km
+from rl.weights.hf_config import model_config_from_hf
+
+
+def model_dims(model_dir: Path, src_tp: int = 4) -> km.Dims:
+    """Dims of a checkpoint as the trainer would hold it (vocab padded for ``src_tp``)."""
+    import json
+
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    m = model_config_from_hf(cfg, name="t", make_vocab_size_divisible_by=1)
+    m = replace(m, make_vocab_size_divisible_by=math.lcm(8, src_tp))
+    return km.Dims.of(m)
+
+
+def hf_state(model_dir: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(Path(model_dir) / "model.safetensors"))
+
+
+def megatron_globals(hf: dict[str, torch.Tensor], d: km.Dims) -> dict:
+    """(Megatron key, layer) -> global (TP=1) tensor, vocab rows padded with random values
+    (Megatron initialises its padding rows; they must never reach the generator)."""
+    out = {}
+    for layer in range(d.layers):
+        for key in km.layer_keys(d):
+            out[(key, layer)] = km.to_megatron(key, [hf[n] for n in km.hf_names(key, d, layer)], d)
+    for key in km.global_keys(d):
+        t = km.to_megatron(key, [hf[n] for n in km.hf_names(key, d)], d)
+        if key in (km.EMBED, km.OUTPUT):
+            t[d.vocab :] = torch.randn_like(t[d.vocab :])
+        out[(key, None)] = t
+    return out
+
+
+def megatron_shards(glob: dict, plan: Plan, rank: int) -> dict:
+    """The local shards the trainer's global ``rank`` holds (only its stage's layers)."""
+    from rl.ddma.layout import expert_owner
+
+    src = plan.src
+    at = src.coords(rank)
+    out = {}
+    for (key, layer), t in glob.items():
+        owner = expert_owner(plan.dims, src, key)
+        if owner is not None and owner != at.ep:
+            continue  # another EP rank's expert
+        if layer is None:
+            stage = 0 if key == km.EMBED else src.pp - 1
+        else:
+            stage = src.stage_of(layer, plan.dims.layers)[0]
+        if stage == at.pp:
+            out[(key, layer)] = km.tp_shard(key, t, src.tp, at.tp).clone()
+    return out
+
+
+def expert_slabs(params: dict[str, torch.Tensor], names) -> dict[str, torch.Tensor]:
+    """SGLang's fused expert parameters (``...w13_weight``, experts first) as the plan names
+    them, one ``name[e]`` per expert; other parameters unchanged."""
+    fused = {n.rsplit("[", 1)[0] for n in names if n.endswith("]")}
+    out = {}
+    for name, t in params.items():
+        if name in fused:
+            out.update({f"{name}[{e}]": t[e] for e in range(t.shape[0])})
+        else:
+            out[name] = t
+    return out
+
+
+def run_in_process(plan: Plan, glob: dict, dtype: torch.dtype, version: int = 1) -> list[dict]:
+    """Execute ``plan`` bucket by bucket in one process; return each generator rank's
+    tensors (initialised to NaN so an unwritten element shows)."""
+    shards = {r: megatron_shards(glob, plan, r) for r in range(plan.src.world)}
+    dst = [
+        {
+            n: torch.full(s, float("nan"), dtype=wire.dst_dtype(plan, n, dtype))
+            for n, s in plan.dst_shapes.items()
+        }
+        for _ in range(plan.dst.tp)
+    ]
+    buf = torch.empty(plan.bucket_bytes, dtype=torch.uint8)
+    for b in plan.buckets:
+        msg = wire.pack(buf, plan, b, lambda k, i, s=shards[b.src]: s[(k, i)], dtype, version)
+        wire.verify(msg, plan, b, version)
+        wire.unpack(msg, plan, b, dst[b.dst].__getitem__, dtype)
+    for r in range(plan.dst.tp):
+        wire.zero_fill(plan, r, dst[r].__getitem__)
+    return dst

@@ -1,0 +1,244 @@
+"""Rank function for the multi-process DDMA tests: trainer ranks send Megatron shards,
+generator ranks receive into buffers in SGLang's layout (module level, so spawned ranks
+import it)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+
+def ddma_rank(
+    model_dir: str,
+    src: tuple[int, int],
+    dst_tp: int,
+    bucket_bytes: int,
+    fault: str | None = None,
+    report_dir: str | None = None,
+    fp8_block: int | None = None,
+) -> dict:
+    """Ranks [0, tp*pp) are the trainer, the next ``dst_tp`` the generator (holding FP8
+    linear weights and their scales when ``fp8_block`` is set).
+
+    ``fault``: "corrupt" (trainer rank 0 flips a byte of its second bucket after packing),
+    "disconnect" (generator rank 0 exits after its first bucket), "version" (the trainer
+    sends version 2, generator expects 1). Each rank writes its outcome to ``report_dir``
+    before anything can kill it, so the test reads every side's error.
+    """
+    from tests.helpers.ddma_util import hf_state, megatron_globals, megatron_shards, model_dims
+
+    from rl.ddma import engine, wire
+    from rl.ddma.plan import DstLayout, SrcLayout, make_plan
+
+    rank = dist.get_rank()
+    d = model_dims(Path(model_dir), src_tp=src[0])
+    plan = make_plan(d, SrcLayout(*src), DstLayout(dst_tp), 4, bucket_bytes, fp8_block)
+    n_src = plan.src.world
+    src_ranks, dst_ranks = list(range(n_src)), [n_src + j for j in range(dst_tp)]
+    torch.manual_seed(0)
+    glob = megatron_globals(hf_state(Path(model_dir)), d)
+
+    def report(text: str) -> None:
+        if report_dir:
+            Path(report_dir, f"rank{rank}").write_text(text)
+
+    try:
+        if rank < n_src:
+            shards = megatron_shards(glob, plan, rank)
+            version = 1
+            getter = shards.__getitem__ if fault != "corrupt" else _corrupting(shards, rank)
+            stats = engine.send(
+                plan, rank, lambda k, i: getter((k, i)), version, torch.float32,
+                dist.group.WORLD, dst_ranks,
+            )  # fmt: skip
+            report("ok")
+            return {"role": "trainer", "stats": stats}
+        me = rank - n_src
+        out = {
+            n: torch.full(s, float("nan"), dtype=wire.dst_dtype(plan, n, torch.float32))
+            for n, s in plan.dst_shapes.items()
+        }
+        if fault == "disconnect" and me == 0:
+            _exit_after_first_bucket(report)
+        stats = engine.receive(
+            plan, me, out.__getitem__, 1, torch.float32, dist.group.WORLD, src_ranks
+        )
+        report("ok")
+        return {"role": "generator", "rank": me, "tensors": out, "stats": stats}
+    except (engine.TransferError, wire.BucketError) as e:
+        report(f"{type(e).__name__}: {e}")
+        os._exit(3)  # the peers' pending transfers must fail, not hang
+
+
+def _corrupting(shards: dict, rank: int):
+    """Trainer rank 0 flips one byte of its second bucket after the checksum was taken
+    (bit rot between packing and the receiver)."""
+    import rl.ddma.wire as wire
+
+    original = wire.write_header
+    calls = {"n": 0}
+
+    def write_then_flip(buf, plan, bucket, version):
+        original(buf, plan, bucket, version)
+        calls["n"] += 1
+        if rank == 0 and calls["n"] == 2:
+            buf[bucket.nbytes - 1] ^= 0x01
+
+    wire.write_header = write_then_flip
+    return shards.__getitem__
+
+
+def _exit_after_first_bucket(report) -> None:
+    """Generator rank 0 vanishes (no goodbye) right after scattering its first bucket."""
+    import rl.ddma.wire as wire
+
+    original = wire.unpack
+
+    def unpack_then_die(*args, **kw):
+        original(*args, **kw)
+        report("disconnected")
+        os._exit(4)
+
+    wire.unpack = unpack_then_die
+
+
+def train_then_sync(
+    mcore_dir: str,
+    m,
+    url: str,
+    save_dir: str,
+    batch: dict,
+    tp: int | None = None,
+    ep: int = 1,
+    lr: float | None = None,
+    hf_dir: str | None = None,
+) -> dict:
+    """A Megatron trainer loads ``mcore_dir``, takes one optimizer step on ``batch``, saves,
+    and DDMAs its own shards into the SGLang server at ``url`` as version 1 (rank 0
+    brackets the transfer as the controller would). ``url`` may instead be the path of a
+    file the parent writes the URL into once the server is up: the trainer then converts
+    and trains while the server starts (an empty file: the server failed; give up).
+
+    Layout: TP ``tp`` (default: the whole world), DP the rest of the world, experts split
+    over ``ep`` of the DP ranks (MoE). ``lr``: the step's exact learning rate (no warm-up,
+    constant); None: lr 0.05 under the default config's schedule (its warm-up starts the
+    first step at lr / warmup_steps). ``hf_dir``: first convert that HF checkpoint into
+    ``mcore_dir`` on these same ranks (saves a second world's start-up)."""
+    from rl.algorithms.losses import nll_loss
+    from rl.config import compose
+    from rl.ddma.megatron_source import shard_getter, source_rank
+    from rl.ddma.plan import DstLayout, SrcLayout, make_plan
+    from rl.generator.ddma_target import SGLangTarget
+    from rl.trainer.trainer import build_trainer
+    from rl.weights.keymap import Dims
+
+    world = dist.get_world_size()
+    tp = tp or world
+    dp = world // tp
+    rows = batch["tokens"].shape[0]
+    if hf_dir is not None:
+        from rl.weights.convert import hf_to_mcore_rank
+
+        hf_to_mcore_rank(hf_dir, mcore_dir, m, tp, 1, "float32", ep)
+    cfg = compose(
+        [f"trainer.tp={tp}", f"trainer.dp={dp}", f"trainer.ep={ep}",
+         "trainer.micro_batch_size=1", f"trainer.global_batch_size={rows}",
+         "trainer.optim.clip_grad=0"]
+        + (["trainer.optim.lr=0.05"] if lr is None else
+           [f"trainer.optim.lr={lr}", f"trainer.optim.min_lr={lr}",
+            "trainer.optim.warmup_steps=0", "trainer.optim.decay_style=constant"])
+    )  # fmt: skip
+    tr = build_trainer(m, cfg.trainer, total_steps=1)
+    tr.load(mcore_dir, load_optimizer=False)
+    metrics = tr.train_step(batch, nll_loss)
+    tr.save(save_dir)
+    url = _await_url(url)
+    src = SrcLayout(tp, 1, dp, ep=ep)
+    plan = make_plan(Dims.of(m), src, DstLayout.sglang(1, "cpu"), 4, 1 << 16)
+    rank = source_rank(tr.layout, plan.src)
+    target = SGLangTarget(url, plan, torch.float32)
+    if rank == 0:
+        target.begin(1)
+    dist.barrier()
+    stats = target.stage(rank, shard_getter(tr.model.module, plan, rank), 1)
+    dist.barrier()
+    if rank == 0:
+        target.commit(1)
+    return {"metrics": metrics, "stats": stats, "rank": rank}
+
+
+def _await_url(url: str, timeout_s: float = 600.0) -> str:
+    """``url`` itself, or the URL the parent writes into the file at path ``url``."""
+    import time
+
+    if url.startswith("http"):
+        return url
+    deadline = time.monotonic() + timeout_s
+    while not Path(url).exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no server URL in {url} after {timeout_s:.0f}s")
+        time.sleep(0.2)
+    got = Path(url).read_text().strip()
+    if not got:
+        raise RuntimeError(f"{url}: the server did not start")
+    return got
+
+
+def baseline_rank(model_dir: str, tp: int, dst_tp: int) -> dict:
+    """The gather-to-rank-0 baseline on ``tp`` trainer + ``dst_tp`` generator ranks."""
+    from tests.helpers.ddma_util import hf_state, megatron_globals, megatron_shards, model_dims
+
+    from rl.ddma import baseline
+    from rl.ddma.plan import DstLayout, SrcLayout, make_plan
+
+    rank = dist.get_rank()
+    d = model_dims(Path(model_dir), src_tp=tp)
+    trainers = dist.new_group(list(range(tp)))
+    fanout = dist.new_group([0, *range(tp, tp + dst_tp)])
+    plan = make_plan(d, SrcLayout(tp), DstLayout(dst_tp), 4, 1 << 20)
+    if rank < tp:
+        shards = megatron_shards(megatron_globals(hf_state(Path(model_dir)), d), plan, rank)
+        named = baseline.gather_hf(lambda k, i: shards[(k, i)], d, tp, trainers, 0)
+        if rank == 0:
+            baseline.broadcast_hf(named, d, torch.float32, fanout, 0)
+        else:
+            list(named)  # take part in the gathers
+        return {"role": "trainer"}
+    hf = baseline.broadcast_hf(None, d, torch.float32, fanout, 0)
+    out = {n: torch.full(s, float("nan")) for n, s in plan.dst_shapes.items()}
+    baseline.load_rank(hf, d, DstLayout(dst_tp), rank - tp, out.__getitem__)
+    return {"role": "generator", "rank": rank - tp, "tensors": out}
+
+
+def p2p_sync(url: str, port: int, glob: dict, model_dir: str, version: int) -> dict:
+    """Two trainer ranks DDMA ``glob`` (Megatron globals) into the SGLang server at ``url``
+    point to point: they and the server's ranks join one gloo group; rank 0 also plays
+    the controller (open the group, begin, have the server receive, commit)."""
+    from tests.helpers.ddma_util import megatron_shards, model_dims
+
+    from rl.ddma import group
+    from rl.ddma.plan import DstLayout, SrcLayout, make_plan
+    from rl.generator.ddma_target import SGLangTarget
+
+    rank = dist.get_rank()
+    plan = make_plan(model_dims(Path(model_dir), 2), SrcLayout(2), DstLayout.sglang(1, "cpu"),
+                     4, 1 << 14)  # fmt: skip
+    target = SGLangTarget(url, plan, torch.float32)
+    name = f"ddma-test-{port}"
+    opened = target.open_group(name, "127.0.0.1", port) if rank == 0 else None
+    pg = group.join("127.0.0.1", port, plan.src.world + plan.dst.tp, rank, name, timeout_s=120)
+    if opened is not None:
+        opened.result()
+        target.begin(version)
+    dist.barrier()
+    received = target.receive(version, name) if rank == 0 else None
+    shards = megatron_shards(glob, plan, rank)
+    stats = target.send(rank, lambda k, i: shards[(k, i)], version, pg)
+    if received is not None:
+        received.result()
+        target.commit(version)
+    dist.barrier()
+    return {"stats": stats}

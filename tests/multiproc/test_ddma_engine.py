@@ -1,0 +1,90 @@
+"""The DDMA engine for real: trainer and generator ranks as separate gloo processes.
+
+Trainer ranks hold Megatron shards of a Hugging Face checkpoint; generator ranks receive
+into buffers in SGLang's layout, which must equal SGLang's own loaders' output. Faults
+(a corrupted bucket, a generator that vanishes) must surface as errors that
+name the bucket and the peer, on the side that saw them, instead of hanging.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tests.helpers.ddma_workers import ddma_rank
+from tests.helpers.hf_models import make_model
+from tests.helpers.sglang_reference import sglang_rank_params
+
+from rl.dist.launch import spawn
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    return make_model("llama", tmp_path_factory.mktemp("ddma_engine") / "llama")
+
+
+@pytest.mark.parametrize("src,dst_tp", [((2, 1), 2), ((1, 2), 1)])
+def test_shards_arrive_in_sglang_layout(llama, src, dst_tp):
+    n_src = src[0] * src[1]
+    out = spawn(ddma_rank, n_src + dst_tp, str(llama), src, dst_tp, 3000)
+    sent = sum(o["stats"].payload_bytes for o in out[:n_src])
+    received = sum(o["stats"].payload_bytes for o in out[n_src:])
+    assert sent == received
+    for o in out[n_src:]:
+        want = sglang_rank_params(llama, dst_tp, o["rank"])
+        assert set(o["tensors"]) == set(want)
+        for name, t in want.items():
+            torch.testing.assert_close(o["tensors"][name], t, rtol=0, atol=0, msg=name)
+        # Bounded memory: two buckets per rank, whatever the model size.
+        assert o["stats"].buffer_bytes == 2 * 3000
+
+
+def test_fp8_buckets_over_gloo(llama):
+    """Each trainer rank quantizes its own slices; the generator receives exactly the
+    blocks and scales of quantizing SGLang's own weights."""
+    from rl.ddma import fp8
+
+    out = spawn(ddma_rank, 3, str(llama), (2, 1), 1, 3000, None, None, 8)
+    got = out[2]["tensors"]
+    for name, t in sglang_rank_params(llama, 1, 0).items():
+        if fp8.is_quantized_weight(name):
+            q, s = fp8.quantize_blockwise(t, 8)
+            assert torch.equal(got[name].view(torch.uint8), q.view(torch.uint8)), name
+            assert torch.equal(got[name + "_scale_inv"], s), name
+        else:
+            assert torch.equal(got[name], t), name
+
+
+def _outcomes(tmp_path, n: int) -> list[str]:
+    return [
+        (tmp_path / f"rank{r}").read_text() if (tmp_path / f"rank{r}").exists() else ""
+        for r in range(n)
+    ]
+
+
+def test_corrupted_bucket_is_refused(llama, tmp_path):
+    with pytest.raises(RuntimeError, match="exited with code 3"):
+        spawn(ddma_rank, 3, str(llama), (2, 1), 1, 3000, "corrupt", str(tmp_path), timeout_s=120)
+    generator = _outcomes(tmp_path, 3)[2]
+    assert "BucketError" in generator and "checksum mismatch" in generator
+    assert "trainer rank 0 -> generator rank 0" in generator
+
+
+def test_generator_disconnect_fails_the_sender(llama, tmp_path):
+    with pytest.raises(RuntimeError, match="exited with code"):
+        spawn(ddma_rank, 3, str(llama), (2, 1), 1, 3000, "disconnect", str(tmp_path), timeout_s=120)
+    out = _outcomes(tmp_path, 3)
+    assert out[2] == "disconnected"
+    senders = [o for o in out[:2] if o]
+    assert senders and all("TransferError" in o and "generator rank 2" in o for o in senders), out
+
+
+def test_baseline_delivers_the_same_shards(llama):
+    """The benchmark's baseline (gather to trainer rank 0, HF names, broadcast, slice)
+    must produce the same generator shards, or its timings compare nothing."""
+    from tests.helpers.ddma_workers import baseline_rank
+
+    out = spawn(baseline_rank, 3, str(llama), 2, 1)
+    want = sglang_rank_params(llama, 1, 0)
+    got = out[2]["tensors"]
+    for name, t in want.items():
+        torch.testing.assert_close(got[name], t, rtol=0, atol=0, msg=name)

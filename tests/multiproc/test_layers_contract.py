@@ -1,0 +1,61 @@
+"""``lint-imports`` (run by ``make lint``) fails the moment a module imports upwards.
+
+The contract (``.importlinter``) is run on a copy of the package, as is and then with one
+upward import added to a pure-logic module.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+LINT = Path(sys.executable).with_name("lint-imports")
+
+
+def _lint(where: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(where)}
+    return subprocess.run(
+        [str(LINT), "--no-cache", "--config", str(where / ".importlinter")],
+        cwd=where, env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def copy(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    dst = tmp_path_factory.mktemp("layers")
+    shutil.copytree(ROOT / "rl", dst / "rl", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(ROOT / ".importlinter", dst / ".importlinter")
+    return dst
+
+
+def test_the_package_keeps_its_contracts(copy: Path) -> None:
+    res = _lint(copy)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-2000:]
+    assert "0 broken" in res.stdout
+
+
+@pytest.mark.parametrize(
+    "module, line, broken",
+    [
+        ("rl/weights/keymap.py", "import rl.trainer", "rl.weights.keymap -> rl.trainer"),
+        ("rl/ddma/plan.py", "import rl.generator.launcher", "rl.ddma.plan -> rl.generator"),
+        ("rl/trainer/trainer.py", "import rl.reward.service", "rl.trainer.trainer -> rl.reward"),
+    ],
+    ids=["keymap-imports-trainer", "ddma-imports-generator", "trainer-imports-reward"],
+)
+def test_an_upward_or_cross_import_breaks_the_contract(
+    copy: Path, tmp_path: Path, module: str, line: str, broken: str
+) -> None:
+    tree = tmp_path / "tree"
+    shutil.copytree(copy, tree)
+    path = tree / module
+    path.write_text(path.read_text() + f"\n{line}  # noqa\n")
+    res = _lint(tree)
+    assert res.returncode != 0
+    assert "BROKEN" in res.stdout and broken in res.stdout, res.stdout[-3000:]

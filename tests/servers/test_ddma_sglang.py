@@ -1,0 +1,201 @@
+"""DDMA into a live SGLang server (CPU, TP=1, fp32).
+
+End to end: a Megatron TP=2 trainer takes one optimizer step and DDMAs its shards into
+the server; SGLang's greedy output and log-probs then equal transformers run on the
+trainer's checkpoint converted to HF. Then the failure modes: a corrupt bucket, a
+trainer whose model differs from the served one, and a trainer that dies mid-transfer
+must each be refused with a clear error while the server keeps serving the previous
+complete version. Tests run in file order on one server.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tests.helpers.ddma_util import hf_state, megatron_globals, megatron_shards, model_dims
+from tests.helpers.ddma_workers import train_then_sync
+from tests.helpers.hf_models import make_model
+
+from rl.config import compose
+from rl.config.sampling import SamplingParams
+from rl.ddma import wire
+from rl.ddma.plan import DstLayout, SrcLayout, make_plan
+from rl.generator.ddma_target import SGLangTarget, SyncError
+from rl.dist.launch import spawn
+from rl.generator.client import GeneratorClient
+from rl.generator.hf_reference import HFReferenceGenerator
+from rl.generator.launcher import ServerConfig, ServerError, ServerLauncher
+from rl.weights.convert import hf_to_mcore, mcore_to_hf, prepare_hf_to_mcore
+
+CPU_DST = DstLayout.sglang(1, "cpu")  # what a CPU server holds (MLP width padded)
+PROMPTS = [[1, 5, 6, 7], [1, 40, 41, 42, 43], [1, 77, 12, 60]]
+GREEDY = SamplingParams(temperature=0, max_new_tokens=10)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_model("llama", tmp_path_factory.mktemp("ddma_live") / "llama")
+
+
+@pytest.fixture(scope="module")
+def client(model_dir, tmp_path_factory):
+    cfg = compose([])
+    server = ServerConfig.from_rollout(cfg.rollout, model_dir)
+    logs = tmp_path_factory.mktemp("logs")
+    with (
+        ServerLauncher(server, n=1, log_dir=logs) as launcher,
+        GeneratorClient.for_launcher(launcher) as client,
+    ):
+        yield client
+
+
+def _assert_serves(client: GeneratorClient, ref: HFReferenceGenerator, version: int) -> None:
+    assert client.weight_versions() == [version]
+    for prompt, got in zip(PROMPTS, client.generate(PROMPTS, GREEDY), strict=True):
+        want = ref.generate(prompt, GREEDY)
+        assert got.output_ids == want.output_ids
+        assert max(abs(a - b) for a, b in zip(got.logprobs, want.logprobs, strict=True)) < 1e-4
+
+
+@pytest.fixture(scope="module")
+def synced(client, model_dir, tmp_path_factory):
+    """Run the end-to-end step once; later tests start from the version it committed."""
+    root = tmp_path_factory.mktemp("ddma_e2e")
+    m, _ = prepare_hf_to_mcore(str(model_dir), 2, 1, vocab_multiple=128, dtype=None)
+    hf_to_mcore(str(model_dir), str(root / "init"), tp=2)
+    g = torch.Generator().manual_seed(3)
+    tokens = torch.randint(3, 99, (4, 16), generator=g)
+    batch = {"tokens": tokens, "loss_mask": torch.ones(4, 16)}
+    out = spawn(
+        train_then_sync, 2, str(root / "init"), m, client.urls[0], str(root / "step1"), batch
+    )
+    mcore_to_hf(str(root / "step1"), str(root / "hf1"))
+    return {"out": out, "hf1": root / "hf1", "ref": HFReferenceGenerator(root / "hf1")}
+
+
+def test_trained_step_reaches_sglang_exactly(client, model_dir, synced):
+    out = synced["out"]
+    assert out[0]["metrics"]["loss"] > 0
+    # The step changed the model (else the test below would prove nothing) ...
+    before = HFReferenceGenerator(model_dir)
+    changed = [
+        before.generate(p, GREEDY).output_ids != synced["ref"].generate(p, GREEDY).output_ids
+        for p in PROMPTS
+    ]
+    assert any(changed)
+    # ... and SGLang now serves exactly the trainer's new weights.
+    _assert_serves(client, synced["ref"], 1)
+    client.adopt_version(1)  # what the controller does after a DDMA commit
+    assert client.version == 1
+    # Each trainer rank sent only its part; together, exactly the server's real bytes.
+    plan = make_plan(model_dims(model_dir, 2), SrcLayout(2), CPU_DST, 4, 1 << 16)
+    assert sum(o["stats"].payload_bytes for o in out) == plan.dst_bytes()
+    assert all(o["stats"].payload_bytes < 0.6 * plan.dst_bytes() for o in out)
+
+
+def _stage_all(target: SGLangTarget, glob: dict, version: int, upto: int | None = None):
+    plan = target.plan
+    for r in range(plan.src.world):
+        shards = megatron_shards(glob, plan, r)
+        target.stage(r, lambda k, i, s=shards: s[(k, i)], version)
+        if upto is not None and r + 1 >= upto:
+            return
+
+
+@pytest.fixture
+def fresh(model_dir):
+    """Megatron globals of a version 2 (perturbed original weights) and a TP=2 plan."""
+    d = model_dims(model_dir, 2)
+    hf = {n: t + 0.05 * torch.randn_like(t) for n, t in hf_state(model_dir).items()}
+    return d, megatron_globals(hf, d), hf
+
+
+def test_corrupt_bucket_keeps_previous_version(client, synced, fresh, monkeypatch):
+    d, glob, _ = fresh
+    plan = make_plan(d, SrcLayout(2), CPU_DST, 4, 1 << 14)
+    target = SGLangTarget(client.urls[0], plan, torch.float32)
+    original = wire.write_header
+
+    def flip_one(buf, plan, bucket, version):
+        original(buf, plan, bucket, version)
+        if bucket.index == 3:
+            buf[bucket.nbytes - 1] ^= 0x01
+
+    monkeypatch.setattr(wire, "write_header", flip_one)
+    target.begin(2)
+    with pytest.raises(SyncError, match="checksum mismatch"):
+        _stage_all(target, glob, 2)
+    with pytest.raises(SyncError, match="version 2 already failed"):
+        target.commit(2)
+    _assert_serves(client, synced["ref"], 1)
+    # A controller that assumed the version landed routes nothing to the server.
+    client.adopt_version(2)
+    with pytest.raises(ServerError, match=r"at weight version 2 .*behind: \[0\]"):
+        client.generate(PROMPTS[:1], GREEDY)
+    client.adopt_version(1)
+
+
+def test_architecture_mismatch_is_refused(client, synced, fresh):
+    d, _, _ = fresh
+    other = d.__class__(**{**d.__dict__, "ffn": d.ffn * 2})
+    plan = make_plan(other, SrcLayout(1), CPU_DST, 4, 1 << 14)
+    target = SGLangTarget(client.urls[0], plan, torch.float32)
+    glob = {
+        k: torch.zeros(s) for k, s in plan.src_shapes.items()
+    }  # right shapes for the wrong model
+    target.begin(2)
+    with pytest.raises(SyncError, match=r"architecture mismatch: .*gate_up_proj.* trainer sends"):
+        _stage_all(target, glob, 2)
+    target.abort(2)
+    _assert_serves(client, synced["ref"], 1)
+
+
+def test_trainer_lost_mid_transfer_then_next_version_lands(client, synced, fresh, tmp_path):
+    d, glob, hf = fresh
+    plan = make_plan(d, SrcLayout(2), CPU_DST, 4, 1 << 14)
+    target = SGLangTarget(client.urls[0], plan, torch.float32)
+    target.begin(2)
+    _stage_all(target, glob, 2, upto=1)  # trainer rank 1 never sends
+    with pytest.raises(SyncError, match=r"buckets never arrived"):
+        target.commit(2)
+    _assert_serves(client, synced["ref"], 1)
+    # A complete version then lands.
+    target.begin(2)
+    _stage_all(target, glob, 2)
+    target.commit(2)
+    ref = synced["ref"]
+    ref.load_weights(hf.items())
+    _assert_serves(client, ref, 2)
+
+
+def test_point_to_point_transport_into_live_server(client, fresh, model_dir, synced):
+    """The cross-host transport: trainer ranks and the server's ranks join one gloo group
+    through SGLang's /init_weights_update_group; each server rank receives its own
+    buckets point to point into staging, then commits."""
+    from tests.helpers.ddma_workers import p2p_sync
+
+    from rl.dist.net import free_port
+
+    d, glob, hf = fresh
+    version = client.weight_versions()[0] + 1
+    out = spawn(p2p_sync, 2, client.urls[0], free_port(), glob, str(model_dir), version)
+    plan = make_plan(d, SrcLayout(2), CPU_DST, 4, 1 << 14)
+    assert sum(o["stats"].payload_bytes for o in out) == plan.dst_bytes()
+    ref = synced["ref"]
+    ref.load_weights(hf.items())
+    _assert_serves(client, ref, version)
+
+
+def test_trainers_disagreeing_on_the_version_fail_it(client, synced, fresh):
+    d, glob, _ = fresh
+    plan = make_plan(d, SrcLayout(2), CPU_DST, 4, 1 << 14)
+    target = SGLangTarget(client.urls[0], plan, torch.float32)
+    version = client.weight_versions()[0]
+    target.begin(version + 1)
+    shards = [megatron_shards(glob, plan, r) for r in range(2)]
+    target.stage(0, lambda k, i: shards[0][(k, i)], version + 1)
+    with pytest.raises(SyncError, match=rf"version {version + 5} .* while version {version + 1}"):
+        target.stage(1, lambda k, i: shards[1][(k, i)], version + 5)  # a stale trainer rank
+    with pytest.raises(SyncError, match="already failed"):
+        target.commit(version + 1)
+    assert client.weight_versions() == [version]

@@ -1,0 +1,300 @@
+"""The generator executor against real SGLang servers on CPU (two servers, TP=1, fp32).
+
+A tiny random Llama is made locally and served; Hugging Face transformers running the same
+weights is the reference. Tests run in file order on one pair of servers: parity first,
+then weight updates (the reference follows every update), then killing and restarting a
+server, last.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import signal
+import time
+
+import psutil
+import pytest
+import torch
+from tests.helpers.hf_models import make_model
+from tests.helpers.procs import assert_group_gone
+from safetensors.torch import load_file
+
+from rl.config import compose, validate
+from rl.config.sampling import RequestError, SamplingParams
+from rl.generator.client import GeneratorClient
+from rl.generator.hf_reference import HFReferenceGenerator
+from rl.generator.launcher import ServerConfig, ServerError, ServerLauncher
+from rl.generator.weight_payload import FlatBucket, buckets
+
+TOL = 1e-4
+PROMPTS = [[1, 5, 6, 7], [1, 9, 9], [1, 40, 41, 42, 43, 44, 45], [1, 3], [1, 77, 12, 60]]
+GREEDY = SamplingParams(temperature=0, max_new_tokens=12)
+LONG = SamplingParams(temperature=0, max_new_tokens=110, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_model("llama", tmp_path_factory.mktemp("gen") / "tiny")
+
+
+@pytest.fixture(scope="module")
+def rollout_cfg():
+    """The generator settings as the main job composes them (conf/rollout/cpu.yaml)."""
+    cfg = compose(["rollout.servers=2"])
+    validate(cfg)
+    return cfg.rollout
+
+
+@pytest.fixture(scope="module")
+def launcher(model_dir, rollout_cfg, tmp_path_factory):
+    server = ServerConfig.from_rollout(rollout_cfg, model_dir)
+    logs = tmp_path_factory.mktemp("logs")
+    with ServerLauncher(server, n=rollout_cfg.servers, log_dir=logs) as launcher:
+        yield launcher
+
+
+@pytest.fixture(scope="module")
+def client(launcher, rollout_cfg):
+    r = rollout_cfg
+    kw = {"max_in_flight": r.max_in_flight, "request_timeout": r.request_timeout}
+    with GeneratorClient.for_launcher(launcher, **kw) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def ref(model_dir):
+    return HFReferenceGenerator(model_dir)
+
+
+@pytest.fixture(scope="module")
+def weights(model_dir):
+    """Named weights of every version pushed so far: {version: [(name, tensor)]}."""
+    return {0: sorted(load_file(model_dir / "model.safetensors").items())}
+
+
+def _new_version(weights: dict, version: int, seed: int) -> list:
+    g = torch.Generator().manual_seed(seed)
+    named = [(n, t + 0.05 * torch.randn(t.shape, generator=g)) for n, t in weights[0]]
+    weights[version] = named
+    return named
+
+
+def _close(got: list[float], want: list[float]) -> bool:
+    return len(got) == len(want) and max(abs(a - b) for a, b in zip(got, want, strict=True)) < TOL
+
+
+def _assert_matches_greedy(rollout, ref) -> None:
+    want = ref.generate(rollout.prompt_ids, rollout.sampling)
+    assert rollout.output_ids == want.output_ids
+    assert _close(rollout.logprobs, want.logprobs), (rollout.logprobs, want.logprobs)
+    assert rollout.finish_reason == want.finish_reason
+
+
+def _generate_posts(launcher) -> int:
+    return sum(s.log_path.read_text().count('"POST /generate') for s in launcher.servers)
+
+
+def _wait_active(client, rollout_rid: str, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while rollout_rid not in client.in_flight():
+        assert time.monotonic() < deadline, "request never became active"
+        time.sleep(0.01)
+
+
+# ---------------------------------------------------------------------------- parity
+def test_greedy_tokens_and_logprobs_match_transformers_on_both_servers(client, ref):
+    futures = [f for p in PROMPTS * 2 for f in client.submit(p, GREEDY)]
+    rollouts = [f.result() for f in futures]
+    for r in rollouts:
+        _assert_matches_greedy(r, ref)
+        assert r.versions == [0] * len(r.output_ids) and r.segments == 1
+    assert {r.server for r in rollouts} == {0, 1}  # load-balanced over both servers
+
+
+def test_stop_token_ends_the_rollout_and_is_kept(client, ref):
+    full = ref.generate(PROMPTS[0], GREEDY).output_ids
+    cut = next(i for i, t in enumerate(full) if i >= 2 and full.index(t) == i)
+    stop = SamplingParams(temperature=0, max_new_tokens=12, stop_token_ids=(full[cut],))
+    (r,) = client.generate([PROMPTS[0]], stop)
+    assert r.output_ids == full[: cut + 1] and r.finish_reason == "stop"
+
+
+def test_sampled_tokens_carry_their_behaviour_logprobs(client, ref):
+    sampling = SamplingParams(temperature=0.7, top_p=0.9, n=8, max_new_tokens=10)
+    rollouts = list(client.as_completed(client.submit(PROMPTS[2], sampling)))
+    assert len(rollouts) == 8 and len({tuple(r.output_ids) for r in rollouts}) > 1
+    for r in rollouts:
+        want = ref.score(r.prompt_ids, r.output_ids, temperature=0.7)
+        assert _close(r.logprobs, want), (r.logprobs, want)
+
+
+def test_segmented_generation_equals_one_shot(client, ref):
+    rollouts = client.generate(PROMPTS, GREEDY, segment_tokens=5)
+    for r in rollouts:
+        assert r.segments == -(-len(r.output_ids) // 5)  # cut every 5 tokens
+        _assert_matches_greedy(r, ref)
+    assert max(r.segments for r in rollouts) == 3  # 12 tokens: 5 + 5 + 2
+
+
+def test_rollouts_stream_back_as_they_finish(client):
+    long = client.submit(PROMPTS[0], LONG)
+    short = [f for p in PROMPTS for f in client.submit(p, SamplingParams(max_new_tokens=2))]
+    order = list(client.as_completed(long + short))
+    assert order[-1] is long[0].result()  # the long rollout does not hold back the others
+    assert all(len(r.output_ids) == 2 for r in order[:-1])
+
+
+def test_bad_requests_fail_before_reaching_a_server(client, launcher):
+    before = _generate_posts(launcher)
+    with pytest.raises(RequestError, match="exceeds the context length 128"):
+        client.submit([1] * 125, SamplingParams(max_new_tokens=8))
+    with pytest.raises(RequestError, match="unknown sampling field 'temprature'"):
+        client.submit([1, 2], SamplingParams.from_dict({"temprature": 0.0}))
+    with pytest.raises(RequestError, match=r"sampling\.max_new_tokens=-5 must be"):
+        client.submit([1, 2], SamplingParams(max_new_tokens=-5))
+    with pytest.raises(RequestError, match="prompt token id 1000 out of range"):
+        client.submit([1, 1000], GREEDY)
+    client.generate([PROMPTS[1]], GREEDY)  # the log counter itself works
+    assert _generate_posts(launcher) == before + 1
+
+
+def test_submit_needs_no_event_loop_of_its_own(client):
+    """Futures are plain concurrent.futures: callable from any thread (the controller's)."""
+    with cf.ThreadPoolExecutor(2) as pool:
+        out = list(pool.map(lambda p: client.generate([p], GREEDY)[0], PROMPTS[:2]))
+    assert [len(r.output_ids) for r in out] == [12, 12]
+
+
+def test_idle_servers_leave_the_cpu_to_others(launcher):
+    """An idle SGLang scheduler spins a core unless told to sleep: two such servers would
+    starve the trainer on a 2-core machine. Spinning measures ~100% of a core each."""
+    procs = [
+        p for s in launcher.servers for p in psutil.Process(s.proc.pid).children(recursive=True)
+    ]
+    for p in procs:
+        p.cpu_percent()
+    time.sleep(3.0)
+    busy = {p.pid: p.cpu_percent() for p in procs}
+    assert sum(busy.values()) < 50 * len(launcher.servers), busy
+
+
+# ---------------------------------------------------------------------------- abort and pause
+def test_aborted_request_returns_its_partial_tokens(client, ref):
+    # An idle server can finish all 110 tokens before a fixed delay ends: shorten it until
+    # the abort lands mid-request.
+    for delay in (0.3, 0.15, 0.08, 0.04, 0.02):
+        (future,) = client.submit(PROMPTS[0], LONG)
+        _wait_active(client, future.rollout.rid)
+        time.sleep(delay)
+        client.abort(future.rollout)
+        r = future.result(timeout=60)
+        if r.finish_reason == "abort":
+            break
+    assert r.finish_reason == "abort" and 0 < len(r.output_ids) < LONG.max_new_tokens
+    full = ref.generate(r.prompt_ids, LONG)
+    assert r.output_ids == full.output_ids[: len(r.output_ids)]
+    assert _close(r.logprobs, full.logprobs[: len(r.output_ids)])
+
+
+def test_pause_in_abort_mode_hands_back_resumable_rollouts(client, ref):
+    for delay in (0.3, 0.15, 0.08, 0.04):  # until the pause lands mid-request (see above)
+        futures = client.submit(PROMPTS[1], LONG) + client.submit(PROMPTS[3], LONG)
+        time.sleep(delay)
+        client.pause("abort")
+        try:
+            partial = [f.result(timeout=60) for f in futures]
+        finally:
+            client.continue_generation()
+        if not any(r.finished for r in partial):
+            break
+    assert all(not r.finished and len(r.output_ids) < LONG.max_new_tokens for r in partial)
+    for r in partial:
+        while not r.finished:
+            r = client.resume(r).result(timeout=120)
+        assert r.segments >= 2
+        _assert_matches_greedy(r, ref)
+
+
+# ---------------------------------------------------------------------------- weight updates
+def test_update_weights_then_outputs_match_transformers_with_the_new_weights(client, ref, weights):
+    new = _new_version(weights, 1, seed=1)
+    assert len(list(buckets(iter(new), 20_000))) > 3  # several buckets, not one
+    client.update_weights(new, version=1, bucket_bytes=20_000)
+    assert client.weight_versions() == [1, 1] and client.version == 1
+    ref.load_weights(new)
+    for r in client.generate(PROMPTS, GREEDY):
+        _assert_matches_greedy(r, ref)
+        assert set(r.versions) == {1}
+
+
+def test_rollout_resumed_across_an_update_keeps_per_token_versions(client, ref, weights):
+    """Partial rollouts: segment 1 under v1, then an update to v2 (sent as ready buckets),
+    then the rest; every token keeps the version and log-prob it was sampled with."""
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=16, ignore_eos=True, n=4)
+    first = [f.result() for f in client.submit(PROMPTS[0], sampling, segment_tokens=6)]
+    assert all(len(r.output_ids) == 6 and not r.finished for r in first)
+    new = _new_version(weights, 2, seed=2)
+    client.update_weights([FlatBucket.pack(g) for g in buckets(iter(new), 50_000)], version=2)
+    done = [client.resume(r).result() for r in first]
+    for r in done:
+        assert r.finished and r.versions == [1] * 6 + [2] * 10
+        ref.load_weights(weights[1])
+        assert _close(r.logprobs[:6], ref.score(r.prompt_ids, r.output_ids[:6]))
+        ref.load_weights(weights[2])
+        assert _close(r.logprobs[6:], ref.score(r.prompt_ids, r.output_ids)[6:])
+
+
+def test_update_while_requests_run_tags_every_token_with_its_version(client, ref, weights):
+    """Requests running on the servers during an update are retracted, resumed under the
+    new weights (cache flushed), and report per-token version spans."""
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=110, ignore_eos=True, n=6)
+    futures = [f for p in PROMPTS[:3] for f in client.submit(p, sampling)]
+    for f in futures:
+        _wait_active(client, f.rollout.rid)
+    time.sleep(0.3)  # let them decode a little under v2 (110 tokens take over a second)
+    client.update_weights(_new_version(weights, 3, seed=3), version=3)
+    rollouts = [f.result(timeout=300) for f in futures]
+    straddling = [r for r in rollouts if set(r.versions) == {2, 3}]
+    assert straddling, [sorted(set(r.versions)) for r in rollouts]
+    for r in rollouts:
+        assert r.versions == sorted(r.versions) and set(r.versions) <= {2, 3}
+    for r in straddling[:3]:
+        k = r.versions.index(3)
+        ref.load_weights(weights[2])
+        assert _close(r.logprobs[:k], ref.score(r.prompt_ids, r.output_ids)[:k])
+        ref.load_weights(weights[3])
+        assert _close(r.logprobs[k:], ref.score(r.prompt_ids, r.output_ids)[k:])
+
+
+# ---------------------------------------------------------------------------- failures (last)
+def test_killed_server_is_reported_then_restarted_and_brought_up_to_date(
+    client, launcher, ref, weights
+):
+    dead = launcher.servers[1]
+    pgid = dead.proc.pid  # the server's guard leads its process group
+    (sglang_main,) = psutil.Process(dead.proc.pid).children()
+    sglang_main.kill()  # a crash: SIGKILL, no cleanup by SGLang itself
+    assert dead.proc.wait(timeout=30) == -signal.SIGKILL
+    futures = [f for p in PROMPTS for f in client.submit(p, GREEDY)]
+    errors = []
+    for f in futures:
+        try:
+            f.result(timeout=60)
+        except ServerError as e:
+            errors.append(str(e))
+    assert errors, "no request noticed the dead server"
+    assert "generator server 1" in errors[0] and "died (exit code -9)" in errors[0]
+    assert str(dead.log_path) in errors[0]
+    assert_group_gone(pgid)  # SGLang's scheduler and detokenizer went with it
+    # The live server keeps serving.
+    assert {r.server for r in client.generate(PROMPTS, GREEDY)} == {0}
+
+    assert client.restart_server(1) == 0  # back with its checkpoint's weights: behind
+    assert {r.server for r in client.generate(PROMPTS * 2, GREEDY)} == {0}
+    client.update_weights(weights[3], version=4)
+    assert client.weight_versions() == [4, 4]
+    ref.load_weights(weights[3])
+    rollouts = client.generate(PROMPTS * 2, GREEDY)
+    assert {r.server for r in rollouts} == {0, 1}
+    for r in rollouts:
+        _assert_matches_greedy(r, ref)

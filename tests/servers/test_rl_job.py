@@ -1,0 +1,248 @@
+"""The RL job as a user runs it (`python -m rl.train ...`): every rank, real SGLang, DDMA.
+
+Short runs of the embedded default: a few warm-up steps, then a few RL steps in async mode
+(with partial rollouts) and in sync mode. What they must show: the metrics the README
+promises, the staleness bound, partial rollouts resumed inside the loop, and in sync mode
+the trainer scoring every sampled token exactly as SGLang did (same weights after DDMA,
+same temperature), so the importance ratio is 1. Bad launches fail before any rank starts.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SHORT = ["sft.steps=30", "sft.eval_every=30", "task.eval_size=32", "rl.prompts_per_step=8"]
+PER_STEP = (
+    "reward_mean",
+    "lag_mean",
+    "lag_max",
+    "is_ratio",
+    "truncated_frac",
+    "mismatch_abs_logp",
+    "gen_tokens_per_s",
+    "train_tokens_per_s",
+    "wait_batch_s",
+    "trainer_idle_frac",
+    "gen_idle_frac",
+    "sync_s",
+    "step_s",
+    "dropped_total",
+    "loss",
+    "grad_norm",
+    "reward_failures",
+    "reward_timeouts",
+)
+
+
+def _run(*args: str, env: dict | None = None, timeout: float = 900) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "rl.train", *args],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def _records(out: Path, phase: str) -> list[dict]:
+    recs = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in recs if r["phase"] == phase]
+
+
+def _no_server_left(out: Path) -> None:
+    deadline = time.monotonic() + 30
+    while True:
+        left = [
+            p.pid
+            for p in psutil.process_iter(["cmdline"])
+            if str(out) in " ".join(p.info["cmdline"] or [])
+        ]
+        if not left:
+            return
+        assert time.monotonic() < deadline, f"processes of the run outlived it: {left}"
+        time.sleep(0.5)
+
+
+def test_async_job_streams_rollouts_within_the_lag_bound(tmp_path):
+    out = tmp_path / "run"
+    res = _run(
+        *SHORT, "rl.steps=6", "rl.eval_every=3", "rollout.segment_tokens=2", f"run.output_dir={out}"
+    )
+    assert res.returncode == 0, res.stderr[-4000:]
+    assert "controller 1 + trainer 2 + generator 1 + reward 1 = 5 ranks" in res.stdout
+    lines = [ln for ln in res.stdout.splitlines() if ln.startswith("[rl] step")]
+    assert [ln.split()[2] for ln in lines] == [f"{i}/6" for i in range(1, 7)], res.stdout
+    assert all("reward_mean" in ln and "lag_mean" in ln and "sync_s" in ln for ln in lines)
+    steps = _records(out, "rl")
+    assert [r["step"] for r in steps] == list(range(1, 7))
+    for r in steps:
+        missing = [k for k in PER_STEP if k not in r]
+        assert not missing, missing
+        assert r["lag_max"] <= 1 and r["sync_s"] > 0 and 0 <= r["gen_idle_frac"] <= 1
+    assert any(r["lag_max"] == 1 for r in steps)  # the generator really ran ahead
+    # Answers are 4 tokens and segments 2: every response that did not end (EOS) within
+    # its first 2 tokens was cut and resumed in the loop; after this warm-up that is most.
+    assert sum(r["resumed_segments"] for r in steps) >= 6 * 8 * 8 // 2
+    assert [r["step"] for r in _records(out, "rl_eval")] == [0, 3, 6]
+    assert (out / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert list((out / "tensorboard").glob("events.out.tfevents.*"))
+    assert (out / "checkpoint" / "metadata.json").exists()  # the RL policy
+    assert (out / "warmup" / "metadata.json").exists()  # the warm-up checkpoint
+    assert "done: held-out accuracy" in res.stdout
+    _no_server_left(out)
+
+
+def test_sync_job_trains_on_exactly_the_sampled_distribution(tmp_path):
+    """rl.mode=sync at temperature 0.7: every token is trained on by the policy version
+    that sampled it, and the trainer's log-prob of it (Megatron TP=2, after DDMA) equals
+    SGLang's behaviour log-prob, so the train/rollout mismatch is numerical noise. With a
+    KL penalty the reference is the policy RL started from: KL 0 at the first step only."""
+    out = tmp_path / "run"
+    res = _run(
+        *SHORT,
+        "sft.steps=150",  # some answers right (~6%), so most batches have a gradient
+        "rl.steps=3",
+        "rl.mode=sync",
+        "rl.eval_every=0",
+        "rollout.sampling.temperature=0.7",
+        "algorithm.kl_coef=0.05",
+        # Steps big enough for a KL that float32 resolves (the default ramps the LR up).
+        "trainer.optim.lr=1e-3",
+        "trainer.optim.warmup_steps=0",
+        f"run.output_dir={out}",
+    )
+    assert res.returncode == 0, res.stderr[-4000:]
+    steps = _records(out, "rl")
+    assert len(steps) == 3
+    for r in steps:
+        assert r["lag_max"] == 0 and r["dropped_total"] == 0
+        assert r["mismatch_abs_logp"] < 1e-4, r
+        assert abs(r["is_ratio"] - 1) < 1e-4 and r["truncated_frac"] == 0
+    assert steps[0]["kl_ref"] < 1e-9
+    # The policy leaves the reference once a step had a gradient (all-wrong batches have
+    # zero advantages, so none).
+    moved = [r["kl_ref"] for prev, r in itertools.pairwise(steps) if prev["grad_norm"] > 0]
+    assert moved and min(moved) > 1e-9, steps
+    _no_server_left(out)
+
+
+def test_moe_job_with_expert_parallelism_samples_what_it_trains(tmp_path):
+    """A Qwen3-MoE-style model (conf/model/tiny_moe.yaml) trained with Megatron EP=2: the
+    servers start from random HF weights, the warmed-up experts reach them by DDMA from
+    their EP owners, and in sync mode the trainer scores every sampled token as SGLang did
+    (routing included: a token routed differently would change its log-prob). The router's
+    load-balancing loss and the busiest expert's load are logged every step."""
+    out = tmp_path / "run"
+    res = _run(
+        "model=tiny_moe", "trainer.tp=1", "trainer.dp=2", "trainer.ep=2",
+        "trainer.micro_batch_size=16", "sft.steps=20", "sft.eval_every=20",
+        "task.eval_size=32", "rl.prompts_per_step=8", "rl.steps=2", "rl.mode=sync",
+        "rl.eval_every=0", f"run.output_dir={out}",
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr[-4000:]
+    steps = _records(out, "rl")
+    assert len(steps) == 2
+    for r in steps:
+        assert r["mismatch_abs_logp"] < 1e-5, r
+        assert abs(r["is_ratio"] - 1) < 1e-4
+        assert 0.9 < r["moe_aux_loss"] < 4.0 and 1.0 <= r["moe_max_expert_load"] <= 4.0, r
+    assert all("moe_aux_loss" in r for r in _records(out, "warmup"))
+    _no_server_left(out)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["algorithm.max_policy_lag=-1"], "algorithm.max_policy_lag=-1 must be >= 0"),
+        (["algorithm.rho=0"], "algorithm.rho=0.0 must be > 0"),
+        (["cluster.roles.reward=0"], "cluster.roles.reward=0: rl.steps=400 needs at least one"),
+        (["model=tiny_moe", "trainer.ep=2"], "trainer.ep=2 does not divide trainer.dp=1"),
+    ],
+)
+def test_bad_config_fails_before_any_rank_starts(args, message):
+    res = _run(*args, timeout=120)
+    assert res.returncode != 0
+    assert res.stderr.strip().splitlines()[-1].startswith(f"config error: {message}")
+    assert "starting" not in res.stdout
+
+
+def test_launcher_world_must_match_the_role_map():
+    """torchrun/srun started 3 ranks for a job whose role map needs 5: refused at once."""
+    env = {"RANK": "0", "WORLD_SIZE": "3", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}
+    res = _run(env=env, timeout=120)
+    assert res.returncode != 0
+    last = res.stderr.strip().splitlines()[-1]
+    assert last.startswith("config error: the launcher started 3 ranks but the role map needs")
+    assert "controller 1 + trainer 2 + generator 1 + reward 1 = 5 ranks" in last
+
+
+def test_corrupt_resume_state_fails_before_any_rank_starts(tmp_path):
+    """A requeued job whose resume state was cut short says which file and what to do."""
+    (tmp_path / "rl_state.json").write_text('{"step": 4, "checkp')
+    res = _run(f"run.output_dir={tmp_path}", timeout=120)
+    assert res.returncode != 0
+    last = res.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"resume error: {tmp_path}/rl_state.json: unreadable resume state")
+    assert "delete it to start over" in last
+    assert "starting" not in res.stdout
+
+
+@pytest.fixture(scope="module")
+def hf_policy(tmp_path_factory):
+    """A tiny HF checkpoint with a tokenizer (no chat template) and a prompt file."""
+    from tests.helpers.hf_models import make_model, make_tokenizer
+
+    root = tmp_path_factory.mktemp("hf_policy")
+    make_tokenizer(make_model("llama", root / "model"))
+    make_model("llama", root / "no_tokenizer")
+    rows = [{"question": f"w{i} w{i + 1}", "answer": str(i)} for i in range(20)]
+    (root / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (root / "bad.jsonl").write_text('{"question": "w1", "answer": "1"}\n{"q": "w2"}\n')
+    (root / "empty.jsonl").write_text("")
+    (root / "score.py").write_text("def score(prompt, response):\n    return 1.0\n")
+    return root
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["task.train_files=[{root}/nope.jsonl]"], "task.train_files: no file matches"),
+        (["task.train_files=[{root}/bad.jsonl]"], "{root}/bad.jsonl line 2: no key 'question'"),
+        (["task.train_files=[{root}/empty.jsonl]"], "task.train_files: no rows in"),
+        (["task.max_prompt_tokens=1"], "task.max_prompt_tokens=1 drops every prompt"),
+        (["model.hf_checkpoint={root}"], "model.hf_checkpoint='{root}' has no config.json"),
+        (["model.hf_checkpoint={root}/no_tokenizer"],
+         "model.hf_checkpoint='{root}/no_tokenizer' has no tokenizer"),
+        (["reward.fn={root}/score.py:score"], "reward.fn '{root}/score.py:score': takes"),
+        (["reward.fn=no_such_module:score"], "reward.fn 'no_such_module:score'"),
+    ],
+    ids=["missing-file", "no-prompt-key", "empty", "all-too-long", "no-config-json",
+         "no-tokenizer", "reward-signature", "reward-import"],
+)  # fmt: skip
+def test_bad_dataset_input_fails_in_one_line_before_any_rank_starts(hf_policy, args, message):
+    base = [
+        "task=dataset",
+        f"model.hf_checkpoint={hf_policy}/model",
+        f"task.train_files=[{hf_policy}/train.jsonl]",
+        "task.prompt_key=question",
+        "task.label_key=answer",
+        "task.apply_chat_template=false",
+        "task.eval_size=4",
+        "trainer.tp=1",
+    ]
+    res = _run(*base, *(a.format(root=hf_policy) for a in args), timeout=120)
+    assert res.returncode != 0
+    last = res.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"config error: {message.format(root=hf_policy)}"), res.stderr[-2000:]
+    assert "starting" not in res.stdout

@@ -1,0 +1,246 @@
+"""Controller logic without processes: batch assembly, the staleness bound, the role map."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from rl.config import compose
+from rl.config.roles import RoleError, RoleMap
+from rl.controller.batch import build_batch
+from rl.controller.staleness import StalenessGate
+
+
+def _r(prompt, out, logprobs=None, versions=None, finish="stop"):
+    return SimpleNamespace(
+        prompt_ids=prompt,
+        output_ids=out,
+        logprobs=logprobs or [-0.5] * len(out),
+        versions=versions or [3] * len(out),
+        rid="t",
+        finish_reason=finish,
+    )
+
+
+def test_batch_alignment_and_padding():
+    g = [[_r([1, 5, 6], [7, 2], [-0.1, -0.2], [4, 5]), _r([1, 5, 6], [8], [-0.3], [5])]]
+    b = build_batch(g, [[1.0, 0.0]], normalize_std=False, pad_id=0)
+    assert b["tokens"].tolist() == [[1, 5, 6, 7, 2], [1, 5, 6, 8, 0]]
+    # index t scores token t+1: the response starts predicting at the prompt's last index
+    assert b["loss_mask"].tolist() == [[0, 0, 1, 1, 0], [0, 0, 1, 0, 0]]
+    torch.testing.assert_close(
+        b["behaviour_logprobs"], torch.tensor([[0, 0, -0.1, -0.2, 0], [0, 0, -0.3, 0, 0]])
+    )
+    assert b["versions"].tolist() == [[-1, -1, 4, 5, -1], [-1, -1, 5, -1, -1]]
+    torch.testing.assert_close(
+        b["advantages"], torch.tensor([[0, 0, 0.5, 0.5, 0], [0, 0, -0.5, 0, 0]])
+    )
+    assert b["rewards"].tolist() == [1.0, 0.0]
+
+
+def test_overlong_responses_are_kept_masked_or_penalised():
+    """A response cut by max_new_tokens: keep trains on it, mask removes its tokens from
+    the loss (its reward still sets the group's baseline), penalise replaces its reward."""
+    g = [[_r([1, 5], [7, 2]), _r([1, 5], [8, 9], finish="length"), _r([1, 5], [6, 2])]]
+    keep = build_batch(g, [[1.0, 1.0, 0.0]], normalize_std=False)
+    assert keep["overlong"].tolist() == [0.0, 1.0, 0.0]
+    assert keep["loss_mask"][1].tolist() == [0, 1, 1, 0]
+    assert keep["rewards"].tolist() == [1.0, 1.0, 0.0]
+    masked = build_batch(g, [[1.0, 1.0, 0.0]], normalize_std=False, overlong="mask")
+    assert masked["loss_mask"][1].tolist() == [0, 0, 0, 0]
+    assert masked["loss_mask"][0].tolist() == [0, 1, 1, 0]
+    torch.testing.assert_close(masked["advantages"], keep["advantages"] * masked["loss_mask"])
+    pen = build_batch(g, [[1.0, 1.0, 0.0]], normalize_std=False, overlong="penalise",
+                      overlong_penalty=-1.0)  # fmt: skip
+    assert pen["rewards"].tolist() == [1.0, -1.0, 0.0]
+    # group mean 0: advantages are the rewards themselves
+    assert pen["advantages"][:, 1].tolist() == [1.0, -1.0, 0.0]
+    with pytest.raises(ValueError, match=r"algorithm\.overlong='drop'"):
+        build_batch(g, [[1.0, 1.0, 0.0]], overlong="drop")
+
+
+def test_batch_fixed_length_and_errors():
+    g = [[_r([1, 2], [3]), _r([1, 2], [4])]]
+    assert build_batch(g, [[1, 0]], seq_len=6)["tokens"].shape == (2, 6)
+    with pytest.raises(ValueError, match="seq_len=2 is shorter"):
+        build_batch(g, [[1, 0]], seq_len=2)
+    with pytest.raises(ValueError, match="same number of samples"):
+        build_batch([[_r([1], [2])], [_r([1], [2]), _r([1], [3])]], [[1], [1, 0]])
+    bad = _r([1], [2, 3], [-0.1], [1, 1])
+    with pytest.raises(ValueError, match="2 tokens, 1 log-probs"):
+        build_batch([[bad, _r([1], [2])]], [[1, 0]])
+
+
+def test_admit_drops_groups_older_than_the_bound():
+    gate = StalenessGate(max_lag=1, mode="drop")
+    assert gate.admit([5, 5], trainer_version=5)  # lag 0
+    assert gate.admit([4, 5], trainer_version=5)  # partial rollout: oldest token counts
+    assert not gate.admit([3, 5], trainer_version=5)  # lag 2 > 1
+    assert gate.dropped == 1 and gate.histogram == {0: 1, 1: 1}
+    with pytest.raises(ValueError, match="newer than the trainer"):
+        gate.admit([6], trainer_version=5)
+
+
+def _simulate(gate: StalenessGate, steps: int, gen_per_tick: int) -> list[int]:
+    """A generator that can finish ``gen_per_tick`` groups while the trainer takes a step,
+    under the gate; returns the lag of every group the trainer used (groups finish in the
+    order they started)."""
+    first = version = 10
+    started: list[int] = []  # start version of each group not yet consumed
+    n_started = consumed = 0
+    lags = []
+    for _ in range(steps):
+        taken = 0
+        while taken < gate.per_step:  # the step's batch (the generator fills any gap)
+            if not started:
+                assert gate.may_start(n_started, consumed, version, first), "deadlock"
+                started.append(version)
+                n_started += 1
+            v = started.pop(0)
+            consumed += 1
+            if gate.admit([v], version):
+                lags.append(version - v)
+                taken += 1
+        for _ in range(gen_per_tick):  # generation while the trainer trains
+            if gate.may_start(n_started, consumed, version, first):
+                started.append(version)
+                n_started += 1
+        version += 1  # the new weights are committed
+    return lags
+
+
+@pytest.mark.parametrize("k", [0, 1, 2])
+def test_throttle_never_lets_a_group_get_too_old(k):
+    gate = StalenessGate(max_lag=k, mode="throttle", per_step=4)
+    lags = _simulate(gate, steps=20, gen_per_tick=100)  # a generator far faster than training
+    assert len(lags) == 80 and max(lags) == k and gate.dropped == 0
+    # The generator ran exactly k steps ahead: after the start, every batch has lag k.
+    assert lags[4 * k :] == [k] * (80 - 4 * k)
+
+
+def test_throttle_k0_is_synchronous():
+    gate = StalenessGate(max_lag=0, mode="throttle", per_step=2)
+    assert gate.may_start(1, 0, committed=3, first=3)
+    assert not gate.may_start(2, 0, committed=3, first=3)  # step 2 waits for version 4
+    assert gate.may_start(2, 2, committed=4, first=3)
+
+
+def test_drop_mode_runs_ahead_and_drops_what_got_too_old():
+    gate = StalenessGate(max_lag=1, mode="drop", per_step=4)
+    lags = _simulate(gate, steps=20, gen_per_tick=100)
+    assert len(lags) == 80 and max(lags) <= 1
+    assert gate.dropped > 0  # the price of never making the generator wait
+
+
+def test_drop_mode_window_counts_unconsumed_groups():
+    gate = StalenessGate(max_lag=1, mode="drop", per_step=3)
+    assert gate.may_start(5, 0, committed=0, first=0)
+    assert not gate.may_start(6, 0, committed=0, first=0)
+    assert gate.may_start(6, 1, committed=0, first=0)
+
+
+@pytest.mark.parametrize(
+    "kw,match",
+    [
+        ({"max_lag": -1}, "max_policy_lag=-1"),
+        ({"max_lag": 1, "mode": "wait"}, "stale"),
+        ({"max_lag": 1, "per_step": 0}, "per_step=0"),
+    ],
+)
+def test_bad_settings(kw, match):
+    with pytest.raises(ValueError, match=match):
+        StalenessGate(**kw)
+
+
+def _cfg(**roles):
+    cfg = compose(["rl.steps=5", *[f"cluster.roles.{k}={v}" for k, v in roles.items()]])
+    return cfg
+
+
+def test_role_map_order_and_lookup():
+    roles = RoleMap.from_config(
+        compose(["rl.steps=5", "rollout.servers=2", "cluster.roles.generator=2"])
+    )
+    assert roles.ranks("controller") == [0]
+    assert roles.ranks("trainer") == [1, 2]
+    assert roles.ranks("generator") == [3, 4]
+    assert roles.ranks("reward") == [5]
+    assert roles.world_size == 6
+    assert roles.role_of(2) == ("trainer", 1)
+    assert roles.role_of(5) == ("reward", 0)
+    with pytest.raises(RoleError, match="rank 6 is outside"):
+        roles.role_of(6)
+
+
+def test_role_map_must_cover_the_launched_world():
+    roles = RoleMap.from_config(_cfg())
+    roles.check_world(5)
+    with pytest.raises(RoleError) as info:
+        roles.check_world(4)
+    assert "started 4 ranks" in str(info.value)
+    assert "controller 1 + trainer 2 + generator 1 + reward 1 = 5 ranks" in str(info.value)
+
+
+def test_role_map_rejects_missing_executors():
+    with pytest.raises(RoleError, match=r"cluster.roles.reward=0: rl.steps=5 needs"):
+        RoleMap.from_config(_cfg(reward=0))
+    with pytest.raises(RoleError, match=r"rollout.servers=1 is not a multiple"):
+        RoleMap.from_config(_cfg(generator=2))
+    # Warm-up only: no generator, no reward.
+    cfg = compose(["rl.steps=0", "cluster.roles.generator=0", "cluster.roles.reward=0"])
+    assert RoleMap.from_config(cfg).world_size == 3
+
+
+class _InstantClient:
+    """Finishes every sample at once with one token: ``prompt_ids[0]`` (the tests' reward
+    reads it back), so a stream can be driven without a server."""
+
+    def submit(self, prompt_ids, sampling, group=None, segment_tokens=None):
+        from concurrent.futures import Future
+
+        from rl.generator.types import Rollout
+
+        out = []
+        for i in range(sampling.n):
+            r = Rollout(list(prompt_ids), sampling, i, group)
+            r.append([prompt_ids[0]], [-0.1], [1], "stop")
+            f: Future = Future()
+            f.rollout = r
+            f.set_result(r)
+            out.append(f)
+        return out
+
+    def abort_all(self):
+        pass
+
+
+def test_uniform_groups_are_skipped_counted_and_replaced():
+    """Dynamic sampling: a group whose rewards are all equal has no advantage; the stream
+    skips it, counts it, and the batch is refilled with groups that carry signal."""
+    from concurrent.futures import Future
+
+    from rl.config.sampling import SamplingParams
+    from rl.controller.rollouts import RolloutStream
+    from rl.tasks.common import Example
+    from rl.tasks.scoring import ScoreResult
+
+    def score(group):  # prompts with an even first id: every sample scores 1 (uniform)
+        uniform = group.item.prompt_ids[0] % 2 == 0
+        f: Future = Future()
+        f.set_result([ScoreResult(1.0 if uniform else float(k % 2)) for k in range(4)])
+        return f
+
+    prompts = (Example(f"p{i}", (i, 7), "") for i in range(1000))
+    gate = StalenessGate(max_lag=1, mode="throttle", per_step=3)
+    stream = RolloutStream(_InstantClient(), score, lambda: next(prompts),
+                           SamplingParams(n=4), gate, 1, drop_uniform=True)  # fmt: skip
+    stream.start()
+    try:
+        groups, stats = stream.next_batch(1)
+    finally:
+        stream.close()
+    assert [g.item.prompt_ids[0] % 2 for g in groups] == [1, 1, 1]
+    assert all(len(set(g.rewards)) == 2 for g in groups)
+    assert stats["uniform_skipped_total"] >= 3 and gate.skipped == stats["uniform_skipped_total"]

@@ -17,11 +17,11 @@ from typing import TYPE_CHECKING, Any
 from omegaconf import DictConfig
 
 from rl.config.sampling import SamplingParams
-from rl.dist import resume
 from rl.controller.batch import build_batch
 from rl.controller.evaluate import Evaluator, score_items
 from rl.controller.rollouts import Group, RolloutStream
 from rl.controller.staleness import StalenessGate
+from rl.dist import resume
 from rl.metrics import MetricsLogger, plot_curves, plot_rl
 from rl.tasks import Task, build_task
 

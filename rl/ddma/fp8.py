@@ -124,7 +124,8 @@ def dequantize_blockwise(
             "dequantize_blockwise expects a 2-D float8_e4m3fn tensor, "
             f"got shape {tuple(q.shape)} dtype {q.dtype}"
         )
-    expected = scale_shape(tuple(q.shape), block)
+    rows, cols = q.shape
+    expected = scale_shape((rows, cols), block)
     if tuple(scale_inv.shape) != expected:
         raise ValueError(
             f"scale_inv shape {tuple(scale_inv.shape)} does not match {expected} "

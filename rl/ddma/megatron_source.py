@@ -69,8 +69,9 @@ def shard_getter(model: Any, plan: Plan, rank: int) -> wire.SrcGetter:
     shards = shard_map(model)
     for b in plan.sends(rank):
         for p in b.pieces:
+            assert p.key is not None  # a sent piece names its source (only fills do not)
             t = shards.get((p.key, p.layer))
-            want = plan.src_shapes[(p.key, p.layer)]  # type: ignore[index]
+            want = plan.src_shapes[(p.key, p.layer)]
             if t is None or tuple(t.shape) != want:
                 have = None if t is None else list(t.shape)
                 raise ValueError(

@@ -33,7 +33,7 @@ class BucketError(RuntimeError):
 
 def checksum(payload: torch.Tensor) -> int:
     """xxh3-64 of a uint8 tensor's bytes, as a signed int64."""
-    h = xxhash.xxh3_64_intdigest(payload.numpy())
+    h = xxhash.xxh3_64_intdigest(payload.numpy().data)
     return h - (1 << 64) if h >= 1 << 63 else h
 
 
@@ -128,9 +128,10 @@ def unpack(
         dst(p.dst_name).narrow(p.dim, p.dst_start, p.length).copy_(data)
         if scale is not None:
             b = plan.fp8_block
+            assert b is not None  # only an FP8 plan sends scales
             rows = dst(p.dst_name + SCALE_SUFFIX).narrow(
                 p.dim, p.dst_start // b, scale.shape[p.dim]
-            )  # type: ignore[operator]
+            )
             rows.copy_(scale)
 
 

@@ -61,8 +61,8 @@ class SGLangTarget:
     # ------------------------------------------------------------------ one request
     def _request(self, entries: list[tuple[dict, torch.Tensor]]) -> list[dict]:
         """Send one control entry per server TP rank; return each rank's status."""
-        call = uuid.uuid4().hex
-        status = str(self.status_dir / f"{call}.rank{{rank}}.json")
+        request = uuid.uuid4().hex
+        status = str(self.status_dir / f"{request}.rank{{rank}}.json")
         payload = [serialize([(json.dumps({**ctl, "status": status}), t)]) for ctl, t in entries]
         reply = self._call(api.update_weights_from_tensor(payload, api.DDMA_LOAD_FORMAT))
         if (why := api.refusal(reply)) is not None:
@@ -115,7 +115,10 @@ class SGLangTarget:
             ]
         slots = self._slots
         stats.buffer_bytes = 2 * tp * plan.bucket_bytes
-        noop = ({"op": "noop"}, torch.zeros(1, dtype=torch.uint8))
+        noop: tuple[dict[str, object], torch.Tensor] = (
+            {"op": "noop"},
+            torch.zeros(1, dtype=torch.uint8),
+        )
         t0 = time.perf_counter()
         pending = None
         with ThreadPoolExecutor(1) as pool:

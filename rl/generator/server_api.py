@@ -134,7 +134,9 @@ def update_weights_from_tensor(serialized: list[str], load_format: str | None) -
 
 def update_weight_version(version: int) -> Call:
     """Set the version the server reports (and stamps on every new token)."""
-    return Call("/update_weight_version", {"new_version": str(version), "abort_all_requests": False})
+    return Call(
+        "/update_weight_version", {"new_version": str(version), "abort_all_requests": False}
+    )
 
 
 def init_weights_update_group(

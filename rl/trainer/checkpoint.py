@@ -119,7 +119,7 @@ def load(
         with cuda_to_cpu():
             sd = _state(model, model_cfg, None, None, None, is_loading=True)
             model.load_state_dict(dist_checkpointing.load(sd, path)["model"])
-            if hasattr(optimizer, "reload_model_params"):
+            if optimizer is not None and hasattr(optimizer, "reload_model_params"):
                 # Master copies (bf16 training, distributed optimizer) must follow the weights.
                 optimizer.reload_model_params()
         return None

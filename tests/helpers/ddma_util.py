@@ -3,6 +3,7 @@ running a plan in one process (pack -> verify -> unpack, no process group)."""
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import replace
 from pathlib import Path
@@ -97,3 +98,32 @@ def run_in_process(plan: Plan, glob: dict, dtype: torch.dtype, version: int = 1)
     for r in range(plan.dst.tp):
         wire.zero_fill(plan, r, dst[r].__getitem__)
     return dst
+
+
+KV_HEADS = {"llama": 2, "llama_tied": 2, "qwen2": 2, "llama_mha": 4}
+# Every other family: Qwen3 (explicit head_dim, QK norm; one with a single KV head, tied),
+# Mistral, and the two MoE families, whose experts also move from their EP owner.
+FAMILIES = {"qwen3": 2, "qwen3_kv1": 1, "mistral": 2, "qwen3_moe": 2, "qwen2_moe": 2}
+MOE = ("qwen3_moe", "qwen2_moe")
+# (model, src tp, src pp, dst tp): Megatron TP must divide the KV heads (whole query groups
+# per rank); SGLang TP may exceed them (replicated KV heads, checked with the 2-KV models).
+COMBOS = [
+    (kind, *c)
+    for kind in KV_HEADS
+    for c in itertools.product((1, 2, 4), (1, 2), (1, 2, 4))
+    if KV_HEADS[kind] % c[0] == 0
+]
+# (model, src tp, src pp, src ep, dst tp) for the other families: TP x PP (x EP) in {1,2}.
+FAMILY_COMBOS = [
+    (kind, *c)
+    for kind in FAMILIES
+    for c in itertools.product((1, 2), (1, 2), (1, 2), (1, 2, 4))
+    if FAMILIES[kind] % c[0] == 0 and (c[2] == 1 or kind in MOE)
+]
+
+
+def make_models(root: Path) -> dict[str, Path]:
+    """A tiny random HF checkpoint of every kind the DDMA tests plan for, under ``root``."""
+    from tests.helpers.hf_models import make_model
+
+    return {kind: make_model(kind, root / kind) for kind in (*KV_HEADS, *FAMILIES)}

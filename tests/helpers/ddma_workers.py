@@ -28,10 +28,9 @@ def ddma_rank(
     sends version 2, generator expects 1). Each rank writes its outcome to ``report_dir``
     before anything can kill it, so the test reads every side's error.
     """
-    from tests.helpers.ddma_util import hf_state, megatron_globals, megatron_shards, model_dims
-
     from rl.ddma import engine, wire
     from rl.ddma.plan import DstLayout, SrcLayout, make_plan
+    from tests.helpers.ddma_util import hf_state, megatron_globals, megatron_shards, model_dims
 
     rank = dist.get_rank()
     d = model_dims(Path(model_dir), src_tp=src[0])
@@ -189,10 +188,9 @@ def _await_url(url: str, timeout_s: float = 600.0) -> str:
 
 def baseline_rank(model_dir: str, tp: int, dst_tp: int) -> dict:
     """The gather-to-rank-0 baseline on ``tp`` trainer + ``dst_tp`` generator ranks."""
-    from tests.helpers.ddma_util import hf_state, megatron_globals, megatron_shards, model_dims
-
     from rl.ddma import baseline
     from rl.ddma.plan import DstLayout, SrcLayout, make_plan
+    from tests.helpers.ddma_util import hf_state, megatron_globals, megatron_shards, model_dims
 
     rank = dist.get_rank()
     d = model_dims(Path(model_dir), src_tp=tp)
@@ -217,11 +215,10 @@ def p2p_sync(url: str, port: int, glob: dict, model_dir: str, version: int) -> d
     """Two trainer ranks DDMA ``glob`` (Megatron globals) into the SGLang server at ``url``
     point to point: they and the server's ranks join one gloo group; rank 0 also plays
     the controller (open the group, begin, have the server receive, commit)."""
-    from tests.helpers.ddma_util import megatron_shards, model_dims
-
     from rl.ddma import group
     from rl.ddma.plan import DstLayout, SrcLayout, make_plan
     from rl.generator.ddma_target import SGLangTarget
+    from tests.helpers.ddma_util import megatron_shards, model_dims
 
     rank = dist.get_rank()
     plan = make_plan(model_dims(Path(model_dir), 2), SrcLayout(2), DstLayout.sglang(1, "cpu"),

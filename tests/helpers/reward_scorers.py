@@ -7,6 +7,13 @@ import os
 import time
 from typing import Any
 
+from rl.tasks.scoring import ScoreItem
+
+
+def item(response: str, label: Any = "", prompt: str = "", **metadata: Any) -> ScoreItem:
+    """A score request as the reward executor receives it."""
+    return ScoreItem(prompt, response, label, metadata)
+
 
 def flaky(prompt: str, response: str, label: Any, metadata: dict) -> Any:
     """Misbehaves on cue, else exact match: 'boom' raises, 'hang' sleeps past any limit,

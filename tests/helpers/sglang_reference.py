@@ -84,7 +84,7 @@ reference only loads weights and never runs a forward, so it is never called.
 
 
 def rotary_embedding(*args, **kwargs):
-    raise RuntimeError("vllm._custom_ops stub (tests/helpers/sglang_reference.py) must not be called")
+    raise RuntimeError("vllm._custom_ops stub (tests/helpers/sglang_reference.py): never called")
 '''
 
 _CACHE: dict[tuple, dict[str, torch.Tensor]] = {}
@@ -125,7 +125,9 @@ def _vllm_stub_on_path() -> Iterator[None]:
     with tempfile.TemporaryDirectory(prefix="sglang_ref_stub_") as root:
         pkg = Path(root) / "vllm"
         pkg.mkdir()
-        (pkg / "__init__.py").write_text('"""Stub package (tests/helpers/sglang_reference.py)."""\n')
+        (pkg / "__init__.py").write_text(
+            '"""Stub package (tests/helpers/sglang_reference.py)."""\n'
+        )
         (pkg / "_custom_ops.py").write_text(_VLLM_STUB)
         sys.path.insert(0, root)
         try:

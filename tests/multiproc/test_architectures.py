@@ -15,12 +15,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from tests.helpers.workers import convert_then_logits
-from tests.helpers.hf_models import SHAPES, hf_logits, make_model
 from safetensors.torch import load_file
 
 from rl.dist.launch import spawn
 from rl.weights.convert import mcore_to_hf, prepare_hf_to_mcore
+from tests.helpers.hf_models import SHAPES, hf_logits, make_model
+from tests.helpers.workers import convert_then_logits
 
 TOKENS = torch.randint(0, SHAPES["vocab_size"], (2, 16), generator=torch.Generator().manual_seed(5))
 # (kind, tp, pp, ep)

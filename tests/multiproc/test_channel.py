@@ -4,10 +4,10 @@ channels over the job store (chunked past the store's 8 MB limit), remote failur
 from __future__ import annotations
 
 import pytest
-from tests.helpers.channel_workers import role_rank
 
 from rl.config import compose
 from rl.dist.launch import spawn
+from tests.helpers.channel_workers import role_rank
 
 
 @pytest.fixture(scope="module")
@@ -43,10 +43,10 @@ def test_wait_outlasts_the_channel_timeout_where_get_gives_up():
     from datetime import timedelta
 
     import torch.distributed as dist
-    from tests.helpers.channel_workers import Pong
 
     from rl.dist.channel import Channel, ChannelTimeout
     from rl.dist.net import free_port
+    from tests.helpers.channel_workers import Pong
 
     store = dist.TCPStore("127.0.0.1", free_port(), 1, is_master=True,
                           timeout=timedelta(seconds=5))  # fmt: skip

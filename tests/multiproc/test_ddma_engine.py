@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+
+from rl.dist.launch import spawn
 from tests.helpers.ddma_workers import ddma_rank
 from tests.helpers.hf_models import make_model
 from tests.helpers.sglang_reference import sglang_rank_params
-
-from rl.dist.launch import spawn
 
 
 @pytest.fixture(scope="module")

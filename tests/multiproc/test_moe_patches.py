@@ -13,9 +13,9 @@ import math
 
 import pytest
 import torch
-from tests.helpers.moe_workers import NUM_EXPERTS, patch_checks, train_moe
 
 from rl.dist.launch import spawn
+from tests.helpers.moe_workers import NUM_EXPERTS, patch_checks, train_moe
 
 DISPATCHERS = ["alltoall", "allgather"]
 STEPS = 3

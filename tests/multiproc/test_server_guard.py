@@ -10,9 +10,9 @@ import sys
 import time
 
 import psutil
-from tests.helpers.procs import assert_group_gone, live_group_members
 
 from rl.generator.launcher import GUARD
+from tests.helpers.procs import assert_group_gone, live_group_members
 
 
 def _guard(cmd: list[str], grace: float = 1.0) -> subprocess.Popen:

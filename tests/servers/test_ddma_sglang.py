@@ -12,20 +12,20 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tests.helpers.ddma_util import hf_state, megatron_globals, megatron_shards, model_dims
-from tests.helpers.ddma_workers import train_then_sync
-from tests.helpers.hf_models import make_model
 
 from rl.config import compose
 from rl.config.sampling import SamplingParams
 from rl.ddma import wire
 from rl.ddma.plan import DstLayout, SrcLayout, make_plan
-from rl.generator.ddma_target import SGLangTarget, SyncError
 from rl.dist.launch import spawn
 from rl.generator.client import GeneratorClient
+from rl.generator.ddma_target import SGLangTarget, SyncError
 from rl.generator.hf_reference import HFReferenceGenerator
 from rl.generator.launcher import ServerConfig, ServerError, ServerLauncher
 from rl.weights.convert import hf_to_mcore, mcore_to_hf, prepare_hf_to_mcore
+from tests.helpers.ddma_util import hf_state, megatron_globals, megatron_shards, model_dims
+from tests.helpers.ddma_workers import train_then_sync
+from tests.helpers.hf_models import make_model
 
 CPU_DST = DstLayout.sglang(1, "cpu")  # what a CPU server holds (MLP width padded)
 PROMPTS = [[1, 5, 6, 7], [1, 40, 41, 42, 43], [1, 77, 12, 60]]
@@ -172,9 +172,8 @@ def test_point_to_point_transport_into_live_server(client, fresh, model_dir, syn
     """The cross-host transport: trainer ranks and the server's ranks join one gloo group
     through SGLang's /init_weights_update_group; each server rank receives its own
     buckets point to point into staging, then commits."""
-    from tests.helpers.ddma_workers import p2p_sync
-
     from rl.dist.net import free_port
+    from tests.helpers.ddma_workers import p2p_sync
 
     d, glob, hf = fresh
     version = client.weight_versions()[0] + 1

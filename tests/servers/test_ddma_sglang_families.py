@@ -27,8 +27,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from tests.helpers.ddma_workers import train_then_sync
-from tests.helpers.hf_models import make_model
 from safetensors.torch import load_file, save_file
 
 from rl.config import compose
@@ -41,6 +39,8 @@ from rl.generator.launcher import ServerConfig, ServerLauncher
 from rl.generator.types import Rollout
 from rl.weights.convert import mcore_to_hf, prepare_hf_to_mcore
 from rl.weights.keymap import Dims
+from tests.helpers.ddma_workers import train_then_sync
+from tests.helpers.hf_models import make_model
 
 PROMPTS = [[1, 5, 6, 7], [1, 40, 41, 42, 43], [1, 77, 12, 60]]
 GREEDY = SamplingParams(temperature=0, max_new_tokens=10)

@@ -15,8 +15,6 @@ import time
 import psutil
 import pytest
 import torch
-from tests.helpers.hf_models import make_model
-from tests.helpers.procs import assert_group_gone
 from safetensors.torch import load_file
 
 from rl.config import compose, validate
@@ -25,6 +23,8 @@ from rl.generator.client import GeneratorClient
 from rl.generator.hf_reference import HFReferenceGenerator
 from rl.generator.launcher import ServerConfig, ServerError, ServerLauncher
 from rl.generator.weight_payload import FlatBucket, buckets
+from tests.helpers.hf_models import make_model
+from tests.helpers.procs import assert_group_gone
 
 TOL = 1e-4
 PROMPTS = [[1, 5, 6, 7], [1, 9, 9], [1, 40, 41, 42, 43, 44, 45], [1, 3], [1, 77, 12, 60]]

@@ -13,10 +13,10 @@ import time
 from pathlib import Path
 
 import pytest
-from tests.helpers.hf_models import make_model
-from tests.helpers.procs import assert_group_gone
 
 from rl.generator.launcher import ServerConfig, ServerError, ServerLauncher
+from tests.helpers.hf_models import make_model
+from tests.helpers.procs import assert_group_gone
 
 
 @pytest.fixture(scope="module")

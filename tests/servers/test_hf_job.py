@@ -22,9 +22,9 @@ import sys
 from pathlib import Path
 
 import torch
-from tests.helpers.job_workers import checkpoint_logits
 
 from rl.dist.launch import spawn
+from tests.helpers.job_workers import checkpoint_logits
 
 ROOT = Path(__file__).resolve().parents[2]
 SYSTEM = "Reply with digits."

@@ -13,7 +13,6 @@ from concurrent.futures import Future
 
 import pytest
 import torch
-from tests.helpers.hf_models import make_model
 from safetensors.torch import load_file
 
 from rl.config import compose
@@ -26,6 +25,7 @@ from rl.generator.hf_reference import HFReferenceGenerator
 from rl.generator.launcher import ServerConfig, ServerLauncher
 from rl.tasks.common import Example
 from rl.tasks.scoring import ScoreResult
+from tests.helpers.hf_models import make_model
 
 PROMPTS = [[1, 5, 6, 7], [1, 9, 9], [1, 40, 41, 42], [1, 3, 4], [1, 77, 12], [1, 60, 61]]
 T = 0.8

@@ -1,6 +1,7 @@
-"""Sanity of tests/helpers/sglang_reference.py: SGLang's own loaders, faked to TP rank r, must produce
-the per-rank layout SGLang is known to use, so the resharding tests compare against the real
-thing and not against a harness bug (e.g. every rank silently loading rank 0's slice)."""
+"""Sanity of tests/helpers/sglang_reference.py: SGLang's own loaders, faked to TP rank r,
+must produce the per-rank layout SGLang is known to use, so the resharding tests compare
+against the real thing and not against a harness bug (e.g. every rank silently loading
+rank 0's slice)."""
 
 from __future__ import annotations
 

@@ -1,22 +1,17 @@
 """The DDMA planner and wire format, in one process (milliseconds per case).
 
 Every Megatron TP x PP -> SGLang TP combination is planned and checked for exact coverage
-and byte accounting; the plans are then executed bucket by bucket and every destination
-shard is compared with what SGLang's own weight loaders make of the full HF weights.
+and byte accounting. tests/servers/test_ddma_sglang_loaders.py executes the same plans and
+compares every destination shard with what SGLang's own weight loaders make of the full HF
+weights.
 """
 
 from __future__ import annotations
 
-import itertools
-
 import pytest
 import torch
-from tests.helpers.ddma_util import expert_slabs, hf_state, megatron_globals, model_dims, run_in_process
-from tests.helpers.hf_models import make_model
-from tests.helpers.sglang_reference import sglang_rank_params
 
-from rl.ddma import fp8, wire
-from rl.ddma.layout import expert_owner
+from rl.ddma import wire
 from rl.ddma.plan import (
     DstLayout,
     PlanError,
@@ -25,33 +20,18 @@ from rl.ddma.plan import (
     make_plan,
 )
 from rl.weights import keymap as km
-
-KV_HEADS = {"llama": 2, "llama_tied": 2, "qwen2": 2, "llama_mha": 4}
-# Every other family: Qwen3 (explicit head_dim, QK norm; one with a single KV head, tied),
-# Mistral, and the two MoE families, whose experts also move from their EP owner.
-FAMILIES = {"qwen3": 2, "qwen3_kv1": 1, "mistral": 2, "qwen3_moe": 2, "qwen2_moe": 2}
-MOE = ("qwen3_moe", "qwen2_moe")
-# (model, src tp, src pp, dst tp): Megatron TP must divide the KV heads (whole query groups
-# per rank); SGLang TP may exceed them (replicated KV heads, checked with the 2-KV models).
-COMBOS = [
-    (kind, *c)
-    for kind in KV_HEADS
-    for c in itertools.product((1, 2, 4), (1, 2), (1, 2, 4))
-    if KV_HEADS[kind] % c[0] == 0
-]
-# (model, src tp, src pp, src ep, dst tp) for the other families: TP x PP (x EP) in {1,2}.
-FAMILY_COMBOS = [
-    (kind, *c)
-    for kind in FAMILIES
-    for c in itertools.product((1, 2), (1, 2), (1, 2), (1, 2, 4))
-    if FAMILIES[kind] % c[0] == 0 and (c[2] == 1 or kind in MOE)
-]
+from tests.helpers.ddma_util import (
+    COMBOS,
+    hf_state,
+    make_models,
+    megatron_globals,
+    model_dims,
+)
 
 
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory):
-    root = tmp_path_factory.mktemp("ddma_models")
-    return {kind: make_model(kind, root / kind) for kind in (*KV_HEADS, *FAMILIES)}
+    return make_models(tmp_path_factory.mktemp("ddma_models"))
 
 
 @pytest.fixture(params=["llama", "llama_tied", "qwen2"])
@@ -89,40 +69,30 @@ def test_same_tp_sends_rank_to_rank(ckpt):
                 assert b.src == b.dst, p
 
 
-@pytest.mark.parametrize("kind,src_tp,src_pp,dst_tp", COMBOS)
-def test_executed_plan_matches_sglang_loaders(ckpts, kind, src_tp, src_pp, dst_tp):
-    path = ckpts[kind]
-    d = model_dims(path)
-    plan = make_plan(d, SrcLayout(src_tp, src_pp), DstLayout(dst_tp), 4, 2048)
-    got = run_in_process(plan, megatron_globals(hf_state(path), d), torch.float32)
-    for rank in range(dst_tp):
-        want = sglang_rank_params(path, dst_tp, rank)
-        assert set(got[rank]) == set(want)
-        for name, t in want.items():
-            torch.testing.assert_close(got[rank][name], t, rtol=0, atol=0, msg=name)
+@pytest.mark.parametrize(
+    "tp,pp,dp,ep",
+    [(1, 1, 1, 1), (2, 1, 1, 1), (1, 2, 2, 1), (2, 2, 2, 2), (2, 3, 4, 2), (1, 2, 4, 4)],
+)
+def test_rank_coordinates_are_megatrons(tp, pp, dp, ep):
+    """Every trainer rank's TP/PP/DP/EP rank as the planner and DDMA read it, against the
+    groups Megatron-Core builds itself (default order; experts: expert TP = TP)."""
+    from megatron.core.parallel_state import RankGenerator
 
-
-@pytest.mark.parametrize("kind,src_tp,src_pp,src_ep,dst_tp", FAMILY_COMBOS)
-def test_every_family_matches_sglang_loaders(ckpts, kind, src_tp, src_pp, src_ep, dst_tp):
-    """Megatron TP x PP (x EP) -> SGLang TP, bit for bit against SGLang's own loaders;
-    with EP every expert comes from a trainer rank of its owner."""
-    path = ckpts[kind]
-    d = model_dims(path)
-    src = SrcLayout(src_tp, src_pp, dp=src_ep, ep=src_ep)
-    plan = make_plan(d, src, DstLayout(dst_tp), 4, 4096)
-    assert coverage_errors(plan) == []
-    assert plan.sent_bytes() == plan.dst_bytes(real_only=True)
-    got = run_in_process(plan, megatron_globals(hf_state(path), d), torch.float32)
-    for rank in range(dst_tp):
-        want = expert_slabs(sglang_rank_params(path, dst_tp, rank), plan.dst_shapes)
-        assert set(got[rank]) == set(want)
-        for name, t in want.items():
-            torch.testing.assert_close(got[rank][name], t, rtol=0, atol=0, msg=name)
-    if src_ep > 1:
-        for b in plan.buckets:
-            for p in b.pieces:
-                owner = expert_owner(d, src, p.key)
-                assert owner is None or src.coords(b.src).ep == owner, p
+    src = SrcLayout(tp, pp, dp, ep=ep)
+    order = "tp-cp-ep-dp-pp"
+    dense = RankGenerator(tp=tp, ep=1, dp=dp, pp=pp, cp=1, order=order)
+    expert = RankGenerator(tp=tp, ep=ep, dp=dp // ep, pp=pp, cp=1, order=order)
+    want: dict[int, dict[str, int]] = {r: {} for r in range(src.world)}
+    for gen, axis in ((dense, "tp"), (dense, "pp"), (dense, "dp"), (expert, "ep")):
+        for ranks in gen.get_ranks(axis):
+            for i, r in enumerate(ranks):
+                want[r][axis] = i
+    for r in range(src.world):
+        at = src.coords(r)
+        assert at._asdict() == want[r], r
+        assert src.rank(at.tp, at.pp, at.dp) == r
+    with pytest.raises(PlanError, match=f"trainer rank {src.world} is outside"):
+        src.coords(src.world)
 
 
 def test_data_parallel_replicas_share_the_sending(ckpt):
@@ -221,33 +191,6 @@ def test_verify_rejects_other_version_and_plan(packed, ckpt):
         wire.verify(msg, other, other.buckets[0], 7)
     with pytest.raises(wire.BucketError, match=f"got bucket {b.index}"):
         wire.verify(msg, plan, plan.buckets[1], 7)
-
-
-# ------------------------------------------------------------------ FP8 payloads
-@pytest.mark.parametrize("src_tp,src_pp", [(1, 1), (2, 1), (2, 2)])
-def test_fp8_plan_sends_the_destinations_blocks(ckpts, src_tp, src_pp):
-    """Each trainer rank quantizes only its own slices; the generator ends up with exactly
-    the FP8 bytes and scales of quantizing SGLang's own weights block by block."""
-    path = ckpts["llama"]
-    d = model_dims(path)
-    # Block 8: Megatron TP=2 cuts the 176-row MLP at 88, so 16-row blocks would straddle
-    # two trainer ranks (refused, see below); real models use 128 with widths to match.
-    plan = make_plan(d, SrcLayout(src_tp, src_pp), DstLayout(1), 4, 4096, fp8_block=8)
-    assert plan.sent_bytes() == plan.dst_bytes()
-    got = run_in_process(plan, megatron_globals(hf_state(path), d), torch.float32)[0]
-    want = sglang_rank_params(path, 1, 0)
-    assert set(got) == set(want) | {n + "_scale_inv" for n in want if fp8.is_quantized_weight(n)}
-    for name, t in want.items():
-        if fp8.is_quantized_weight(name):
-            q, s = fp8.quantize_blockwise(t, 8)
-            assert got[name].dtype == torch.float8_e4m3fn
-            assert torch.equal(got[name].view(torch.uint8), q.view(torch.uint8)), name
-            assert torch.equal(got[name + "_scale_inv"], s), name
-        else:
-            assert torch.equal(got[name], t), name
-    # FP8 sends about a quarter of the fp32 bytes of the linear layers.
-    full = make_plan(d, SrcLayout(src_tp, src_pp), DstLayout(1), 4, 4096)
-    assert plan.sent_bytes() < 0.45 * full.sent_bytes()
 
 
 def test_fp8_refuses_pieces_off_block_boundaries(ckpts):

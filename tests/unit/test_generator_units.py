@@ -1,21 +1,24 @@
 """Generator logic that needs no server: request checks, rollout segments, result parsing,
-weight buckets, the CPU shim and the launcher's config checks. Milliseconds each."""
+weight buckets, the server API against a stand-in HTTP server, the CPU shim and the
+launcher's config checks. Milliseconds each."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 import pickle
-import subprocess
-import sys
-from pathlib import Path
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+import aiohttp
 import pytest
 import torch
 
-import rl
 from rl.config.sampling import RequestError, SamplingParams
-from rl.generator.cpu_shim import server_env
+from rl.dist.net import free_port
+from rl.generator import server_api as api
 from rl.generator.launcher import ServerConfig, ServerError
 from rl.generator.types import ModelLimits, Rollout, ServerResponseError, parse_result
 from rl.generator.weight_payload import (
@@ -245,28 +248,82 @@ def test_update_call_carries_one_payload_per_server_rank_and_round_trips():
     del keep
 
 
+# ------------------------------------------------------------------ the server API
+class _StandIn(BaseHTTPRequestHandler):
+    """Answers like SGLang: /generate echoes its body, /model_info names a version,
+    /flush_cache answers in plain text, /refuse with HTTP 400."""
+
+    def _answer(self, status: int, text: str) -> None:
+        self.send_response(status)
+        self.end_headers()
+        self.wfile.write(text.encode())
+
+    def do_GET(self) -> None:
+        if self.path == "/model_info":
+            self._answer(200, json.dumps({"weight_version": "3"}))
+        else:
+            self._answer(200 if self.path == "/health" else 404, "")
+
+    def do_POST(self) -> None:
+        body = self.rfile.read(int(self.headers["Content-Length"])).decode()
+        if self.path == "/generate":
+            self._answer(200, body)
+        elif self.path == "/flush_cache":
+            self._answer(200, "Cache flushed.")
+        else:
+            self._answer(400, f"no route {self.path}")
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.fixture
+def stand_in() -> Iterator[str]:
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _StandIn)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+def test_server_api_calls_and_errors_name_the_server_and_route(stand_in):
+    one = api.call(stand_in, api.generate([[1, 2]], [{"max_new_tokens": 1}], ["r0"]))
+    assert one == {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 1},
+                   "return_logprob": True, "rid": "r0"}  # fmt: skip
+    two = api.call(stand_in, api.generate([[1], [2]], [{}, {}]))
+    assert two["input_ids"] == [[1], [2]] and "rid" not in two
+    assert api.generate_results(one, 1) == [one]
+    assert api.weight_version(api.call(stand_in, api.model_info())) == 3
+    assert api.call(stand_in, api.flush_cache()) == {"text": "Cache flushed."}
+    assert api.healthy(stand_in)
+    with pytest.raises(api.CallError, match=f"{stand_in}/refuse answered HTTP 400: no route"):
+        api.call(stand_in, api.Call("/refuse"))
+    gone = f"http://127.0.0.1:{free_port()}"
+    with pytest.raises(api.CallError, match=f"{gone}/continue_generation unreachable") as e:
+        api.call(gone, api.continue_generation())
+    assert not e.value.answered and e.value.route == "/continue_generation"
+    assert not api.healthy(gone)
+    assert api.refusal({"success": False, "message": "no"}) == "no"
+    assert api.refusal({"success": True}) is None
+
+
+def test_server_api_async_calls_answer_and_fail_the_same(stand_in):
+    async def run() -> None:
+        async with aiohttp.ClientSession() as session:
+            got = await api.acall(session, stand_in, api.model_info())
+            assert api.weight_version(got) == 3
+            with pytest.raises(api.CallError, match="/refuse answered HTTP 400") as e:
+                await api.acall(session, stand_in, api.Call("/refuse"))
+            assert e.value.answered and e.value.status == 400
+            gone = f"http://127.0.0.1:{free_port()}"
+            with pytest.raises(api.CallError, match="/abort_request unreachable") as e:
+                await api.acall(session, gone, api.abort_all())
+            assert not e.value.answered
+
+    asyncio.run(run())
+
+
 # ------------------------------------------------------------------ CPU shim and launcher
-def test_cpu_shim_only_touches_cpu_servers(tmp_path):
-    base = {"PYTHONPATH": "/somewhere", "X": "1"}
-    repo = str(Path(rl.__file__).resolve().parents[1])  # for the DDMA receiver
-    assert server_env("cuda", tmp_path / "shim", base, threads=2) == {
-        **base,
-        "PYTHONPATH": f"{repo}:/somewhere",
-    }
-    env = server_env("cpu", tmp_path / "shim", base, threads=2)
-    assert env["PYTHONPATH"].split(":") == [str(tmp_path / "shim"), repo, "/somewhere"]
-    assert env["OMP_NUM_THREADS"] == "2" and env["X"] == "1"
-    # The stub imports (what SGLang's rotary module needs) and refuses to be called.
-    code = (
-        "from vllm._custom_ops import rotary_embedding\n"
-        "try:\n    rotary_embedding()\nexcept RuntimeError as e:\n    print(e)\n"
-    )
-    res = subprocess.run(
-        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
-    )
-    assert "CPU-shim stub" in res.stdout
-
-
 def _model_dir(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"vocab_size": 10}))
     return str(tmp_path)

@@ -10,13 +10,13 @@ from typing import Any
 
 import pytest
 import transformers
-from tests.helpers.hf_models import LLAMA3_ROPE
 from omegaconf import OmegaConf
 
 from rl.config.schema import ModelConfig, RopeScalingConfig
 from rl.models import registry
 from rl.models.shapes import param_count
 from rl.weights.hf_config import HFConfigError, hf_config_from_model, model_config_from_hf
+from tests.helpers.hf_models import LLAMA3_ROPE
 
 SUPPORTED_ARCHITECTURES = tuple(registry.architectures())
 

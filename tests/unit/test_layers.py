@@ -91,9 +91,7 @@ def test_every_module_sits_in_exactly_one_layer(graph: grimp.ImportGraph) -> Non
     layers = [m for layer in _layers() for m in layer]
     for module in sorted(graph.modules - {"rl"}):
         package = (ROOT / module.replace(".", "/") / "__init__.py").exists()
-        if package and module not in layers and not graph.find_modules_directly_imported_by(
-            module
-        ):
+        if package and module not in layers and not graph.find_modules_directly_imported_by(module):
             continue  # a package whose modules sit in different layers, importing nothing
         owners = [m for m in layers if module == m or module.startswith(m + ".")]
         assert len(owners) == 1, f"{module} is in layers {owners} of .importlinter"

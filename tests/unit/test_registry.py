@@ -14,7 +14,6 @@ from pathlib import Path
 
 import pytest
 import transformers
-from tests.helpers.hf_models import make_model
 from safetensors import safe_open
 
 from rl.config import compose
@@ -25,6 +24,7 @@ from rl.models.registry import active_count
 from rl.models.shapes import param_count
 from rl.weights import keymap as km
 from rl.weights.hf_config import HFConfigError, hf_config_from_model, model_config_from_hf
+from tests.helpers.hf_models import make_model
 
 ROOT = Path(__file__).resolve().parents[2]
 KINDS = {

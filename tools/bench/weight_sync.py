@@ -37,8 +37,8 @@ from bench_util import peak_mb, reset_peak, rss_mb, tree_peak_rss_mb, tree_rss_m
 
 from rl.ddma import baseline, engine
 from rl.ddma.plan import DstLayout, SrcLayout, make_plan
-from rl.generator.ddma_target import SGLangTarget
 from rl.dist.launch import spawn
+from rl.generator.ddma_target import SGLangTarget
 from rl.weights import keymap as km
 from rl.weights.hf_config import model_config_from_hf
 

@@ -1,0 +1,99 @@
+"""The controller's weight sync without servers: each version is committed on every server
+or on none, and ``weight_version`` moves only when it is. Stand-ins for the trainer's
+handle and the SGLang targets record what the sync asked of them. Milliseconds."""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+
+import pytest
+
+from rl.controller.weight_sync import WeightSync
+
+
+class FakeTarget:
+    def __init__(self, log: list[str], name: str, fail: str | None = None) -> None:
+        self.log, self.name, self.fail = log, name, fail
+
+    def _do(self, op: str, version: int) -> None:
+        self.log.append(f"{self.name}.{op}({version})")
+        if op == self.fail:
+            raise RuntimeError(f"{self.name} {op} failed")
+
+    def begin(self, version: int) -> None:
+        self._do("begin", version)
+
+    def commit(self, version: int) -> None:
+        self._do("commit", version)
+
+    def abort(self, version: int) -> None:
+        self._do("abort", version)
+
+    def open_group(self, name: str, address: str, port: int) -> Future:
+        self.log.append(f"{self.name}.open({name})")
+        f: Future = Future()
+        f.set_result({})
+        return f
+
+    def receive(self, version: int, name: str) -> Future:
+        self._do("receive", version)
+        f: Future = Future()
+        f.set_result([])
+        return f
+
+
+class FakeTrainer:
+    def __init__(self, log: list[str]) -> None:
+        self.log = log
+
+    def connect(self, urls: list[str]) -> dict:
+        self.log.append(f"connect({len(urls)})")
+        return {"address": "127.0.0.1", "ports": [7000 + i for i in range(len(urls))]}
+
+    def join(self, address: str, ports: list[int]) -> None:
+        self.log.append(f"join({ports})")
+
+    def push(self, version: int) -> dict[str, float]:
+        self.log.append(f"push({version})")
+        return {"sync_bytes": 10.0}
+
+
+def test_each_push_is_the_next_version_on_every_server():
+    log: list[str] = []
+    targets = [FakeTarget(log, "s0"), FakeTarget(log, "s1")]
+    sync = WeightSync(FakeTrainer(log), targets, "ipc", weight_version=4)  # type: ignore[arg-type]
+    stats = sync.push()
+    assert sync.weight_version == 5 and stats["sync_bytes"] == 10.0 and stats["sync_s"] >= 0
+    assert log == ["s0.begin(5)", "s1.begin(5)", "push(5)", "s0.commit(5)", "s1.commit(5)"]
+    sync.push()
+    assert sync.weight_version == 6
+
+
+def test_a_failed_commit_leaves_the_version_and_aborts_the_servers_not_committed():
+    log: list[str] = []
+    targets = [FakeTarget(log, "s0"), FakeTarget(log, "s1", fail="commit"), FakeTarget(log, "s2")]
+    sync = WeightSync(FakeTrainer(log), targets, "ipc", weight_version=1)  # type: ignore[arg-type]
+    with pytest.raises(RuntimeError, match="s1 commit failed"):
+        sync.push()
+    assert sync.weight_version == 1
+    # s1 aborts its own version when its commit fails; s2 never committed.
+    assert log[-3:] == ["s0.commit(2)", "s1.commit(2)", "s2.abort(2)"]
+
+
+def test_p2p_opens_every_group_while_the_trainer_joins_then_servers_receive():
+    log: list[str] = []
+    targets = [FakeTarget(log, "s0"), FakeTarget(log, "s1")]
+    trainer = FakeTrainer(log)
+    sync = WeightSync(trainer, targets, "p2p", weight_version=0)  # type: ignore[arg-type]
+    where = trainer.connect(["a", "b"])
+    for f in sync._open(where["address"], where["ports"]):
+        f.result()
+    assert sync.names == ["ddma-7000-0", "ddma-7000-1"]
+    sync.push()
+    assert log[-7:] == ["s0.begin(1)", "s1.begin(1)", "s0.receive(1)", "s1.receive(1)",
+                        "push(1)", "s0.commit(1)", "s1.commit(1)"]  # fmt: skip
+
+
+def test_unknown_transport_is_refused():
+    with pytest.raises(ValueError, match=r"transport='nccl' not in \('ipc', 'p2p'\)"):
+        WeightSync(FakeTrainer([]), [], "nccl", weight_version=0)  # type: ignore[arg-type]

@@ -13,7 +13,7 @@ whose per-parameter state carries a ``step`` tensor. Two bugs follow on load:
 Replaces: ``DistributedOptimizer._set_main_param_and_optimizer_states`` (non-precision-aware
 branch; otherwise the original runs) and wraps ``DistributedOptimizer.load_state_dict``.
 Versions: megatron-core 0.16.1 without TE/apex (TE's FusedAdam has no per-param ``step``).
-Tested by tests/test_checkpoint.py::test_resume_with_optimizer_state_is_exact.
+Tested by tests/multiproc/test_checkpoint.py::test_resume_with_optimizer_state_is_exact.
 """
 
 from __future__ import annotations

@@ -21,18 +21,22 @@ from __future__ import annotations
 
 import os
 import sys
+from typing import TYPE_CHECKING
 
 import hydra
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import OmegaConf
 
 from rl.config import ConfigError, check_task, register, resolve_model, validate
 from rl.config.roles import RoleMap
 from rl.dist.launch import quiet_known_warnings, spawn, under_launcher
 
+if TYPE_CHECKING:
+    from rl.config.schema import RootConfig
 
-def run(cfg: DictConfig) -> dict[str, float]:
+
+def run(cfg: RootConfig) -> dict[str, float | None]:
     """One rank of the job: join it, then act as the role the role map gives this rank."""
-    from rl.controller.job import join
+    from rl.dist.job import join
 
     quiet_known_warnings()
     job = join(cfg, cfg.trainer.device)
@@ -71,7 +75,7 @@ def _title(title: str) -> None:
 
 
 @hydra.main(config_path="../conf", config_name="config", version_base="1.3")
-def main(cfg: DictConfig) -> None:
+def main(cfg: RootConfig) -> None:
     from rl.dist import resume
 
     try:  # under a launcher, its world must be exactly the role map's

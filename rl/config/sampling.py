@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from rl.config.schema import SamplingConfig
 
 
 class RequestError(ValueError):
@@ -87,6 +90,13 @@ class SamplingParams:
                 f"unknown sampling field {unknown[0]!r} (known: {', '.join(sorted(known))})"
             )
         return cls(**d)
+
+    @classmethod
+    def from_config(cls, s: SamplingConfig, **changes: object) -> SamplingParams:
+        """``rollout.sampling`` (its schema's fields), with ``changes`` on top."""
+        fields = dict(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
+                      max_new_tokens=s.max_new_tokens, n=s.n, seed=s.seed)  # fmt: skip
+        return cls.from_dict({**fields, **changes})
 
     def to_sglang(self, max_new_tokens: int, seed: int | None) -> dict[str, Any]:
         """SGLang's sampling dict. A rollout ends on the model's EOS ids (from its config)

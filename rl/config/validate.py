@@ -7,7 +7,7 @@ minutes later. Pure logic: no torch.distributed, no Megatron.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from omegaconf import OmegaConf
 
@@ -21,9 +21,16 @@ from rl.models.shapes import padded_vocab_size
 from rl.tasks import scoring
 
 if TYPE_CHECKING:  # a task is built (data files, tokenizers) only where it is checked
-    from omegaconf import DictConfig
-
-    from rl.config.schema import ModelConfig
+    from rl.config.schema import (
+        AlgorithmConfig,
+        ClusterConfig,
+        ModelConfig,
+        OptimConfig,
+        RewardConfig,
+        RolloutConfig,
+        RootConfig,
+        TrainerConfig,
+    )
     from rl.tasks import Task
 
 DEVICES = ("cpu", "cuda")
@@ -49,7 +56,7 @@ def _require(ok: bool, msg: str) -> None:
         raise ConfigError(msg)
 
 
-def _at_least(section: str, obj: Any, low: int, *names: str) -> None:
+def _at_least(section: str, obj: object, low: int, *names: str) -> None:
     for n in names:
         v = getattr(obj, n)
         _require(
@@ -57,11 +64,11 @@ def _at_least(section: str, obj: Any, low: int, *names: str) -> None:
         )
 
 
-def _positive(section: str, obj: Any, *names: str) -> None:
+def _positive(section: str, obj: object, *names: str) -> None:
     _at_least(section, obj, 1, *names)
 
 
-def validate_model(m: Any) -> None:
+def validate_model(m: ModelConfig) -> None:
     _positive(
         "model",
         m,
@@ -148,7 +155,7 @@ def _validate_moe(m: ModelConfig, moe: bool) -> None:
     _require(m.moe_aux_loss_coeff >= 0, f"model.moe_aux_loss_coeff={m.moe_aux_loss_coeff} < 0")
 
 
-def _optim(where: str, o: Any) -> None:
+def _optim(where: str, o: OptimConfig) -> None:
     _require(
         o.decay_style in DECAY_STYLES,
         f"{where}.decay_style={o.decay_style!r} must be one of {DECAY_STYLES}",
@@ -161,7 +168,7 @@ def _optim(where: str, o: Any) -> None:
         _require(v is None or v >= 0, f"{where}.{name}={v} must be >= 0")
 
 
-def validate_trainer(t: Any, m: Any) -> None:
+def validate_trainer(t: TrainerConfig, m: ModelConfig) -> None:
     _positive("trainer", t, "tp", "pp", "dp", "ep", "micro_batch_size", "global_batch_size")
     _positive("trainer", t, "threads_per_rank")
     _require(
@@ -224,7 +231,7 @@ def validate_trainer(t: Any, m: Any) -> None:
     )
 
 
-def validate_task(cfg: Any) -> None:
+def validate_task(cfg: RootConfig) -> None:
     """The task's own fields (rl/tasks checks them; no data is read here) and the warm-up."""
     from rl.tasks import TaskError, check_config
 
@@ -242,7 +249,7 @@ def validate_task(cfg: Any) -> None:
         _optim("sft.optim", sft.optim)
 
 
-def check_task(cfg: DictConfig) -> Task:
+def check_task(cfg: RootConfig) -> Task:
     """Build the task (reads and renders its data) and check it against the model and
     the rollouts; returns it. Run once before launch, after :func:`validate`."""
     from rl.tasks import TaskError, build_task
@@ -270,7 +277,7 @@ def check_task(cfg: DictConfig) -> Task:
     return task
 
 
-def validate_rollout(r: Any) -> None:
+def validate_rollout(r: RolloutConfig) -> None:
     _positive("rollout", r, "servers", "max_in_flight")
     problem = layout_problem(r.device, r.tp, r.dtype, "rollout")
     _require(problem is None, str(problem))
@@ -286,7 +293,7 @@ def validate_rollout(r: Any) -> None:
     seg = r.segment_tokens
     _require(seg is None or seg >= 1, f"rollout.segment_tokens={seg} must be >= 1 or null")
     try:
-        SamplingParams.from_dict(dict(r.sampling))
+        SamplingParams.from_config(r.sampling)
     except RequestError as e:
         raise ConfigError(f"rollout.{e}") from None
     w = r.weight_sync
@@ -304,7 +311,7 @@ def validate_rollout(r: Any) -> None:
     )
 
 
-def validate_algorithm(a: Any) -> None:
+def validate_algorithm(a: AlgorithmConfig) -> None:
     _require(a.name in ("aipo", "grpo"), f"algorithm.name={a.name!r} must be 'aipo' or 'grpo'")
     _require(a.rho > 0, f"algorithm.rho={a.rho} must be > 0 (the importance-weight cap)")
     _require(0 < a.clip_eps < 1, f"algorithm.clip_eps={a.clip_eps} must be in (0, 1)")
@@ -333,7 +340,7 @@ def validate_algorithm(a: Any) -> None:
         raise ConfigError(str(e)) from None
 
 
-def validate_reward(r: Any) -> None:
+def validate_reward(r: RewardConfig) -> None:
     """The reward function must import and take (prompt, response, label, metadata)."""
     _require(r.workers >= 1, f"reward.workers={r.workers} must be >= 1")
     _require(r.timeout_s > 0, f"reward.timeout_s={r.timeout_s} must be > 0 seconds")
@@ -343,7 +350,7 @@ def validate_reward(r: Any) -> None:
         raise ConfigError(f"reward.{e}") from None
 
 
-def validate_weight_sync(cfg: Any) -> None:
+def validate_weight_sync(cfg: RootConfig) -> None:
     """Can the trainer's shards be planned into the generator's layout? (rl/ddma/plan.py)"""
     from rl.ddma.plan import PlanError, plan_for
 
@@ -361,7 +368,7 @@ def validate_weight_sync(cfg: Any) -> None:
         raise ConfigError(str(e)) from None
 
 
-def validate_rl(cfg: Any) -> None:
+def validate_rl(cfg: RootConfig) -> None:
     """The RL stage: its mode, batch shape and sampling must fit the trainer."""
     rl, a, t, s = cfg.rl, cfg.algorithm, cfg.trainer, cfg.rollout.sampling
     _require(rl.steps >= 0, f"rl.steps={rl.steps} must be >= 0")
@@ -400,7 +407,7 @@ def validate_rl(cfg: Any) -> None:
     _positive("rl", rl, "eval_k")
 
 
-def validate_roles(cfg: Any, world_size: int | None = None) -> None:
+def validate_roles(cfg: RootConfig, world_size: int | None = None) -> None:
     """Every rank of the launch must get exactly one executor (rl/config/roles.py)."""
     try:
         roles = RoleMap.from_config(cfg)
@@ -410,7 +417,7 @@ def validate_roles(cfg: Any, world_size: int | None = None) -> None:
         raise ConfigError(str(e)) from None
 
 
-def validate_cluster(c: Any) -> None:
+def validate_cluster(c: ClusterConfig) -> None:
     """The cluster section alone: names, counts and the split of nodes between training
     and generation (the placement itself is the planner's, rl/plan)."""
     _require(c.name in CLUSTERS, f"cluster.name={c.name!r} must be one of {CLUSTERS}")
@@ -443,7 +450,7 @@ def validate_cluster(c: Any) -> None:
     _require(c.train_nodes >= 1, f"cluster.train_nodes={c.train_nodes} must be >= 1")
 
 
-def validate(cfg: Any, world_size: int | None = None) -> None:
+def validate(cfg: RootConfig, world_size: int | None = None) -> None:
     """Validate a composed RootConfig; raise ConfigError on the first bad field.
 
     ``world_size``: the number of ranks a launcher started, checked against the role map."""

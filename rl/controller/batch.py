@@ -16,17 +16,20 @@ Pure logic: torch tensors only.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from rl.algorithms.advantages import group_advantages, token_advantages
 
+if TYPE_CHECKING:
+    from rl.generator.types import Rollout
+
 OVERLONG = ("keep", "mask", "penalise")
 
 
 def build_batch(
-    groups: Sequence[Sequence[Any]],
+    groups: Sequence[Sequence[Rollout]],
     rewards: Sequence[Sequence[float]],
     normalize_std: bool = True,
     pad_id: int = 0,

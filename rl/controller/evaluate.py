@@ -52,6 +52,8 @@ class Evaluator:
         self.k, self.threshold, self.samples_dir = k, threshold, samples_dir
         self.greedy = replace(sampling, temperature=0.0, n=1, seed=None)
         self.sampled = replace(sampling, n=k)
+        self._lengths: list[int] = []  # response lengths and cut flags of one eval set
+        self._cut: list[bool] = []
 
     def _scores(
         self, examples: list[Example], sampling: SamplingParams, samples: Path | None = None

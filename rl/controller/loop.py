@@ -12,9 +12,7 @@ from __future__ import annotations
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
-
-from omegaconf import DictConfig
+from typing import TYPE_CHECKING
 
 from rl.config.sampling import SamplingParams
 from rl.controller.batch import build_batch
@@ -26,11 +24,17 @@ from rl.metrics import MetricsLogger, plot_curves, plot_rl
 from rl.tasks import Task, build_task
 
 if TYPE_CHECKING:  # the executors' handles, imported where they are used
-    from rl.controller.job import Job
+    from concurrent.futures import Future
+
+    import torch
+
+    from rl.config.schema import RootConfig
     from rl.controller.weight_sync import WeightSync
+    from rl.dist.job import Job
     from rl.generator.client import GeneratorClient
     from rl.generator.service import GeneratorHandle
     from rl.reward.service import RewardHandle
+    from rl.tasks.scoring import ScoreResult
     from rl.trainer.service import TrainerHandle
 
 SHOW = (
@@ -45,7 +49,7 @@ SHOW = (
 )
 
 
-def controller(cfg: DictConfig, job: Job) -> dict[str, float]:
+def controller(cfg: RootConfig, job: Job) -> dict[str, float | None]:
     """Rank 0: wait for the warm-up, run the RL loop, then stop every executor."""
     from rl.generator.service import GeneratorHandle
     from rl.reward.service import RewardHandle
@@ -58,7 +62,7 @@ def controller(cfg: DictConfig, job: Job) -> dict[str, float]:
         print(f"resuming from RL step {point.step} ({point.checkpoint})", flush=True)
     log = MetricsLogger(out, totals={"warmup": cfg.sft.steps, "rl": cfg.rl.steps})
     trainer = TrainerHandle(job)
-    handles: list[Any] = [trainer]
+    handles: list[TrainerHandle | GeneratorHandle | RewardHandle] = [trainer]
     try:
         ready = trainer.wait_ready(log)  # the warm-up's lines are logged as it runs
         if cfg.rl.steps == 0:
@@ -83,16 +87,16 @@ def controller(cfg: DictConfig, job: Job) -> dict[str, float]:
         log.close()
 
 
-def rollout_sampling(cfg: DictConfig, task: Task) -> SamplingParams:
+def rollout_sampling(cfg: RootConfig, task: Task) -> SamplingParams:
     """The rollouts' sampling: ``group_size`` samples, ending on every EOS id of the task's
     tokenizer as well as the model's."""
-    s = SamplingParams.from_dict({**cfg.rollout.sampling, "n": cfg.algorithm.group_size})
+    s = SamplingParams.from_config(cfg.rollout.sampling, n=cfg.algorithm.group_size)
     stops = tuple(dict.fromkeys((*s.stop_token_ids, *task.codec.eos_ids)))
     return replace(s, stop_token_ids=stops)
 
 
 def rl_loop(
-    cfg: DictConfig,
+    cfg: RootConfig,
     trainer: TrainerHandle,
     gen: GeneratorHandle,
     reward: RewardHandle,
@@ -135,7 +139,7 @@ def rl_loop(
         trainer.save(path, export_hf=cfg.rl.save_hf, step=step)
         resume.write(out, resume.ResumePoint(step, path, start, warmup_accuracy))
 
-    def score(g: Group) -> Any:
+    def score(g: Group) -> Future[list[ScoreResult]]:
         return reward.score(score_items(task, [g.item] * len(g.rollouts), g.rollouts))
 
     gate = StalenessGate(
@@ -177,7 +181,9 @@ def rl_loop(
     return {"start_accuracy": start, "final_accuracy": m["eval_accuracy"]}
 
 
-def batch_metrics(groups: list[Group], batch: dict[str, Any], threshold: float) -> dict[str, float]:
+def batch_metrics(
+    groups: list[Group], batch: dict[str, torch.Tensor], threshold: float
+) -> dict[str, float]:
     """Reward, pass rate, response lengths and the reward function's own metrics."""
     rewards = batch["rewards"]
     lengths = [len(r.output_ids) for g in groups for r in g.rollouts]

@@ -26,13 +26,16 @@ import time
 from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 from rl.config.sampling import SamplingParams
 from rl.controller.staleness import StalenessGate
 from rl.generator.types import Rollout
 from rl.tasks.common import Example
 from rl.tasks.scoring import ScoreResult
+
+if TYPE_CHECKING:
+    from rl.generator.client import GeneratorClient
 
 
 @dataclass
@@ -56,8 +59,8 @@ class Group:
 class RolloutStream:
     def __init__(
         self,
-        client: Any,
-        score: Callable[[Group], cf.Future],
+        client: GeneratorClient,
+        score: Callable[[Group], cf.Future[list[ScoreResult]]],
         next_item: Callable[[], Example],
         sampling: SamplingParams,
         gate: StalenessGate,

@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import time
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from rl.config.dtypes import torch_dtype
 from rl.ddma.group import group_name
@@ -21,6 +21,7 @@ from rl.ddma.plan import plan_for
 from rl.generator.ddma_target import SGLangTarget
 
 if TYPE_CHECKING:
+    from rl.config.schema import RootConfig
     from rl.trainer.service import TrainerHandle
 
 TRANSPORTS = ("ipc", "p2p")
@@ -45,7 +46,7 @@ class WeightSync:
 
     @classmethod
     def connect(
-        cls, cfg: Any, trainer: TrainerHandle, urls: list[str], weight_version: int
+        cls, cfg: RootConfig, trainer: TrainerHandle, urls: list[str], weight_version: int
     ) -> WeightSync:
         """Set up DDMA from the trainer into the servers at ``urls``: the same plan on both
         sides, and for p2p every group joined. ``weight_version``: the version the servers

@@ -12,7 +12,6 @@ supports pipeline parallelism of 1 only.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -28,7 +27,7 @@ def _model_keys(d: km.Dims) -> list[tuple[str, int | None]]:
 
 
 def gather_hf(
-    shards: wire.SrcGetter, d: km.Dims, tp: int, group: Any, root: int
+    shards: wire.SrcGetter, d: km.Dims, tp: int, group: dist.ProcessGroup, root: int
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Every trainer rank calls this; on ``root`` (a global rank) it yields the full model
     in HF names, tensor by tensor; elsewhere it yields nothing."""
@@ -49,7 +48,7 @@ def broadcast_hf(
     named: Iterator[tuple[str, torch.Tensor]] | None,
     d: km.Dims,
     dtype: torch.dtype,
-    group: Any,
+    group: dist.ProcessGroup,
     root: int,
 ) -> dict[str, torch.Tensor]:
     """Broadcast every HF tensor from ``root`` to the group; returns what was received

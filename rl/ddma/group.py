@@ -11,7 +11,6 @@ mapping, so ``torch.distributed`` point-to-point calls address peers by group ra
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import Any
 
 import torch.distributed as dist
 
@@ -30,9 +29,10 @@ def join(
     name: str,
     backend: str = "gloo",
     timeout_s: float = 600.0,
-) -> Any:
+) -> dist.ProcessGroup:
     """Join (rank 0: host) the group ``name``; blocks until all ``world_size`` ranks do."""
     from torch.distributed.distributed_c10d import (
+        GroupName,
         PrefixStore,
         _new_process_group_helper,
         _world,
@@ -50,14 +50,16 @@ def join(
         [],
         dist.Backend(backend),
         PrefixStore(name, store),
-        group_name=name,
+        group_name=GroupName(name),
         timeout=timeout,
     )
+    # No rank list: the group is every rank of the rendezvous, this one included.
+    assert isinstance(pg, dist.ProcessGroup)
     _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
     return pg
 
 
-def find(name: str) -> Any:
+def find(name: str) -> dist.ProcessGroup:
     """The group registered as ``name`` in this process (e.g. by SGLang's
     ``init_weights_update_group``)."""
     from torch.distributed.distributed_c10d import _world

@@ -145,11 +145,12 @@ def _kv_heads(d: km.Dims, tp: int) -> tuple[int, int]:
     return d.groups // tp, 1
 
 
-def dst_runs(d: km.Dims, dst: DstLayout, key: str, rank: int) -> list[tuple[int | None, int]]:
-    """Destination shard of ``key`` on ``rank`` as (global Megatron start or None for
-    padding, length) runs along its split dimension, in destination order."""
+def dst_runs(
+    d: km.Dims, dst: DstLayout, spec: a.TensorSpec, rank: int
+) -> list[tuple[int | None, int]]:
+    """Destination shard of the tensor ``spec`` on ``rank`` as (global Megatron start or
+    None for padding, length) runs along its split dimension, in destination order."""
     t, hd = dst.tp, d.head_dim
-    spec = km.spec(key, d)
     if spec.layout == a.QKV:
         per_group = d.heads // d.groups  # q heads per query group
         group_rows = (per_group + 2) * hd
@@ -200,10 +201,9 @@ def _merge(runs: list[tuple[int | None, int]]) -> list[tuple[int | None, int]]:
 
 
 # ------------------------------------------------------------------------ source
-def src_locate(d: km.Dims, src: SrcLayout, key: str, start: int, n: int):
-    """Split the global Megatron run [start, start+n) of ``key`` at Megatron TP shard
-    boundaries: yields (tp rank, local start, length)."""
-    spec = km.spec(key, d)
+def src_locate(d: km.Dims, src: SrcLayout, spec: a.TensorSpec, start: int, n: int):
+    """Split the global Megatron run [start, start+n) of the tensor ``spec`` at Megatron TP
+    shard boundaries: yields (tp rank, local start, length)."""
     if spec.tp_dim is None:
         yield None, start, n  # replicated: any TP rank has it
         return

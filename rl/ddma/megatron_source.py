@@ -18,19 +18,35 @@ from rl.weights.megatron_io import leaves, split_key
 
 
 class ParallelRank(Protocol):
-    """This rank's place in the trainer's grid (rl.models.parallel.Layout is one)."""
+    """This rank's place in the trainer's grid (rl.models.parallel.Layout is one). Read
+    only, so a frozen dataclass satisfies it."""
 
-    tp: int
-    pp: int
-    dp: int
-    ep: int
-    tp_rank: int
-    pp_rank: int
-    dp_rank: int
-    ep_rank: int
+    @property
+    def tp(self) -> int: ...
+
+    @property
+    def pp(self) -> int: ...
+
+    @property
+    def dp(self) -> int: ...
+
+    @property
+    def ep(self) -> int: ...
+
+    @property
+    def tp_rank(self) -> int: ...
+
+    @property
+    def pp_rank(self) -> int: ...
+
+    @property
+    def dp_rank(self) -> int: ...
+
+    @property
+    def ep_rank(self) -> int: ...
 
 
-def shard_map(model: Any) -> dict[tuple[str, int | None], torch.Tensor]:
+def shard_map(model: Any) -> dict[tuple[str, int | None], torch.Tensor]:  # Megatron: untyped
     """(keymap key, global layer or None) -> this rank's live shard.
 
     A factory (fc1 under SwiGLU: Megatron checkpoints gate and up as two tensors) gives
@@ -63,7 +79,7 @@ def source_rank(layout: ParallelRank, src: SrcLayout) -> int:
     return rank
 
 
-def shard_getter(model: Any, plan: Plan, rank: int) -> wire.SrcGetter:
+def shard_getter(model: Any, plan: Plan, rank: int) -> wire.SrcGetter:  # Megatron: untyped
     """A source getter for ``plan`` on ``rank`` that fails early on a missing or
     mis-shaped shard (a trainer whose model is not the one planned)."""
     shards = shard_map(model)

@@ -20,7 +20,7 @@ from __future__ import annotations
 import hashlib
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 from rl.ddma.layout import (
     DstLayout,
@@ -35,6 +35,10 @@ from rl.ddma.layout import (
     src_shapes,
 )
 from rl.weights import keymap as km
+
+if TYPE_CHECKING:
+    from rl.config.schema import RolloutConfig, TrainerConfig
+    from rl.models.arch import ModelShape
 
 __all__ = ["DstLayout", "PlanError", "SrcLayout", "make_plan", "plan_for", "round_up"]
 
@@ -180,10 +184,11 @@ def make_plan(
             f"fp8_block={fp8_block}: needs a block >= 1, a GPU layout and a dense model"
         )
     names = sglang_names(d)
+    specs = {name: km.spec(key, d) for name, (key, _, _) in names.items()}
     dst_shapes = {}
     for name, (key, _, dim) in names.items():
         shape = list(km.megatron_shape(key, d))
-        shape[dim] = sum(n for _, n in dst_runs(d, dst, key, 0))
+        shape[dim] = sum(n for _, n in dst_runs(d, dst, specs[name], 0))
         dst_shapes[name] = tuple(shape)
         if fp8_block is not None and name.endswith(FP8_WEIGHTS):
             dst_shapes[name + SCALE_SUFFIX] = tuple(-(-n // fp8_block) for n in shape)
@@ -193,13 +198,16 @@ def make_plan(
     for rank in range(dst.tp):
         for name, (key, layer, dim) in names.items():
             at = 0
-            for start, n in dst_runs(d, dst, key, rank):
+            senders: dict[int | None, int] = {}  # Megatron TP rank -> trainer rank
+            for start, n in dst_runs(d, dst, specs[name], rank):
                 if start is None:
                     plan.fills.append(Piece(None, None, None, 0, rank, name, dim, at, n))
                     at += n
                     continue
-                for tp_rank, local, take in src_locate(d, src, key, start, n):
-                    s = _src_rank(d, src, rank, key, layer, tp_rank)
+                for tp_rank, local, take in src_locate(d, src, specs[name], start, n):
+                    s = senders.get(tp_rank)
+                    if s is None:
+                        s = senders[tp_rank] = _src_rank(d, src, rank, key, layer, tp_rank)
                     per_pair[(s, rank)].append(
                         Piece(s, key, layer, local, rank, name, dim, at, take)
                     )
@@ -214,7 +222,11 @@ def make_plan(
 
 
 def plan_for(
-    model: Any, trainer: Any, rollout: Any, dp: int = 1, bucket_bytes: int | None = None
+    model: ModelShape,
+    trainer: TrainerConfig,
+    rollout: RolloutConfig,
+    dp: int = 1,
+    bucket_bytes: int | None = None,
 ) -> Plan:
     """The plan for composed ``model`` / ``trainer`` / ``rollout`` configs (one server)."""
     sync = rollout.weight_sync
@@ -258,7 +270,15 @@ def _bucketize(plan: Plan, pieces: list[Piece]) -> None:
         cur, offs, size = [], [], HEADER_BYTES
 
     for p in pieces:
-        unit = plan.fp8_block if plan.quantized(p.dst_name) else 1
+        quantized = plan.quantized(p.dst_name)
+        unit = plan.fp8_block if quantized else 1
+        if not quantized:  # a whole piece that fits is taken as it is (footprint ~ length)
+            at, foot = round_up(size, ALIGN), plan.footprint(p)
+            if at + foot <= budget:
+                cur.append(p)
+                offs.append(at)
+                size = at + foot
+                continue
         done = 0
         while done < p.length:
             at = round_up(size, ALIGN)

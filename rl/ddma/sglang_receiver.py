@@ -131,7 +131,7 @@ def architecture_errors(plan: Plan, params: dict[str, torch.Tensor], dtype: torc
     return "; ".join(problems[:4])
 
 
-def handle(model: Any, ctl: dict, tensor: torch.Tensor, rank: int) -> dict:
+def handle(model: Any, ctl: dict, tensor: torch.Tensor, rank: int) -> dict:  # SGLang: untyped
     """Apply one control entry; returns the status to report (raises on bad input)."""
     op = ctl["op"]
     st = _STATE["stage"]
@@ -200,7 +200,7 @@ def handle(model: Any, ctl: dict, tensor: torch.Tensor, rank: int) -> dict:
     raise ValueError(f"unknown op {op!r}")
 
 
-def load(model: Any, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
+def load(model: Any, named_tensors: list[tuple[str, torch.Tensor]]) -> None:  # SGLang: untyped
     """SGLang's entry point. Never raises: errors go to the status file and poison the
     staged version, so it can never be committed."""
     rank = _tp_rank()

@@ -24,11 +24,15 @@ import threading
 import uuid
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
+if TYPE_CHECKING:
+    from torch.distributed import Store
+
 CHUNK = 4 << 20
+M = TypeVar("M")
 _INLINE, _BLOB = b"I", b"B"
 
 
@@ -64,13 +68,13 @@ class Channel:
     """``put`` from any rank, ``get`` on the one reader. One connection per instance: make
     one instance per thread that uses it (a blocking ``get`` holds its connection)."""
 
-    def __init__(self, store: Any, name: str, types: tuple[type, ...], timeout: float):
+    def __init__(self, store: Store, name: str, types: tuple[type, ...], timeout: float):
         self.store = store.clone()
         self.name, self.types, self.timeout = name, tuple(types), timeout
         self._lock = threading.Lock()
         self._ids = itertools.count()
 
-    def put(self, msg: Any) -> None:
+    def put(self, msg: object) -> None:
         if not isinstance(msg, (*self.types, Failed)):
             raise ChannelError(
                 f"channel {self.name!r} carries {self._names()}, not {type(msg).__name__}"
@@ -85,11 +89,13 @@ class Channel:
             blob = f"{self.name}/blob/{os.getpid()}-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
             keys = [f"{blob}/{i}" for i in range(0, len(data), CHUNK)]
             for key, i in zip(keys, range(0, len(data), CHUNK), strict=True):
-                self.store.set(key, data[i : i + CHUNK])
+                # Store.set takes bytes too (torch's stub says str only).
+                self.store.set(key, data[i : i + CHUNK])  # type: ignore[arg-type]
             self.store.queue_push(self.name, _BLOB + json.dumps(keys).encode())
 
-    def get(self, timeout: float | None = None) -> Any:
-        """The next message (blocks up to ``timeout``, default the channel's)."""
+    def get(self, timeout: float | None = None) -> object:
+        """The next message (blocks up to ``timeout``, default the channel's): one of the
+        channel's types, which the caller tells apart (or :meth:`expect` one)."""
         wait = self.timeout if timeout is None else timeout
         with self._lock:
             self.store.set_timeout(timedelta(seconds=wait))
@@ -117,7 +123,7 @@ class Channel:
             )
         return msg
 
-    def wait(self) -> Any:
+    def wait(self) -> object:
         """The next message, however long it takes: for an executor's inbox, where no
         command for a while (a long warm-up, a long evaluation) is normal. A dead
         controller still ends the wait: its store's connection breaks."""
@@ -127,7 +133,7 @@ class Channel:
             except ChannelTimeout:
                 continue
 
-    def expect(self, kind: type, timeout: float | None = None) -> Any:
+    def expect(self, kind: type[M], timeout: float | None = None) -> M:
         """The next message, which must be a ``kind``."""
         msg = self.get(timeout)
         if not isinstance(msg, kind):

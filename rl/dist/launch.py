@@ -17,13 +17,18 @@ import traceback
 import warnings
 from collections.abc import Callable
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from rl.dist.net import free_port
+
+if TYPE_CHECKING:
+    from multiprocessing.queues import Queue
+
+R = TypeVar("R")
 
 
 # Warnings that Megatron-Core 0.16 / torch 2.14 print on every CPU run and that say nothing
@@ -88,7 +93,7 @@ def _child(
     threads: int,
     fn: Callable[..., Any],
     args: tuple,
-    results: Any,
+    results: Queue[tuple[int, bool, bytes | str]],  # (rank, ok, its result or traceback)
     setup: bool = True,
     parent: int = 0,
 ) -> None:
@@ -103,7 +108,7 @@ def _child(
     try:
         if setup:
             setup_rank(device, threads)
-        else:  # fn joins process groups itself (rl.controller.job)
+        else:  # fn joins process groups itself (rl.dist.job)
             quiet_known_warnings()
             torch.set_num_threads(threads)
         out = fn(*args)
@@ -119,14 +124,14 @@ def _child(
 
 
 def spawn(
-    fn: Callable[..., Any],
+    fn: Callable[..., R],
     world_size: int,
-    *args: Any,
+    *args: object,
     device: str = "cpu",
     threads: int = 1,
     timeout_s: float = 900.0,
     setup: bool = True,
-) -> list[Any]:
+) -> list[R]:
     """Run ``fn(*args)`` on ``world_size`` fresh local ranks; return each rank's result.
 
     ``fn`` must be importable (module level). If any rank raises, the others are killed and
@@ -147,7 +152,7 @@ def spawn(
     ]
     for p in procs:
         p.start()
-    out: dict[int, Any] = {}
+    out: dict[int, R] = {}
     deadline = time.monotonic() + timeout_s
     try:
         while len(out) < world_size:
@@ -176,7 +181,7 @@ def spawn(
                 time.sleep(0.05)
     finally:
         for p in procs:
-            if p.is_alive():
+            if p.pid is not None and p.is_alive():
                 _kill_tree(p.pid)
                 p.join()
     return [out[r] for r in range(world_size)]

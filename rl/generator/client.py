@@ -21,9 +21,9 @@ import concurrent.futures as cf
 import contextlib
 import itertools
 import threading
-from collections.abc import Iterable
+from collections.abc import Coroutine, Iterable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import aiohttp
 import torch
@@ -34,7 +34,19 @@ from rl.generator.launcher import ServerError, ServerLauncher
 from rl.generator.types import ModelLimits, Rollout, parse_result
 from rl.generator.weight_payload import FlatBucket, buckets, update_call, use_file_system_sharing
 
+if TYPE_CHECKING:
+    from rl.config.schema import RolloutConfig
+
 _seq = itertools.count()
+T = TypeVar("T")
+
+
+class RolloutFuture(cf.Future[Rollout]):
+    """A rollout's future; it carries the rollout while it runs (to ``abort`` it)."""
+
+    def __init__(self, rollout: Rollout) -> None:
+        super().__init__()
+        self.rollout = rollout
 
 
 class GeneratorClient:
@@ -78,13 +90,16 @@ class GeneratorClient:
         self.version = versions[0]
 
     @classmethod
-    def for_launcher(cls, launcher: ServerLauncher, **kw: Any) -> GeneratorClient:
+    def for_launcher(
+        cls, launcher: ServerLauncher, *, max_in_flight: int = 64, request_timeout: float = 600.0
+    ) -> GeneratorClient:
         cfg = launcher.config
         limits = ModelLimits.from_model_dir(Path(cfg.model_path), cfg.context_length)
-        return cls(launcher.urls, limits, launcher=launcher, tp=cfg.tp, **kw)
+        return cls(launcher.urls, limits, max_in_flight=max_in_flight,
+                   request_timeout=request_timeout, launcher=launcher, tp=cfg.tp)  # fmt: skip
 
     @classmethod
-    def for_urls(cls, urls: list[str], model_path: str, rollout: Any) -> GeneratorClient:
+    def for_urls(cls, urls: list[str], model_path: str, rollout: RolloutConfig) -> GeneratorClient:
         """A client for servers started elsewhere (the generator ranks of an RL job) from
         ``model_path``, with a ``rollout`` config's limits."""
         limits = ModelLimits.from_model_dir(Path(model_path), rollout.context_length)
@@ -98,7 +113,7 @@ class GeneratorClient:
     async def _make_slots(self) -> asyncio.Semaphore:
         return asyncio.Semaphore(self._max_in_flight)
 
-    def _call(self, coro: Any) -> Any:
+    def _call(self, coro: Coroutine[Any, Any, T]) -> T:
         """Run a coroutine on the client's loop and wait for it (from any other thread)."""
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
 
@@ -109,9 +124,9 @@ class GeneratorClient:
         prompt_ids: list[int],
         sampling: SamplingParams,
         *,
-        group: Any = None,
+        group: int | None = None,
         segment_tokens: int | None = None,
-    ) -> list[cf.Future[Rollout]]:
+    ) -> list[RolloutFuture]:
         """Start ``sampling.n`` rollouts of one prompt, sent as one request (see
         ``resume_many``). Validation happens here, so a bad request raises before anything
         is sent. With ``segment_tokens``, each future resolves after at most that many new
@@ -122,25 +137,21 @@ class GeneratorClient:
         rollouts = [Rollout(list(prompt_ids), sampling, i, group) for i in range(sampling.n)]
         return self.resume_many(rollouts, segment_tokens)
 
-    def resume(self, rollout: Rollout, segment_tokens: int | None = None) -> cf.Future[Rollout]:
+    def resume(self, rollout: Rollout, segment_tokens: int | None = None) -> RolloutFuture:
         """Continue an unfinished rollout (prompt + tokens so far go back in). The future
         carries the rollout as ``future.rollout`` (to ``abort`` it while it runs)."""
         return self.resume_many([rollout], segment_tokens)[0]
 
     def resume_many(
         self, rollouts: list[Rollout], segment_tokens: int | None = None
-    ) -> list[cf.Future[Rollout]]:
+    ) -> list[RolloutFuture]:
         """Continue several rollouts in one request to one server: SGLang batches them and
         prefills a shared prompt once, and the HTTP cost is paid once (for a GRPO group of
         n samples, n times less of it). Each rollout keeps its own seed, request id (so
         ``abort`` works per rollout) and future; the futures resolve together."""
         for r in rollouts:
             r.next_request(segment_tokens)  # raises on a finished rollout
-        futures: list[cf.Future[Rollout]] = []
-        for r in rollouts:
-            f: cf.Future[Rollout] = cf.Future()
-            f.rollout = r  # type: ignore[attr-defined]
-            futures.append(f)
+        futures = [RolloutFuture(r) for r in rollouts]
         asyncio.run_coroutine_threadsafe(
             self._segments(rollouts, segment_tokens, futures), self._loop
         )
@@ -155,7 +166,7 @@ class GeneratorClient:
         futures = [
             f for p in prompts for f in self.submit(p, sampling, segment_tokens=segment_tokens)
         ]
-        pending = {f: i for i, f in enumerate(futures)}
+        pending: dict[cf.Future[Rollout], int] = {f: i for i, f in enumerate(futures)}
         out: list[Rollout] = [None] * len(futures)  # type: ignore[list-item]
         while pending:
             done, _ = cf.wait(pending, return_when=cf.FIRST_COMPLETED)
@@ -176,7 +187,7 @@ class GeneratorClient:
             yield f.result()
 
     async def _segments(
-        self, rollouts: list[Rollout], segment_tokens: int | None, futures: list[cf.Future]
+        self, rollouts: list[Rollout], segment_tokens: int | None, futures: list[RolloutFuture]
     ) -> None:
         try:
             for r, out in zip(rollouts, await self._request(rollouts, segment_tokens), strict=True):
@@ -237,7 +248,7 @@ class GeneratorClient:
     def _live(self) -> list[int]:
         return [i for i in range(len(self.urls)) if i not in self._dead]
 
-    async def _post(self, server: int, call: api.Call) -> Any:
+    async def _post(self, server: int, call: api.Call) -> Any:  # a JSON value
         """Make ``call`` on ``server``; a server that does not answer is marked dead."""
         try:
             return await api.acall(self._session, self.urls[server], call)

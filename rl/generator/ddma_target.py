@@ -76,7 +76,7 @@ class SGLangTarget:
             path.unlink()
         return out
 
-    def _call(self, call: api.Call) -> Any:
+    def _call(self, call: api.Call) -> Any:  # a JSON value
         try:
             return api.call(self.url, call, self.timeout)
         except api.CallError as e:

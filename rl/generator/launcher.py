@@ -27,12 +27,15 @@ import time
 import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from rl.config.sglang import layout_problem
 from rl.dist.net import free_port
 from rl.generator import server_api
 from rl.generator.cpu_shim import server_env
+
+if TYPE_CHECKING:
+    from rl.config.schema import RolloutConfig
 
 LOG_TAIL_LINES = 40
 GUARD = Path(__file__).with_name("server_guard.py")
@@ -86,7 +89,7 @@ class ServerConfig:
             raise ServerError(f"server.threads={self.threads} must be >= 1 (or None)")
 
     @classmethod
-    def from_rollout(cls, r: Any, model_path: str) -> ServerConfig:
+    def from_rollout(cls, r: RolloutConfig, model_path: str) -> ServerConfig:
         """The server settings of a ``rollout`` config (rl.config.schema.RolloutConfig)."""
         return cls(
             model_path=str(model_path),

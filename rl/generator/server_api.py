@@ -71,7 +71,7 @@ def generate(
     return Call("/generate", body)
 
 
-def generate_results(reply: Any, n: int) -> list[dict[str, Any]]:
+def generate_results(reply: Any, n: int) -> list[dict[str, Any]]:  # a JSON value
     """The ``n`` results of a :func:`generate` reply, in request order (a one-prompt
     request answers with the result itself, not a list)."""
     return [reply] if n == 1 else list(reply)
@@ -162,14 +162,14 @@ def refusal(reply: dict[str, Any]) -> str | None:
 
 
 # ---------------------------------------------------------------------- transport
-def _decode(text: str) -> Any:
+def _decode(text: str) -> Any:  # a JSON value
     try:
         return json.loads(text) if text.strip() else {}
     except ValueError:  # /flush_cache answers in plain text
         return {"text": text}
 
 
-def call(url: str, c: Call, timeout: float = 30.0) -> Any:
+def call(url: str, c: Call, timeout: float = 30.0) -> Any:  # a JSON value
     """Make ``c`` on the server at ``url`` and return its decoded JSON reply."""
     data = json.dumps(c.body).encode() if c.method == "POST" else None
     headers = {"Content-Type": "application/json"}
@@ -185,7 +185,7 @@ def call(url: str, c: Call, timeout: float = 30.0) -> Any:
     return _decode(raw.decode(errors="replace"))
 
 
-async def acall(session: aiohttp.ClientSession, url: str, c: Call) -> Any:
+async def acall(session: aiohttp.ClientSession, url: str, c: Call) -> Any:  # a JSON value
     """:func:`call` on an asyncio loop (``session`` sets the timeout)."""
     body = c.body if c.method == "POST" else None
     try:

@@ -14,10 +14,14 @@ import threading
 import traceback
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from rl.dist.channel import Channel, Failed
 from rl.dist.net import host_address
+
+if TYPE_CHECKING:
+    from rl.config.schema import RootConfig
+    from rl.dist.job import Job
 
 
 @dataclass
@@ -35,7 +39,7 @@ class Stop:
 WATCH_S = 2.0  # how often a generator rank checks its servers
 
 
-def _model_path(cfg: Any, out: Path) -> str:
+def _model_path(cfg: RootConfig, out: Path) -> str:
     """The HF directory the servers start from: ``rollout.model_path``, else the policy's
     ``model.hf_checkpoint``, else a directory written from the model config with the
     task's token ids (the trainer pushes its weights before the first rollout)."""
@@ -49,7 +53,7 @@ def _model_path(cfg: Any, out: Path) -> str:
     return str(init_hf_dir(cfg.model, str(out / "hf_init"), ids, cfg.rollout.dtype))
 
 
-def serve(cfg: Any, job: Any) -> None:
+def serve(cfg: RootConfig, job: Job) -> None:
     from rl.generator.launcher import ServerConfig, ServerLauncher
 
     inbox = job.channel(f"generator/in/{job.role_rank}", Stop)
@@ -63,7 +67,8 @@ def serve(cfg: Any, job: Any) -> None:
             server = replace(server, host="0.0.0.0", advertise=host_address())
         with ServerLauncher(server, n=n, log_dir=out / "logs") as launcher:
             reply.put(Up(job.role_rank, launcher.urls, path))
-            stop, lost = threading.Event(), []
+            stop = threading.Event()
+            lost: list[BaseException] = []
             listen = threading.Thread(target=_listen, args=(inbox, stop, lost), daemon=True)
             listen.start()
             # The main thread waits on an Event, not on the store, so a SIGTERM (e.g. the
@@ -92,7 +97,9 @@ def _listen(inbox: Channel, stop: threading.Event, lost: list[BaseException]) ->
 
 
 class GeneratorHandle:
-    def __init__(self, job: Any):
+    """The controller's view of the generator ranks: their servers' URLs, and stop."""
+
+    def __init__(self, job: Job):
         n = job.role_size("generator")
         self._to = [job.channel(f"generator/in/{r}", Stop) for r in range(n)]
         self._from = job.channel("generator/out", Up)

@@ -28,7 +28,7 @@ class ServerResponseError(RuntimeError):
     """A server answered with something that is not a well-formed generation result."""
 
 
-def _is_int(v: Any) -> bool:
+def _is_int(v: object) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
@@ -91,7 +91,7 @@ class Rollout:
     prompt_ids: list[int]
     sampling: SamplingParams
     sample_index: int = 0
-    group: Any = None
+    group: int | None = None  # the caller's group (samples of one prompt share it)
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
@@ -185,7 +185,7 @@ def parse_result(out: dict) -> tuple[list[int], list[float], list[int], str]:
     return ids, [float(lp[0]) for lp in lps], versions, reason
 
 
-def parse_version(v: Any) -> int:
+def parse_version(v: Any) -> int:  # a JSON value
     try:
         return int(v)
     except (TypeError, ValueError):

@@ -25,7 +25,8 @@ OPTIONS = ("--json", "--ranks-per-node", "--node-ranks")
 
 
 def _composition_error(e: BaseException) -> str:
-    parts, err = [], e
+    parts: list[str] = []
+    err: BaseException | None = e
     while err is not None:
         text = str(err).strip()
         if text and text not in parts:

@@ -8,13 +8,13 @@ exceeded (GPU memory, KV cache) are collected as ``problems`` so the CLI can pri
 breakdown that explains them before refusing.
 
 The config is first checked by the torch-free parts of rl.config.validate (model, trainer,
-rollout); ``validate()`` as a whole runs at launch and in tests/test_config.py.
+rollout); ``validate()`` as a whole runs at launch and in tests/unit/test_config.py.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 from rl.config.validate import validate_model, validate_rollout, validate_trainer
 from rl.models.shapes import param_count
@@ -28,6 +28,9 @@ from rl.plan.memory import (
 )
 from rl.plan.placement import Placement, PlanRefused, check_cpus, place, refuse
 from rl.plan.transfer import Transfer, ddma_plan, transfer
+
+if TYPE_CHECKING:
+    from rl.config.schema import RootConfig
 
 
 @dataclass
@@ -60,7 +63,7 @@ def _gb(n: float) -> str:
     return f"{n / GIB:.1f} GB"
 
 
-def _trainer_problem(cfg: Any, g: TrainerGPU, budget: int) -> str | None:
+def _trainer_problem(cfg: RootConfig, g: TrainerGPU, budget: int) -> str | None:
     if g.total <= budget:
         return None
     t, r, gpus = cfg.trainer, cfg.rollout, cfg.cluster.gpus_per_node
@@ -83,7 +86,7 @@ def _trainer_problem(cfg: Any, g: TrainerGPU, budget: int) -> str | None:
     )
 
 
-def _generator_problem(cfg: Any, g: GeneratorGPU, budget: int, seq: int) -> str | None:
+def _generator_problem(cfg: RootConfig, g: GeneratorGPU, budget: int, seq: int) -> str | None:
     r = cfg.rollout
     fp8 = "" if r.weight_sync.fp8_block else " or set rollout.weight_sync.fp8_block=128"
     if g.weights + g.reserved > budget:
@@ -108,7 +111,7 @@ def _generator_problem(cfg: Any, g: GeneratorGPU, budget: int, seq: int) -> str 
     return None
 
 
-def plan_cluster(cfg: Any, strict: bool = True) -> ClusterPlan:
+def plan_cluster(cfg: RootConfig, strict: bool = True) -> ClusterPlan:
     """Plan ``cfg`` on ``cfg.cluster``. Raises :class:`PlanRefused` (a ConfigError) for a
     layout that cannot be placed and, with ``strict``, for one that does not fit."""
     validate_model(cfg.model)

@@ -41,11 +41,14 @@ GB in this package means GiB (2**30 bytes), as ``nvidia-smi`` reports. Pure logi
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 from rl.models.arch import Dims
 from rl.models.registry import expert_count
 from rl.models.shapes import kv_channels, layer_param_count, padded_vocab_size
+
+if TYPE_CHECKING:
+    from rl.config.schema import ModelConfig, RootConfig
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -97,12 +100,12 @@ class GeneratorGPU:
         return self.weights + self.reserved + self.kv_tokens * self.kv_bytes_per_token
 
 
-def sequence_length(cfg: Any) -> int:
+def sequence_length(cfg: RootConfig) -> int:
     """Tokens per sample the trainer and servers are sized for (prompt + response)."""
     return cfg.rollout.context_length or cfg.model.max_position_embeddings
 
 
-def stage_params(m: Any, tp: int, pp: int, stage: int, ep: int = 1) -> int:
+def stage_params(m: ModelConfig, tp: int, pp: int, stage: int, ep: int = 1) -> int:
     """Parameters on one TP rank of pipeline stage ``stage`` (Megatron's padded vocab),
     with the routed experts split over ``ep`` ranks."""
     h = m.hidden_size
@@ -117,13 +120,13 @@ def stage_params(m: Any, tp: int, pp: int, stage: int, ep: int = 1) -> int:
     return n
 
 
-def stage_expert_params(m: Any, tp: int, pp: int, ep: int = 1) -> int:
+def stage_expert_params(m: ModelConfig, tp: int, pp: int, ep: int = 1) -> int:
     """The routed experts' share of :func:`stage_params` (their optimizer state is sharded
     over the dp / ep replicas of each expert, not over dp)."""
     return (m.num_layers // pp) * (expert_count(Dims.of(m)) // (tp * ep))
 
 
-def activation_bytes_per_token_layer(m: Any, tp: int, itemsize: int) -> int:
+def activation_bytes_per_token_layer(m: ModelConfig, tp: int, itemsize: int) -> int:
     """``w * (4h + (2q + 2kv + 3f) / tp)``: see the module docstring. For an MoE layer f is
     what one token goes through (top-k experts plus the shared expert), the routed experts
     keep their k copies of the token (``k * h``, not split), and with TP > 1 sequence
@@ -132,12 +135,12 @@ def activation_bytes_per_token_layer(m: Any, tp: int, itemsize: int) -> int:
     kv = m.num_query_groups * kv_channels(m)
     if not m.num_experts:
         return itemsize * (4 * h + (2 * q + 2 * kv + 3 * m.ffn_hidden_size) // tp)
-    k = m.moe_router_topk
-    f = k * m.moe_ffn_hidden_size + m.shared_expert_ffn_hidden_size
+    k, d = m.moe_router_topk, Dims.of(m)  # Dims: the expert widths as ints
+    f = k * d.moe_ffn + d.shared_ffn
     return itemsize * (k * h + (4 * h + 2 * q + 2 * kv + 3 * f) // tp)
 
 
-def microbatches(cfg: Any) -> int:
+def microbatches(cfg: RootConfig) -> int:
     """Micro-batches per step per DP rank: the larger of the warm-up and RL batches."""
     t = cfg.trainer
     rows = t.global_batch_size
@@ -146,7 +149,7 @@ def microbatches(cfg: Any) -> int:
     return max(1, rows // (t.micro_batch_size * t.dp))
 
 
-def trainer_gpu(cfg: Any, stage: int) -> TrainerGPU:
+def trainer_gpu(cfg: RootConfig, stage: int) -> TrainerGPU:
     m, t = cfg.model, cfg.trainer
     w = DTYPE_BYTES[t.params_dtype]
     p = stage_params(m, t.tp, t.pp, stage, t.ep)
@@ -182,14 +185,14 @@ def sglang_reserved(gpu_bytes: int, tp: int) -> int:
     return max(reserve, 10 * GIB) if gpu_bytes > 60 * GIB else reserve
 
 
-def kv_bytes_per_token(m: Any, tp: int, itemsize: int) -> int:
+def kv_bytes_per_token(m: ModelConfig, tp: int, itemsize: int) -> int:
     """K and V of every layer for one token on one TP rank (KV heads replicated when
     tp > num_query_groups, as SGLang does)."""
     heads = max(1, m.num_query_groups // tp)
     return 2 * m.num_layers * heads * kv_channels(m) * itemsize
 
 
-def generator_gpu(cfg: Any, weight_bytes: int, gpu_bytes: int | None) -> GeneratorGPU:
+def generator_gpu(cfg: RootConfig, weight_bytes: int, gpu_bytes: int | None) -> GeneratorGPU:
     """``weight_bytes``: one TP rank's weights (from the DDMA plan's destination shapes);
     ``gpu_bytes``: the GPU's memory (None on CPU, where nothing is sized from it)."""
     r = cfg.rollout

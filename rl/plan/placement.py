@@ -27,10 +27,13 @@ arithmetic is skipped. Pure logic: no torch.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 from rl.config.roles import RoleError, RoleMap
 from rl.config.validate import ConfigError, validate_cluster
+
+if TYPE_CHECKING:
+    from rl.config.schema import RootConfig
 
 
 class PlanRefused(ConfigError):
@@ -85,14 +88,14 @@ class Placement:
     def node_ranks(self) -> list[list[int]]:
         """The role-map ranks each node runs, in rank order: how many processes a launcher
         starts on each node (``python -m rl.plan --ranks-per-node``), and which role the
-        i-th of them plays (``--node-ranks``, read by rl/controller/job.py)."""
+        i-th of them plays (``--node-ranks``, read by rl/dist/job.py)."""
         out: list[list[int]] = [[] for _ in range(self.nodes)]
         for rank, node in sorted(self.node_of.items()):
             out[node].append(rank)
         return out
 
 
-def _check_devices(cfg: Any, gpus: int) -> None:
+def _check_devices(cfg: RootConfig, gpus: int) -> None:
     want = "cuda" if gpus else "cpu"
     checks = [("trainer.device", cfg.trainer.device)]
     if cfg.rl.steps > 0:
@@ -117,7 +120,7 @@ def _span(values: list[int]) -> tuple[int, int]:
     return (min(values), max(values))
 
 
-def place(cfg: Any) -> Placement:
+def place(cfg: RootConfig) -> Placement:
     """Place every rank of ``cfg``'s role map and every SGLang server on the cluster."""
     c, t, r = cfg.cluster, cfg.trainer, cfg.rollout
     validate_cluster(c)
@@ -226,7 +229,7 @@ def place(cfg: Any) -> Placement:
     )
 
 
-def check_cpus(cfg: Any, placement: Placement) -> dict[int, int]:
+def check_cpus(cfg: RootConfig, placement: Placement) -> dict[int, int]:
     """Busy CPU cores per node (trainer threads, one per SGLang TP worker and per rank,
     reward worker processes); refused past ``cluster.cpus_per_node`` when that is set."""
     busy: dict[int, int] = dict.fromkeys(range(placement.nodes), 0)

@@ -8,10 +8,13 @@ or a dashboard never re-derives the placement. Sizes: GB/TB here are GiB/TiB.
 from __future__ import annotations
 
 from dataclasses import asdict
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rl.plan.cluster import ClusterPlan
 from rl.plan.memory import GIB, microbatches, stage_expert_params
+
+if TYPE_CHECKING:
+    from rl.config.schema import RootConfig
 
 SHOW = 6  # longer lists print their first and last few lines
 
@@ -50,7 +53,7 @@ def _params(n: int) -> str:
     return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
 
 
-def render(plan: ClusterPlan, cfg: Any) -> str:
+def render(plan: ClusterPlan, cfg: RootConfig) -> str:
     p, t, r = plan.placement, cfg.trainer, cfg.rollout
     gpus = p.gpus_per_node
     hw = f"{gpus} GPUs ({cfg.cluster.gpu_memory_gb:g} GB)" if gpus else "CPU only"
@@ -78,18 +81,19 @@ def render(plan: ClusterPlan, cfg: Any) -> str:
     )
     if p.servers:
         gn = p.generation_nodes or (0, 0)
-        fp8 = r.weight_sync.fp8_block
-        weights = f"FP8 weights (block {fp8})" if fp8 else f"{r.dtype} weights"
+        block = r.weight_sync.fp8_block
+        weights = f"FP8 weights (block {block})" if block else f"{r.dtype} weights"
         out.append(
             f"  generator  {_nodes(*gn)}"
             + (f" ({len(p.servers) * r.tp} GPUs)" if gpus else "")
             + f": {len(p.servers)} SGLang server(s) x TP{r.tp} ({r.device}), {weights}"
         )
         lines = []
-        for g in p.ranks["generator"]:
-            mine = [s for s in p.servers if s.owner == g]
+        for owner in p.ranks["generator"]:
+            mine = [s for s in p.servers if s.owner == owner]
             text = (
-                f"    rank {g} on node {p.node_of[g]}: server(s) {_ranks([s.index for s in mine])}"
+                f"    rank {owner} on node {p.node_of[owner]}: server(s) "
+                f"{_ranks([s.index for s in mine])}"
             )
             if gpus:
                 first, last = mine[0].gpus or (0, 0), mine[-1].gpus or (0, 0)

@@ -16,11 +16,14 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 from rl.ddma.plan import SCALE_SUFFIX, Plan, PlanError, plan_for
 from rl.plan.memory import DTYPE_BYTES
 from rl.plan.placement import PlanRefused
+
+if TYPE_CHECKING:
+    from rl.config.schema import RootConfig
 
 ONE_BUCKET = 1 << 50  # bucket size that never splits a pair's pieces
 
@@ -51,7 +54,7 @@ class Transfer:
         return max(self.per_server_gpu.items(), key=lambda kv: (kv[1], -kv[0]))
 
 
-def ddma_plan(cfg: Any) -> Plan:
+def ddma_plan(cfg: RootConfig) -> Plan:
     try:
         return plan_for(
             cfg.model, cfg.trainer, cfg.rollout, dp=cfg.trainer.dp, bucket_bytes=ONE_BUCKET
@@ -76,7 +79,7 @@ def engine_weight_bytes(plan: Plan, dtype: str) -> int:
     return total
 
 
-def transfer(cfg: Any, plan: Plan, split: bool) -> Transfer:
+def transfer(cfg: RootConfig, plan: Plan, split: bool) -> Transfer:
     servers = cfg.rollout.servers
     sent: dict[int, int] = defaultdict(int)
     received: dict[int, int] = defaultdict(int)

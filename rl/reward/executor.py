@@ -22,7 +22,6 @@ import time
 from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any
 
 from rl.tasks.scoring import ScoreItem, ScoreResult, absolute, call, load, prepare
 
@@ -56,8 +55,8 @@ def _worker(spec: str, conn: multiprocessing.connection.Connection) -> None:
 
 @dataclass
 class _Slot:
-    proc: Any
-    conn: Any
+    proc: mp.process.BaseProcess
+    conn: multiprocessing.connection.Connection
     task: tuple[int, float] | None = None  # (task id, deadline)
     ready: bool = False  # loaded its function; takes items
     started: float = 0.0  # time.monotonic() at spawn

@@ -18,10 +18,16 @@ import threading
 import traceback
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, cast
 
 from rl.dist.channel import Failed
 from rl.tasks.scoring import ScoreItem, ScoreResult
+
+if TYPE_CHECKING:
+    from rl.config.schema import RootConfig
+    from rl.dist.channel import Channel
+    from rl.dist.job import Job
+    from rl.reward.executor import RewardExecutor
 
 
 @dataclass
@@ -43,7 +49,7 @@ class Stop:
     pass
 
 
-def serve(cfg: Any, job: Any) -> None:
+def serve(cfg: RootConfig, job: Job) -> None:
     from rl.reward.executor import RewardExecutor
 
     inbox = job.channel(f"reward/in/{job.role_rank}", Score, Stop)
@@ -60,7 +66,13 @@ def serve(cfg: Any, job: Any) -> None:
         raise
 
 
-def _answer_when_done(request: int, futures: list[Future], ex: Any, reply: Any, lock: Any):
+def _answer_when_done(
+    request: int,
+    futures: list[Future[ScoreResult]],
+    ex: RewardExecutor,
+    reply: Channel,
+    lock: threading.Lock,
+) -> None:
     left = [len(futures)]
     if not futures:  # no callback would ever answer an empty request
         with lock:
@@ -82,14 +94,15 @@ def _answer_when_done(request: int, futures: list[Future], ex: Any, reply: Any, 
 class RewardHandle:
     """``score(items)`` -> Future[list[ScoreResult]], answered by the reward ranks."""
 
-    def __init__(self, job: Any):
+    def __init__(self, job: Job):
         n = job.role_size("reward")
         self._to = [job.channel(f"reward/in/{r}", Score, Stop) for r in range(n)]
         self._from = job.channel("reward/out", Scored)  # read by the reply thread only
         self._wake = job.channel("reward/out", Scored)
         self._ids = itertools.count()
         self._next = itertools.cycle(range(n))
-        self._pending: dict[int, Future] = {}
+        # request -> (its future, the rank scoring it)
+        self._pending: dict[int, tuple[Future[list[ScoreResult]], int]] = {}
         self._lock = threading.Lock()
         self._per_rank: dict[int, tuple[int, int]] = {}
         self._thread = threading.Thread(target=self._receive, name="reward-replies", daemon=True)
@@ -99,26 +112,25 @@ class RewardHandle:
         fut: Future[list[ScoreResult]] = Future()
         with self._lock:
             request, rank = next(self._ids), next(self._next)
-            self._pending[request] = fut
+            self._pending[request] = (fut, rank)
             self._to[rank].put(Score(request, list(items)))
-        fut.rank = rank  # type: ignore[attr-defined]
         return fut
 
     def _receive(self) -> None:
         while True:
             try:
-                msg = self._from.get()
+                msg = cast(Scored, self._from.get())  # the one type the channel carries
             except BaseException as e:  # a reward rank failed: fail everything waiting
                 with self._lock:
                     waiting, self._pending = list(self._pending.values()), {}
-                for f in waiting:
+                for f, _ in waiting:
                     f.set_exception(e)
                 return
             if msg.request < 0:  # stop() woke us
                 return
             with self._lock:
-                fut = self._pending.pop(msg.request)
-            self._per_rank[fut.rank] = (msg.failures, msg.timeouts)  # type: ignore[attr-defined]
+                fut, rank = self._pending.pop(msg.request)
+            self._per_rank[rank] = (msg.failures, msg.timeouts)
             fut.set_result(msg.results)
 
     @property

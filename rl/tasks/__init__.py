@@ -6,9 +6,12 @@ and the generator see only the protocol.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from rl.tasks.common import Codec, Example, Task, TaskError, sft_batch
+
+if TYPE_CHECKING:
+    from rl.config.schema import RootConfig
 
 TASKS = ("arithmetic", "dataset")
 
@@ -24,7 +27,7 @@ __all__ = [
 ]
 
 
-def check_config(cfg: Any) -> None:
+def check_config(cfg: RootConfig) -> None:
     """The task's fields alone, reading no data (cheap: run with every validation; the
     files are checked when the task is built, still before launch)."""
     t = cfg.task
@@ -40,7 +43,7 @@ def check_config(cfg: Any) -> None:
         raise TaskError(f"task.prompt_key={t.prompt_key!r} and task.label_key must be named")
 
 
-def build_task(cfg: Any) -> Task:
+def build_task(cfg: RootConfig) -> Task:
     """The task ``cfg.task`` names (``cfg``: the root config, for the model's tokenizer).
 
     Raises :class:`TaskError` with one line naming the bad field, file or row."""

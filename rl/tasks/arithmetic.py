@@ -12,11 +12,14 @@ from __future__ import annotations
 import random
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from rl.tasks.common import Example, TaskError
+
+if TYPE_CHECKING:
+    from rl.config.schema import RootConfig
 
 PAD, BOS, EOS = 0, 1, 2
 _CHARS = "0123456789+="
@@ -115,7 +118,8 @@ class AdditionTask:
         self._rng = random.Random(f"{self.seed}/{stream}")
 
     def _draw(self, rng: random.Random, count: int) -> list[Problem]:
-        n, out = 10**self.digits, []
+        n = 10**self.digits
+        out: list[Problem] = []
         while len(out) < count:
             p = Problem(rng.randrange(n), rng.randrange(n))
             if p not in self._held:
@@ -140,7 +144,7 @@ class AdditionTask:
         return {"tokens": tokens, "loss_mask": mask}
 
 
-def check_config(cfg: Any) -> None:
+def check_config(cfg: RootConfig) -> None:
     """The arithmetic task's fields against the model and the rollouts."""
     t = cfg.task
     if not (isinstance(t.digits, int) and t.digits >= 1):

@@ -39,10 +39,16 @@ class Example:
 
 
 class Codec(Protocol):
-    """The tokenizer as the loop sees it: responses are token ids until the reward."""
+    """The tokenizer as the loop sees it: responses are token ids until the reward.
+    Read-only members, so a class attribute or a property satisfies them as well."""
 
-    eos_ids: tuple[int, ...]  # every id that ends a response
-    pad_id: int
+    @property
+    def eos_ids(self) -> tuple[int, ...]:
+        """Every id that ends a response."""
+        ...
+
+    @property
+    def pad_id(self) -> int: ...
 
     def response_text(self, ids: Sequence[int]) -> str:
         """The text the reward function scores: ``ids`` up to the first EOS."""
@@ -50,14 +56,35 @@ class Codec(Protocol):
 
 
 class Task(Protocol):
-    name: str
-    codec: Codec
-    eval_sets: dict[str, list[Example]]  # name -> examples; the first is the main one
-    validation_set: list[Example]  # drawn from training data, never from an eval set
-    # The most tokens a right answer takes (the warm-up's greedy decoding budget); None:
-    # as many as rollouts get (rollout.sampling.max_new_tokens).
-    answer_tokens: int | None
-    max_prompt_len: int  # the longest prompt of any split, in tokens
+    """What the loop reads of a task. The members are read-only (the loop never sets
+    them), so a task may hold them as attributes or compute them as properties."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def codec(self) -> Codec: ...
+
+    @property
+    def eval_sets(self) -> dict[str, list[Example]]:
+        """Name -> examples; the first is the main one."""
+        ...
+
+    @property
+    def validation_set(self) -> list[Example]:
+        """Drawn from training data, never from an eval set."""
+        ...
+
+    @property
+    def answer_tokens(self) -> int | None:
+        """The most tokens a right answer takes (the warm-up's greedy decoding budget);
+        None: as many as rollouts get (rollout.sampling.max_new_tokens)."""
+        ...
+
+    @property
+    def max_prompt_len(self) -> int:
+        """The longest prompt of any split, in tokens."""
+        ...
 
     def train_stream(self, stream: int = 0) -> Iterator[Example]:
         """Training prompts in order. ``stream`` > 0 is a different, reproducible order

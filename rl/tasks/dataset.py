@@ -19,10 +19,13 @@ import os
 import random
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rl.tasks.common import Example, TaskError
 from rl.tasks.tokenizer import HFCodec
+
+if TYPE_CHECKING:
+    from rl.config.schema import TaskConfig
 
 SUFFIXES = (".jsonl", ".json", ".parquet")
 VALIDATION_MAX = 64  # rows for warm-up decisions: enough to see a trend, cheap to decode
@@ -75,13 +78,13 @@ def read_rows(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
         yield f"{path} row {n}", row
 
 
-def _object(row: Any, where: str) -> dict[str, Any]:
+def _object(row: object, where: str) -> dict[str, Any]:
     if not isinstance(row, dict):
         raise TaskError(f"{where}: a row must be a JSON object, not {type(row).__name__}")
     return row
 
 
-def _messages(value: Any, where: str, key: str) -> list[dict[str, str]]:
+def _messages(value: Any, where: str, key: str) -> list[dict[str, str]]:  # a JSON value
     if isinstance(value, str):
         return [{"role": "user", "content": value}]
     ok = (
@@ -106,7 +109,7 @@ class DatasetTask:
     name = "dataset"
     answer_tokens = None
 
-    def __init__(self, cfg: Any, codec: HFCodec):
+    def __init__(self, cfg: TaskConfig, codec: HFCodec):
         self.cfg, self.codec = cfg, codec
         if cfg.apply_chat_template and not codec.has_chat_template:
             raise TaskError(

@@ -31,6 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from decimal import Decimal, InvalidOperation
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 RewardFn = Callable[[str, str, Any, dict], float | dict]
@@ -109,12 +110,12 @@ def _decimal(text: str | None) -> Decimal | None:
 
 
 # ---------------------------------------------------------------------- built-ins
-def exact(prompt: str, response: str, label: Any, metadata: dict) -> float:
+def exact(prompt: str, response: str, label: object, metadata: dict) -> float:
     """1.0 when the response, stripped, is exactly the label, stripped."""
     return float(response.strip() == str(label).strip())
 
 
-def math_verify(prompt: str, response: str, label: Any, metadata: dict) -> float:
+def math_verify(prompt: str, response: str, label: object, metadata: dict) -> float:
     """1.0 when the response's answer (its last ``\\boxed{}``, else its last number) is
     mathematically equal to the label as ``math-verify`` judges it (``42.0`` = ``42``,
     ``\\frac{1}{2}`` = ``0.5``, ``1,234`` = ``1234``)."""
@@ -139,7 +140,7 @@ def math_verify(prompt: str, response: str, label: Any, metadata: dict) -> float
     return float(verify(gold, target, timeout_seconds=None))
 
 
-def gsm8k(prompt: str, response: str, label: Any, metadata: dict) -> float:
+def gsm8k(prompt: str, response: str, label: object, metadata: dict) -> float:
     """1.0 when the response's final number equals the gold one. The gold answer is the
     text after ``####`` in the label if present (a raw GSM8K solution), else the label;
     the response's is the first number after its last ``####`` if present, else its last
@@ -194,7 +195,7 @@ def absolute(spec: str) -> str:
     return f"{Path(where).expanduser().absolute()}:{attr}" if is_file else spec
 
 
-def _import_file(spec: str, where: str) -> Any:
+def _import_file(spec: str, where: str) -> ModuleType:
     path = Path(where).expanduser().absolute()
     if not path.is_file():
         raise RewardFnError(f"fn {spec!r}: no such file {str(path)!r}")

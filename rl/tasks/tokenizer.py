@@ -11,16 +11,16 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from rl.tasks.common import TaskError
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 
 
-def _ids(value: Any) -> list[int]:
+def _ids(value: Any) -> list[int]:  # a JSON value: an id, a list of ids or null
     if value is None:
         return []
     return [value] if isinstance(value, int) else [int(v) for v in value]
@@ -70,9 +70,10 @@ class HFCodec:
         """Prompt ids and text: the chat template with the assistant turn opened, or the
         contents joined by blank lines and tokenized plainly."""
         if chat:
-            ids = self.tok.apply_chat_template(messages, add_generation_prompt=True)
-            if not isinstance(ids, list):  # a BatchEncoding when the tokenizer returns dicts
-                ids = ids["input_ids"]
+            out = self.tok.apply_chat_template(messages, add_generation_prompt=True)
+            # A BatchEncoding when the tokenizer returns dicts. One conversation, tokenized,
+            # is a list of ids (transformers' return type also covers text and batches).
+            ids = cast("list[int]", out["input_ids"] if isinstance(out, Mapping) else out)
             text = self.tok.apply_chat_template(
                 messages, add_generation_prompt=True, tokenize=False
             )
@@ -89,4 +90,5 @@ class HFCodec:
             if t in self.eos_ids:
                 ids = ids[:i]
                 break
-        return self.tok.decode(ids, skip_special_tokens=True)
+        # One sequence of ids decodes to one string (the return type also covers batches).
+        return cast(str, self.tok.decode(ids, skip_special_tokens=True))

@@ -26,7 +26,12 @@ import torch
 from rl.dist.channel import Failed
 
 if TYPE_CHECKING:
+    from rl.config.schema import RootConfig
     from rl.ddma.sender import TargetFactory
+    from rl.dist.channel import Channel
+    from rl.dist.job import Job
+    from rl.metrics import MetricsLogger
+    from rl.trainer.trainer import MegatronTrainer
 
 
 @dataclass
@@ -96,15 +101,17 @@ REPLIES = (Log, Ready, Done)
 class _ChannelLog:
     """A MetricsLogger look-alike that forwards to the controller."""
 
-    def __init__(self, reply: Any):
+    def __init__(self, reply: Channel):
         self.reply = reply
 
-    def log(self, step: int, metrics: dict, phase: str, echo: bool = True) -> None:
+    def log(self, step: int, metrics: dict[str, float], phase: str, echo: bool = True) -> None:
         self.reply.put(Log(step, {k: float(v) for k, v in metrics.items()}, phase, echo))
 
 
 # ---------------------------------------------------------------------- trainer ranks
-def _prepare(cfg: Any, log: Any) -> tuple[Any, Any, Ready]:
+def _prepare(
+    cfg: RootConfig, log: _ChannelLog | MetricsLogger
+) -> tuple[MegatronTrainer, MegatronTrainer | None, Ready]:
     """Build the trainer; run the warm-up first if ``sft.steps`` > 0. The RL stage gets a
     fresh trainer (optimizer state and LR schedule of its own) loaded from the warm-up,
     and, with a KL penalty, a frozen copy of that starting policy as the reference. A
@@ -160,16 +167,16 @@ def _prepare(cfg: Any, log: Any) -> tuple[Any, Any, Ready]:
     return tr, ref, Ready(acc, ckpt)
 
 
-def _from_hf(cfg: Any, out: Path) -> str:
+def _from_hf(cfg: RootConfig, out: Path) -> str:
     """``model.hf_checkpoint`` as a Megatron checkpoint at this trainer's TP/PP/EP (cached)."""
     from rl.weights.convert import cached_hf_to_mcore
 
-    t = cfg.trainer
-    return cached_hf_to_mcore(cfg.model.hf_checkpoint, out / "hf_cache", cfg.model, t.tp, t.pp,
-                              t.params_dtype, t.ep)  # fmt: skip
+    t, hf = cfg.trainer, cfg.model.hf_checkpoint
+    assert hf, "only called with model.hf_checkpoint set"
+    return cached_hf_to_mcore(hf, out / "hf_cache", cfg.model, t.tp, t.pp, t.params_dtype, t.ep)
 
 
-def _export_hf(cfg: Any, path: str, step: int) -> str:
+def _export_hf(cfg: RootConfig, path: str, step: int) -> str:
     """An HF directory of the checkpoint at ``path`` (tokenizer files copied), for
     transformers and SGLang; written by trainer rank 0, atomically."""
     from rl.weights.convert import mcore_to_hf
@@ -180,7 +187,7 @@ def _export_hf(cfg: Any, path: str, step: int) -> str:
     return str(dst)
 
 
-def serve(cfg: Any, job: Any, make_target: TargetFactory) -> None:
+def serve(cfg: RootConfig, job: Job, make_target: TargetFactory) -> None:
     """The trainer ranks' main loop (each rank of the trainer's process group);
     ``make_target`` builds what each generator server is to the DDMA sender."""
     import torch.distributed as dist
@@ -261,17 +268,17 @@ class TrainerHandle:
     """The controller's view of the trainer: each call sends a command to every trainer
     rank and returns trainer rank 0's answer."""
 
-    def __init__(self, job: Any):
+    def __init__(self, job: Job):
         n = job.role_size("trainer")
         self._to = [job.channel(f"trainer/in/{r}", *COMMANDS) for r in range(n)]
         self._from = job.channel("trainer/out", *REPLIES)
 
-    def _call(self, msg: Any) -> dict[str, Any]:
+    def _call(self, msg: Train | Connect | Join | Push | Save) -> dict[str, Any]:
         for ch in self._to:
             ch.put(msg)
         return self._from.expect(Done).result
 
-    def wait_ready(self, log: Any) -> Ready:
+    def wait_ready(self, log: MetricsLogger) -> Ready:
         """Wait for the trainer to be built (and warmed up), logging the warm-up's lines."""
         while isinstance(msg := self._from.get(), Log):
             log.log(msg.step, msg.metrics, phase=msg.phase, echo=msg.echo)

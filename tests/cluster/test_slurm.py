@@ -28,6 +28,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers.sbatch import BAD_JOB_IDS, BAD_JOBS
+
 ROOT = Path(__file__).resolve().parents[2]
 CLUSTER = ROOT / "tools/slurm/local_cluster.sh"
 SBATCH = ROOT / "launch/slurm/train.sbatch"
@@ -132,22 +134,7 @@ def test_sbatch_job_is_requeued_resumes_from_its_checkpoint_and_completes(
     assert (out / "curves.png").stat().st_size > 0
 
 
-@pytest.mark.parametrize(
-    ("overrides", "message"),
-    [
-        (["trainer.tp=4"], "config error: trainer.tp=4 does not divide"),
-        (
-            [
-                "cluster.nodes=3",
-                "cluster.generation_nodes=2",
-                "cluster.roles.generator=2",
-                "rollout.servers=2",
-            ],
-            "the plan places ranks on 3 nodes (cluster.nodes) but the job has 2",
-        ),
-    ],
-    ids=["bad-config", "node-count"],
-)
+@pytest.mark.parametrize(("overrides", "message"), BAD_JOBS, ids=BAD_JOB_IDS)
 def test_sbatch_refuses_a_bad_job_before_any_rank_starts(
     slurm: None, tmp_path: Path, overrides: list[str], message: str
 ) -> None:

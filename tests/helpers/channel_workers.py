@@ -25,7 +25,7 @@ def role_rank(cfg, fail_rank: int | None = None) -> dict:
     """Controller (rank 0) sends a >8 MB tensor to each trainer rank; trainer ranks
     all-reduce within their own role group and answer. ``fail_rank`` raises instead."""
     from rl.dist.channel import ChannelError, Failed, RemoteError
-    from rl.controller.job import join
+    from rl.dist.job import join
 
     job = join(cfg)
     try:

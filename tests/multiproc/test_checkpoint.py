@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tests.helpers.workers import random_batches, run_layout
 
 from rl.dist.launch import spawn
+from tests.helpers.workers import random_batches, run_layout
 
 BASE = ["trainer.micro_batch_size=2", "trainer.global_batch_size=8", "trainer.optim.lr=1e-3"]
 BASE += ["trainer.optim.warmup_steps=0", "trainer.optim.decay_style=constant"]

@@ -12,12 +12,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from tests.helpers.workers import convert_then_logits, random_batches, run_layout
-from tests.helpers.hf_models import SHAPES, hf_logits, make_model, make_tokenizer
 from safetensors.torch import load_file
 
 from rl.dist.launch import spawn
 from rl.weights.convert import hf_to_mcore, mcore_to_hf, prepare_hf_to_mcore
+from tests.helpers.hf_models import SHAPES, hf_logits, make_model, make_tokenizer
+from tests.helpers.workers import convert_then_logits, random_batches, run_layout
 
 TOKENS = torch.randint(0, SHAPES["vocab_size"], (2, 24), generator=torch.Generator().manual_seed(7))
 

@@ -10,10 +10,10 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from tests.helpers.workers import budget_parity
 
 from rl.dist.launch import spawn
 from rl.trainer.trainer import MegatronTrainer, pack_by_tokens, row_extents
+from tests.helpers.workers import budget_parity
 
 SEQ = 24
 # Rows 0-3 (DP rank 0) are long, rows 4-7 (DP rank 1) short: under a budget of 24 tokens

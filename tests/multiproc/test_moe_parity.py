@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tests.helpers.workers import random_batches, run_layout
-from tests.multiproc.test_parallel_parity import BASE, LOGPROB_RTOL, STEPS, TOL
 
 from rl.dist.launch import spawn
+from tests.helpers.workers import random_batches, run_layout
+from tests.multiproc.test_parallel_parity import BASE, LOGPROB_RTOL, STEPS, TOL
 
 
 def _layout(tp: int, dp: int, ep: int) -> list[str]:

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tests.helpers.workers import random_batches, run_layout
 
 from rl.dist.launch import spawn
+from tests.helpers.workers import random_batches, run_layout
 
 STEPS = 5
 BASE = ["trainer.micro_batch_size=2", "trainer.global_batch_size=8", "trainer.optim.lr=1e-3"]

@@ -19,7 +19,8 @@ import pytest
 
 from rl.config import compose
 from rl.config.roles import NODE_RANKS_ENV, RoleMap
-from rl.controller.job import placed_rank
+from rl.dist.job import placed_rank
+from tests.helpers.sbatch import BAD_JOB_IDS, BAD_JOBS
 
 ROOT = Path(__file__).resolve().parents[2]
 SBATCH = ROOT / "launch/slurm/train.sbatch"
@@ -111,22 +112,7 @@ def test_each_node_starts_the_planned_ranks_and_each_rank_finds_its_role(
     }
 
 
-@pytest.mark.parametrize(
-    ("overrides", "message"),
-    [
-        (["trainer.tp=4"], "config error: trainer.tp=4 does not divide"),
-        (
-            [
-                "cluster.nodes=3",
-                "cluster.generation_nodes=2",
-                "cluster.roles.generator=2",
-                "rollout.servers=2",
-            ],
-            "the plan places ranks on 3 nodes (cluster.nodes) but the job has 2",
-        ),
-    ],
-    ids=["bad-config", "node-count"],
-)
+@pytest.mark.parametrize(("overrides", "message"), BAD_JOBS, ids=BAD_JOB_IDS)
 def test_a_bad_job_is_refused_before_srun(
     tmp_path: Path, overrides: list[str], message: str
 ) -> None:

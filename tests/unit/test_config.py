@@ -2,106 +2,17 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Any
-
 import pytest
 import yaml
 from hydra.errors import ConfigCompositionException
-from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf import OmegaConf
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
 from rl.config import CONF_DIR, ConfigError, compose, validate
 from rl.config.schema import ModelConfig, RootConfig
 from rl.config.validate import validate_model
 from rl.models.shapes import padded_vocab_size, param_count
-
-CONF_FILES = sorted(CONF_DIR.rglob("*.yaml"))
-
-# Overrides that make a preset fit a real layout (the default trainer is the 2-rank CPU one).
-FITTING_OVERRIDES: dict[str, list[str]] = {
-    "model/llama3_8b": ["trainer.tp=8"],
-    "model/llama3_70b": ["trainer.tp=8"],
-    "model/llama3_405b": ["trainer.tp=8"],
-    "model/qwen2_5_7b": ["trainer.tp=4"],  # 28 heads and 4 KV heads: TP8 does not divide them
-    # GPU presets are sized for their model (TP8 does not divide the tiny model's 6 heads).
-    "trainer/gpu_8b": ["model=llama3_8b"],
-    "trainer/gpu_70b": ["model=llama3_70b"],
-    "trainer/gpu_405b": ["model=llama3_405b"],
-    "rollout/gpu_fp8": ["model=llama3_8b", "trainer.tp=8"],
-}
-
-
-def _conf_id(path: Path) -> str:
-    return path.relative_to(CONF_DIR).with_suffix("").as_posix()
-
-
-def _compose_file(path: Path) -> tuple[DictConfig, list[str]]:
-    """Compose ``path`` the way the CLI selects it; return the config and the overrides."""
-    rel = path.relative_to(CONF_DIR).with_suffix("")
-    if rel.parent == Path("."):
-        return compose([], config_name=rel.name), []
-    overrides = [f"{rel.parent.as_posix()}={rel.name}", *FITTING_OVERRIDES.get(_conf_id(path), [])]
-    if rel.parent.as_posix() != "experiment":  # the group file alone, not what an experiment
-        overrides.insert(1, "~experiment")  # on top of it changes
-    return compose(overrides), overrides
-
-
-def _assert_contains(expected: Any, actual: Any, where: str) -> None:
-    """Every value the YAML file sets appears, unchanged, in the composed config."""
-    if isinstance(expected, dict):
-        for key, value in expected.items():
-            assert key in actual, f"{where}.{key} missing from the composed config"
-            _assert_contains(value, actual[key], f"{where}.{key}")
-    else:
-        assert actual == expected, f"{where}: composed {actual!r}, file says {expected!r}"
-
-
-def test_conf_discovery_finds_known_presets() -> None:
-    """Guards the glob below: an empty or misplaced conf/ would make the sweep vacuous."""
-    ids = {_conf_id(p) for p in CONF_FILES}
-    expected = {
-        "config",
-        "model/tiny",
-        "model/llama3_8b",
-        "model/llama3_70b",
-        "model/llama3_405b",
-        "trainer/cpu_tp1",
-        "trainer/cpu_tp2",
-        "rollout/cpu",
-        "algorithm/aipo",
-        "algorithm/grpo",
-        "cluster/local",
-        "experiment/tiny_sft",
-        "experiment/tiny_arithmetic",
-    }
-    assert expected <= ids
-
-
-@pytest.mark.parametrize("path", CONF_FILES, ids=_conf_id)
-def test_every_conf_file_composes_and_validates(path: Path) -> None:
-    """Each YAML under conf/ (new ones included) type-checks, composes and validates."""
-    cfg, overrides = _compose_file(path)
-    validate(cfg)
-
-    for override in overrides[1:]:
-        if override.startswith("~") or "." not in override.split("=", 1)[0]:
-            continue  # a deletion or a group choice (model=...), not a value
-        key, value = override.split("=", 1)
-        got = OmegaConf.select(cfg, key)
-        got = OmegaConf.to_container(got) if isinstance(got, ListConfig) else got
-        assert got == yaml.safe_load(value) or str(got) == value
-
-    text = path.read_text()
-    data = yaml.safe_load(text) or {}
-    body = {k: v for k, v in data.items() if k not in ("defaults", "hydra")}
-    container = OmegaConf.to_container(cfg, resolve=False)
-    rel = path.relative_to(CONF_DIR)
-    if rel.parent == Path(".") or "@package _global_" in text:
-        _assert_contains(body, container, "<root>")
-    else:
-        group = rel.parent.as_posix().replace("/", ".")
-        _assert_contains(body, OmegaConf.select(cfg, group), group)
+from tests.helpers.configs import composed
 
 
 @pytest.mark.parametrize(
@@ -267,7 +178,7 @@ def test_llama_param_counts_match_published(preset: str, published: float) -> No
 )
 def test_validation_error_names_field_and_value(overrides: list[str], fragments: list[str]) -> None:
     """A bad launch must fail in the launcher with a message that says what to change."""
-    cfg = compose(overrides)
+    cfg = composed(overrides)
     with pytest.raises(ConfigError) as info:
         validate(cfg)
     msg = str(info.value)
@@ -282,7 +193,7 @@ def test_config_error_is_value_error() -> None:
 
 def test_vocab_padding_fixes_indivisible_vocab() -> None:
     """make_vocab_size_divisible_by is the advertised fix for a vocab TP does not divide."""
-    cfg = compose(["model.vocab_size=33", "model.make_vocab_size_divisible_by=8"])
+    cfg = composed(["model.vocab_size=33", "model.make_vocab_size_divisible_by=8"])
     validate(cfg)
     assert padded_vocab_size(cfg.model) == 40
     # The padding rows are counted in both the embedding and the untied output layer.
@@ -292,7 +203,7 @@ def test_vocab_padding_fixes_indivisible_vocab() -> None:
 def test_world_size_mismatch() -> None:
     """The launched world must be exactly the role map, or ranks would be left without a
     role (or roles without ranks)."""
-    cfg = compose([])
+    cfg = composed([])
     validate(cfg, world_size=5)
     with pytest.raises(ConfigError) as info:
         validate(cfg, world_size=3)
@@ -349,3 +260,18 @@ def test_root_config_does_not_chdir() -> None:
     """Relative paths (checkpoints, conf/) must resolve from the launch directory."""
     data = yaml.safe_load((CONF_DIR / "config.yaml").read_text())
     assert data["hydra"]["job"]["chdir"] is False
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["experiment=llama3_405b_1024gpu", "trainer.tp=4", "rollout.context_length=null"],
+        ["algorithm=grpo", "algorithm.rho=1.5"],
+        ["task=dataset", "task.train_files=[a.jsonl]", "cluster.roles.generator=0"],
+        ["trainer.optim.lr=1e-3", "~experiment", "model.hidden_size=???"],
+    ],
+)
+def test_the_tests_fast_compose_gives_hydras_config(overrides: list[str]) -> None:
+    """tests/helpers/configs.py applies value overrides itself: it must agree with Hydra."""
+    want = OmegaConf.to_container(compose(overrides))
+    assert OmegaConf.to_container(composed(overrides)) == want

@@ -7,10 +7,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from rl.config import compose
 from rl.config.roles import RoleError, RoleMap
 from rl.controller.batch import build_batch
 from rl.controller.staleness import StalenessGate
+from tests.helpers.configs import composed
 
 
 def _r(prompt, out, logprobs=None, versions=None, finish="stop"):
@@ -155,13 +155,13 @@ def test_bad_settings(kw, match):
 
 
 def _cfg(**roles):
-    cfg = compose(["rl.steps=5", *[f"cluster.roles.{k}={v}" for k, v in roles.items()]])
+    cfg = composed(["rl.steps=5", *[f"cluster.roles.{k}={v}" for k, v in roles.items()]])
     return cfg
 
 
 def test_role_map_order_and_lookup():
     roles = RoleMap.from_config(
-        compose(["rl.steps=5", "rollout.servers=2", "cluster.roles.generator=2"])
+        composed(["rl.steps=5", "rollout.servers=2", "cluster.roles.generator=2"])
     )
     assert roles.ranks("controller") == [0]
     assert roles.ranks("trainer") == [1, 2]
@@ -189,7 +189,7 @@ def test_role_map_rejects_missing_executors():
     with pytest.raises(RoleError, match=r"rollout.servers=1 is not a multiple"):
         RoleMap.from_config(_cfg(generator=2))
     # Warm-up only: no generator, no reward.
-    cfg = compose(["rl.steps=0", "cluster.roles.generator=0", "cluster.roles.reward=0"])
+    cfg = composed(["rl.steps=0", "cluster.roles.generator=0", "cluster.roles.reward=0"])
     assert RoleMap.from_config(cfg).world_size == 3
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import dataclasses
 import json
 import pickle
 import threading
@@ -15,8 +16,10 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import aiohttp
 import pytest
 import torch
+from omegaconf import OmegaConf
 
 from rl.config.sampling import RequestError, SamplingParams
+from rl.config.schema import SamplingConfig
 from rl.dist.net import free_port
 from rl.generator import server_api as api
 from rl.generator.launcher import ServerConfig, ServerError
@@ -59,6 +62,25 @@ def test_unknown_sampling_field_is_rejected_with_the_known_ones():
     with pytest.raises(RequestError, match=r"unknown sampling field 'temprature' \(known: "):
         SamplingParams.from_dict({"temprature": 0.5, "max_new_tokens": 4})
     assert SamplingParams.from_dict({"temperature": 0.5}).temperature == 0.5
+
+
+def test_sampling_from_config_reads_every_schema_field():
+    """``rollout.sampling`` as composed (a DictConfig of SamplingConfig) becomes the same
+    params as its items would: no schema field is left behind."""
+    section = OmegaConf.structured(
+        SamplingConfig(temperature=0.5, top_p=0.9, top_k=7, max_new_tokens=9, n=3, seed=11)
+    )
+    assert SamplingParams.from_config(section) == SamplingParams.from_dict(dict(section))
+    assert SamplingParams.from_config(section, n=8).n == 8
+    read: set[str] = set()
+
+    class Spy:
+        def __getattr__(self, name: str) -> object:
+            read.add(name)
+            return getattr(section, name)
+
+    SamplingParams.from_config(Spy())
+    assert read == {f.name for f in dataclasses.fields(SamplingConfig)}
 
 
 def test_ignore_eos_with_stop_tokens_is_contradictory():

@@ -3,22 +3,16 @@
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from tests.helpers.hf_models import make_model
 
 from rl.config.validate import ConfigError
 from rl.weights.convert import prepare_hf_to_mcore
 from rl.weights.hf_config import HFConfigError
 from rl.weights.hf_io import HFCheckpoint, HFCheckpointError, plan_shards, write_safetensors
-
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "tools"))
-import convert_hf_to_mcore  # noqa: E402
-import convert_mcore_to_hf  # noqa: E402
+from tests.helpers.hf_models import make_model
 
 
 @pytest.fixture(scope="module")
@@ -87,32 +81,6 @@ def test_tp_that_does_not_divide_heads(llama):
         ConfigError, match=r"trainer\.tp=3 does not divide model\.num_attention_heads"
     ):
         prepare_hf_to_mcore(str(llama), 3, 1, 128, None)
-
-
-def test_cli_errors_are_one_line_and_leave_no_output(tmp_path, llama, capsys):
-    out = tmp_path / "out"
-    assert convert_hf_to_mcore.main(["--hf-dir", str(llama), "--out", str(out), "--tp", "3"]) == 2
-    err = capsys.readouterr().err.strip()
-    assert err.startswith("error: trainer.tp=3 does not divide") and "\n" not in err
-    assert not out.exists() and not (tmp_path / "out.tmp").exists()
-    missing = tmp_path / "nothing"
-    assert convert_mcore_to_hf.main(["--ckpt", str(missing), "--out", str(out)]) == 2
-    assert "does not exist" in capsys.readouterr().err
-    assert not out.exists()
-    out.mkdir()
-    assert convert_hf_to_mcore.main(["--hf-dir", str(llama), "--out", str(out)]) == 2
-    assert "exists (pass --force" in capsys.readouterr().err
-
-
-@pytest.mark.parametrize("tool", [convert_hf_to_mcore, convert_mcore_to_hf])
-def test_every_flag_is_documented(tool):
-    actions = [a for a in tool.parser()._actions if a.dest != "help"]
-    assert actions
-    for a in actions:
-        assert a.help and len(a.help) > 10, a.dest
-    text = tool.parser().format_help()
-    for a in actions:
-        assert a.option_strings[0] in text
 
 
 def test_shard_plan_and_index(tmp_path):

@@ -16,7 +16,6 @@ import pytest
 import transformers
 from safetensors import safe_open
 
-from rl.config import compose
 from rl.config.validate import ConfigError, validate
 from rl.models import registry
 from rl.models.arch import Dims
@@ -24,6 +23,7 @@ from rl.models.registry import active_count
 from rl.models.shapes import param_count
 from rl.weights import keymap as km
 from rl.weights.hf_config import HFConfigError, hf_config_from_model, model_config_from_hf
+from tests.helpers.configs import composed
 from tests.helpers.hf_models import make_model
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -90,7 +90,7 @@ def test_moe_active_parameters_count_top_k_experts(models) -> None:
 # ------------------------------------------------------------------ refusals, one line
 def _refused(overrides: list[str]) -> str:
     with pytest.raises(ConfigError) as e:
-        validate(compose(overrides))
+        validate(composed(overrides))
     msg = str(e.value)
     assert "\n" not in msg
     return msg

@@ -133,12 +133,12 @@ def test_token_advantages_follow_the_mask():
 
 
 def test_loss_from_composed_config():
-    from rl.config import compose
+    from tests.helpers.configs import composed
 
     lp, mb = _batch()
-    aipo = loss_from_config(compose(["algorithm.rho=1.5"]).algorithm)(lp, mb)
+    aipo = loss_from_config(composed(["algorithm.rho=1.5"]).algorithm)(lp, mb)
     assert aipo.loss_sum.item() == pytest.approx(aipo_loss(1.5)(lp, mb).loss_sum.item())
-    grpo_cfg = compose(["algorithm=grpo"]).algorithm
+    grpo_cfg = composed(["algorithm=grpo"]).algorithm
     grpo = loss_from_config(grpo_cfg)(lp, mb)
     assert grpo.loss_sum.item() == pytest.approx(ppo_clip_loss(0.2)(lp, mb).loss_sum.item())
 

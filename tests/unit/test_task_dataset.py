@@ -10,10 +10,11 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from rl.config import ConfigError, check_task, compose
+from rl.config import ConfigError, check_task
 from rl.config.schema import TaskConfig
 from rl.tasks import TaskError, build_task, sft_batch
 from rl.tasks.common import take
+from tests.helpers.configs import composed
 
 WORDS = ["<pad>", "<eos>", "<|user|>", "<|system|>", "<|assistant|>"]
 WORDS += [f"w{i}" for i in range(40)] + [str(i) for i in range(20)]
@@ -170,7 +171,7 @@ def test_tokenizer_and_checkpoint_problems_are_named(tok_dir, tmp_path):
     # model.hf_checkpoint without config.json: refused when the config is resolved
     from rl.config import resolve_model
 
-    cfg = compose(["task=dataset", f"task.train_files=[{f}]", f"model.hf_checkpoint={tok_dir}"])
+    cfg = composed(["task=dataset", f"task.train_files=[{f}]", f"model.hf_checkpoint={tok_dir}"])
     with pytest.raises(ConfigError, match=r"has no config\.json"):
         resolve_model(cfg)
 
@@ -178,10 +179,10 @@ def test_tokenizer_and_checkpoint_problems_are_named(tok_dir, tmp_path):
 def test_prompt_plus_response_must_fit_the_context(tok_dir, tmp_path):
     f = _write(tmp_path / "d.jsonl", [{"prompt": "w1 " * 50, "label": "1"}] * 4)
     over = [f"task.train_files=[{f}]", f"task.tokenizer={tok_dir}", "task.eval_size=1"]
-    cfg = compose(["task=dataset", *over, "rollout.sampling.max_new_tokens=16"])
+    cfg = composed(["task=dataset", *over, "rollout.sampling.max_new_tokens=16"])
     with pytest.raises(ConfigError, match="exceeds the context of 64 tokens"):
         check_task(cfg)
-    cfg = compose(["task=dataset", *over, "sft.steps=5", "rl.steps=0",
+    cfg = composed(["task=dataset", *over, "sft.steps=5", "rl.steps=0",
                    "task.label_key=missing", "rollout.sampling.max_new_tokens=4"])  # fmt: skip
     with pytest.raises(ConfigError, match="needs a label on every prompt"):
         check_task(cfg)

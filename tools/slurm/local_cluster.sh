@@ -24,7 +24,7 @@
 #      LOCAL_SLURM_MEM_MB (host RAM / nodes, per node), LOCAL_SLURM_TIMEOUT (60 s to come up),
 #      LOCAL_SLURM_CRED_EXPIRE (20 s; also the delay before a requeued job may start again),
 #      LOCAL_SLURM_FORCE=1 to overwrite a slurm.conf this script did not write.
-# The project's multi-node job on it: launch/slurm/train.sbatch (tests/test_slurm.py).
+# The project's multi-node job on it: launch/slurm/train.sbatch (tests/cluster/test_slurm.py).
 set -euo pipefail
 
 NODES="${LOCAL_SLURM_NODES:-2}"

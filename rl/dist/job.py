@@ -16,10 +16,15 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING
 
 from rl.config.roles import NODE_RANKS_ENV, RoleError, RoleMap, parse_node_ranks
 from rl.dist.channel import Channel
+
+if TYPE_CHECKING:
+    from torch.distributed import Store
+
+    from rl.config.schema import RootConfig
 
 EXIT_KEY = "job/exited"
 
@@ -31,7 +36,7 @@ class Job:
     role: str
     role_rank: int
     roles: RoleMap
-    store: Any
+    store: Store  # the job's store, shared by every rank (the channels' queues)
     timeout: float
 
     def channel(self, name: str, *types: type) -> Channel:
@@ -76,7 +81,7 @@ def placed_rank(roles: RoleMap, env: Mapping[str, str], rank: int) -> int:
     return per_node[node][local]
 
 
-def join(cfg: Any, device: str = "cpu") -> Job:
+def join(cfg: RootConfig, device: str = "cpu") -> Job:
     """Join the job as the rank the launcher says this process is (RANK, WORLD_SIZE)."""
     import torch
     import torch.distributed as dist

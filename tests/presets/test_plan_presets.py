@@ -1,0 +1,107 @@
+"""The paper-scale and dataset experiments, planned in full (the DDMA plan of a 1,024-GPU
+MoE preset alone takes seconds): every GPU used once, and both kinds of GPU fit."""
+
+from __future__ import annotations
+
+import pytest
+
+from rl.config import CONF_DIR
+from rl.config.roles import RoleMap
+from rl.models.arch import Dims
+from rl.models.registry import active_count
+from rl.models.shapes import param_count
+from rl.plan import plan_cluster
+from rl.plan.memory import stage_expert_params
+from tests.helpers.configs import config_of as _cfg
+from tests.helpers.configs import plan_of as _plan
+
+PAPER = ["llama3_8b_256gpu", "llama3_70b_512gpu", "llama3_405b_1024gpu"]
+QWEN3 = [
+    "qwen3_0_6b_16gpu",
+    "qwen3_8b_64gpu",
+    "qwen3_30b_a3b_128gpu",
+    "qwen3_235b_a22b_1024gpu",
+]
+
+
+def test_paper_experiments_exist() -> None:
+    """Guards the parametrisation below against a renamed or missing preset."""
+    for name in PAPER + QWEN3:
+        assert (CONF_DIR / "experiment" / f"{name}.yaml").is_file()
+
+
+@pytest.mark.parametrize("name", PAPER + QWEN3)
+def test_paper_experiment_plans_and_fits(name: str) -> None:
+    """Every GPU of the cluster is used exactly once, TP groups stay inside a node, each
+    generator rank sits with its servers, and both kinds of GPU fit in memory."""
+    cfg = _cfg(f"experiment={name}")
+    plan = _plan(f"experiment={name}")
+    assert plan.fits and plan.problems == []
+    c, t, r, p = cfg.cluster, cfg.trainer, cfg.rollout, plan.placement
+    gpn = c.gpus_per_node
+    assert c.nodes * gpn == int(name.split("_")[-1].removesuffix("gpu"))
+    assert p.world_size == RoleMap.from_config(cfg).world_size
+
+    used: list[tuple[int, int]] = []
+    trainer = p.ranks["trainer"]
+    for i, rank in enumerate(trainer):
+        assert p.node_of[rank] < c.train_nodes
+        used.append((p.node_of[rank], i % gpn))
+    for start in range(0, len(trainer), t.tp):  # Megatron's TP groups: consecutive ranks
+        assert len({p.node_of[x] for x in trainer[start : start + t.tp]}) == 1
+    for s in p.servers:
+        assert s.gpus is not None and s.gpus[1] - s.gpus[0] + 1 == r.tp
+        assert s.node >= c.train_nodes and p.node_of[s.owner] == s.node
+        used += [(s.node, g) for g in range(s.gpus[0], s.gpus[1] + 1)]
+    assert sorted(used) == [(n, g) for n in range(c.nodes) for g in range(gpn)]
+
+    layers = [x for st in p.stages for x in range(st.layers[0], st.layers[1] + 1)]
+    assert layers == list(range(cfg.model.num_layers))
+    assert plan.busiest_trainer.total <= plan.gpu_bytes
+    assert plan.generator is not None and plan.generator.total <= plan.gpu_bytes
+    assert plan.generator.kv_tokens >= plan.sequence
+
+
+DATASET_PRESETS = ["qwen2_5_7b_gsm8k", "llama3_8b_math"]
+
+
+@pytest.mark.parametrize("name", DATASET_PRESETS)
+def test_dataset_experiments_validate_and_fit(name: str) -> None:
+    """The user-data presets validate as launched (the files and checkpoint are the user's:
+    nothing is read), every GPU is used once, and both kinds of GPU fit."""
+    from rl.config import validate
+
+    cfg = _cfg(f"experiment={name}")
+    validate(cfg)
+    assert cfg.task.name == "dataset" and cfg.task.train_files
+    assert cfg.model.hf_checkpoint is None  # the user sets it; the model YAML gives the shape
+    plan = plan_cluster(cfg)
+    assert plan.fits and plan.problems == []
+    c, r, p = cfg.cluster, cfg.rollout, plan.placement
+    used = [(p.node_of[rank], i % c.gpus_per_node) for i, rank in enumerate(p.ranks["trainer"])]
+    for s in p.servers:
+        assert s.gpus is not None and p.node_of[s.owner] == s.node
+        used += [(s.node, g) for g in range(s.gpus[0], s.gpus[1] + 1)]
+    assert sorted(used) == [(n, g) for n in range(c.nodes) for g in range(c.gpus_per_node)]
+    # The token budget never packs more than the one full-length row the planner sizes.
+    assert cfg.trainer.max_tokens_per_microbatch == r.context_length == plan.sequence
+    assert r.context_length >= cfg.task.max_prompt_tokens + r.sampling.max_new_tokens
+    assert cfg.rl.prompts_per_step * cfg.algorithm.group_size == cfg.trainer.global_batch_size
+    assert plan.generator is not None and plan.generator.kv_tokens >= plan.sequence
+
+
+def test_qwen3_235b_a22b_expert_shards_by_hand() -> None:
+    """TP4 x PP2 x EP16: a GPU holds 47 layers x 8 experts, quartered by TP4; TP8 servers
+    replicate each of the 4 KV heads on 2 GPUs (one KV head per GPU)."""
+    cfg = _cfg("experiment=qwen3_235b_a22b_1024gpu")
+    m, t = cfg.model, cfg.trainer
+    assert (t.tp, t.pp, t.dp, t.ep) == (4, 2, 32, 16)
+    expert = 3 * 4096 * 1536
+    assert stage_expert_params(m, t.tp, t.pp, t.ep) == 47 * 8 * expert // 4 == 1_774_190_592
+    d = Dims.of(m)
+    active = 94 * active_count(d, m.moe_router_topk) + 2 * 151936 * 4096 + 4096
+    assert abs(param_count(m) - 235.1e9) < 0.05e9 and abs(active - 22.2e9) < 0.05e9
+    plan = _plan("experiment=qwen3_235b_a22b_1024gpu")
+    assert plan.generator is not None
+    assert plan.generator.kv_bytes_per_token == 2 * 94 * 1 * 128 * 2
+    assert [s.layers for s in plan.placement.stages] == [(0, 46), (47, 93)]

@@ -24,6 +24,7 @@ the DDMA planner and ``python -m rl.plan`` use loads in milliseconds without it.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from functools import cache
 from typing import TYPE_CHECKING
 
@@ -54,11 +55,10 @@ def _tables(d: Dims) -> dict[str, TensorSpec]:
 def _layouts() -> dict[str, TensorSpec]:
     """Every Megatron key any model can have -> its spec. Megatron's keys and layouts are
     Megatron's, the same for every family, so TP splitting needs no model."""
-    full = dict(layers=1, hidden=1, ffn=1, heads=1, groups=1, head_dim=1, vocab=1,
-                padded_vocab=1, tied=False, qkv_bias=True, qk_norm=True)  # fmt: skip
-    dense = a.decoder_tensors(Dims(**full))
-    moe = a.decoder_tensors(Dims(**full, experts=1, moe_ffn=1, shared_ffn=1, shared_gate=True))
-    return {s.key: s for s in dense + moe}
+    dense = Dims(layers=1, hidden=1, ffn=1, heads=1, groups=1, head_dim=1, vocab=1,
+                 padded_vocab=1, tied=False, qkv_bias=True, qk_norm=True)  # fmt: skip
+    moe = replace(dense, experts=1, moe_ffn=1, shared_ffn=1, shared_gate=True)
+    return {s.key: s for s in a.decoder_tensors(dense) + a.decoder_tensors(moe)}
 
 
 def specs(d: Dims) -> list[TensorSpec]:
@@ -174,7 +174,8 @@ def to_megatron(key: str, hf: list[torch.Tensor], d: Dims) -> torch.Tensor:
 
     layout = spec(key, d).layout
     if layout == a.QKV:
-        return fuse_qkv(*hf, d)
+        q, k, v = hf
+        return fuse_qkv(q, k, v, d)
     if layout == a.GATE_UP:
         return torch.cat(hf, dim=0)
     (t,) = hf

@@ -18,6 +18,15 @@ PARAM_DTYPES = ("float32", "bfloat16")
 NAMES = ("float32", "bfloat16", "float16", "float64")
 # safetensors header code -> name
 SAFETENSORS = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "F64": "float64"}
+# Bytes per element, for arithmetic (the planner, DDMA plans) that must not import torch.
+ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
+
+
+def itemsize(name: str) -> int:
+    """Bytes per element of dtype ``name``; one line naming the value if it is unknown."""
+    if name not in ITEMSIZE:
+        raise ValueError(f"dtype {name!r} is not one of {', '.join(NAMES)}")
+    return ITEMSIZE[name]
 
 
 def torch_dtype(name: str) -> torch.dtype:

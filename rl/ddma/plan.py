@@ -22,6 +22,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from rl.config import dtypes
 from rl.ddma.layout import (
     DstLayout,
     PlanError,
@@ -230,12 +231,11 @@ def plan_for(
 ) -> Plan:
     """The plan for composed ``model`` / ``trainer`` / ``rollout`` configs (one server)."""
     sync = rollout.weight_sync
-    itemsize = {"float32": 4, "bfloat16": 2}[trainer.params_dtype]
     return make_plan(
         km.Dims.of(model),
         SrcLayout(trainer.tp, trainer.pp, dp, ep=trainer.ep),
         DstLayout.sglang(rollout.tp, rollout.device),
-        itemsize,
+        dtypes.itemsize(trainer.params_dtype),
         bucket_bytes or sync.bucket_mb << 20,
         sync.fp8_block,
     )

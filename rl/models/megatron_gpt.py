@@ -10,7 +10,7 @@ makes the initial model identical for every tensor-parallel size (same seed).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -18,6 +18,14 @@ import torch.nn.functional as F
 from megatron_patches import cuda_to_cpu
 from rl.config.dtypes import torch_dtype
 from rl.models.shapes import kv_channels, padded_vocab_size
+
+if TYPE_CHECKING:  # Megatron is imported only after megatron_patches.apply_all
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from rl.config.schema import ModelConfig, TrainerConfig
 
 
 def have_transformer_engine() -> bool:
@@ -28,7 +36,9 @@ def have_transformer_engine() -> bool:
     return torch.cuda.is_available()
 
 
-def transformer_config(m: Any, t: Any, initialize: bool = True) -> Any:
+def transformer_config(
+    m: ModelConfig, t: TrainerConfig, initialize: bool = True
+) -> TransformerConfig:
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     dtype = torch_dtype(t.params_dtype)
@@ -73,7 +83,7 @@ def transformer_config(m: Any, t: Any, initialize: bool = True) -> Any:
     )
 
 
-def moe_options(m: Any, t: Any) -> dict[str, Any]:
+def moe_options(m: ModelConfig, t: TrainerConfig) -> dict[str, Any]:
     """TransformerConfig fields of a Mixture-of-Experts model (none for a dense one).
 
     Routing matches HF's: softmax over the router logits, top-k, renormalised when
@@ -103,7 +113,7 @@ def moe_options(m: Any, t: Any) -> dict[str, Any]:
     )
 
 
-def layer_spec(m: Any) -> Any:
+def layer_spec(m: ModelConfig) -> ModuleSpec:
     from megatron.core.models.gpt import gpt_layer_specs as specs
 
     options = dict(
@@ -115,13 +125,13 @@ def layer_spec(m: Any) -> Any:
 
 
 def build_gpt(
-    m: Any,
-    t: Any,
+    m: ModelConfig,
+    t: TrainerConfig,
     pre_process: bool,
     post_process: bool,
-    pg_collection: Any,
+    pg_collection: ProcessGroupCollection,
     initialize: bool = True,
-) -> Any:
+) -> GPTModel:
     """The model chunk for this pipeline stage (all layers of the stage, one chunk).
 
     ``initialize=False`` skips random init (weights are about to be overwritten, e.g. by a

@@ -9,9 +9,12 @@ of rl/models/megatron_gpt.py over them). Everything downstream receives a :class
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from megatron.core.process_groups_config import ProcessGroupCollection
 
 
 @dataclass(frozen=True)
@@ -25,10 +28,10 @@ class Layout:
     tp_rank: int
     pp_rank: int
     dp_rank: int
-    tp_group: Any
-    pp_group: Any
-    dp_group: Any
-    pg_collection: Any
+    tp_group: dist.ProcessGroup
+    pp_group: dist.ProcessGroup
+    dp_group: dist.ProcessGroup
+    pg_collection: ProcessGroupCollection
     ep: int = 1
     ep_rank: int = 0
 
@@ -45,7 +48,9 @@ class Layout:
         return dist.get_global_rank(self.pp_group, self.pp - 1)
 
 
-def init_model_parallel(tp: int, pp: int, seed: int, group: Any = None, ep: int = 1) -> Layout:
+def init_model_parallel(
+    tp: int, pp: int, seed: int, group: dist.ProcessGroup | None = None, ep: int = 1
+) -> Layout:
     """Initialise Megatron's TP/PP/DP groups over ``group`` (the whole trainer world).
 
     ``group`` must be the default (WORLD) group: Megatron-Core 0.16 builds its groups from

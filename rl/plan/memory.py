@@ -43,6 +43,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from rl.config import dtypes
 from rl.models.arch import Dims
 from rl.models.registry import expert_count
 from rl.models.shapes import kv_channels, layer_param_count, padded_vocab_size
@@ -52,7 +53,6 @@ if TYPE_CHECKING:
 
 GIB = 1 << 30
 MIB = 1 << 20
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 GRAD_BYTES = 4  # rl/trainer/trainer.py: DistributedDataParallelConfig(grad_reduce_in_fp32=True)
 TRAINER_OVERHEAD = 4 * GIB  # CUDA context, NCCL communicators, allocator fragmentation
 # SGLang 0.5's static-memory heuristic (sglang/srt/arg_groups/memory_hook.py) on an 80 GB
@@ -151,7 +151,7 @@ def microbatches(cfg: RootConfig) -> int:
 
 def trainer_gpu(cfg: RootConfig, stage: int) -> TrainerGPU:
     m, t = cfg.model, cfg.trainer
-    w = DTYPE_BYTES[t.params_dtype]
+    w = dtypes.itemsize(t.params_dtype)
     p = stage_params(m, t.tp, t.pp, stage, t.ep)
     experts = stage_expert_params(m, t.tp, t.pp, t.ep)
     adam = 8 + (4 if w != 4 else 0)
@@ -196,7 +196,7 @@ def generator_gpu(cfg: RootConfig, weight_bytes: int, gpu_bytes: int | None) -> 
     """``weight_bytes``: one TP rank's weights (from the DDMA plan's destination shapes);
     ``gpu_bytes``: the GPU's memory (None on CPU, where nothing is sized from it)."""
     r = cfg.rollout
-    per_token = kv_bytes_per_token(cfg.model, r.tp, DTYPE_BYTES[r.dtype])
+    per_token = kv_bytes_per_token(cfg.model, r.tp, dtypes.itemsize(r.dtype))
     if gpu_bytes is None:
         return GeneratorGPU(weight_bytes, 0, per_token, r.max_total_tokens or 0, None)
     reserved = sglang_reserved(gpu_bytes, r.tp)

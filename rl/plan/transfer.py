@@ -18,8 +18,8 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from rl.config.dtypes import itemsize as dtype_itemsize
 from rl.ddma.plan import SCALE_SUFFIX, Plan, PlanError, plan_for
-from rl.plan.memory import DTYPE_BYTES
 from rl.plan.placement import PlanRefused
 
 if TYPE_CHECKING:
@@ -66,7 +66,7 @@ def ddma_plan(cfg: RootConfig) -> Plan:
 def engine_weight_bytes(plan: Plan, dtype: str) -> int:
     """One SGLang TP rank's weights in the engine's ``dtype`` (FP8 linears and their
     float32 scales with ``fp8_block``), padding rows included: what the GPU holds."""
-    itemsize = DTYPE_BYTES[dtype]
+    itemsize = dtype_itemsize(dtype)
     total = 0
     for name, shape in plan.dst_shapes.items():
         n = 1

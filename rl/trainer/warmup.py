@@ -17,20 +17,32 @@ from training data, never the held-out one) reaches a target.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from rl.algorithms.losses import nll_loss
 from rl.tasks.common import Example, Task, sft_batch, take
-from rl.tasks.scoring import ScoreItem, call
+from rl.tasks.scoring import RewardFn, ScoreItem, call
+
+if TYPE_CHECKING:
+    from rl.config.schema import RootConfig, SFTConfig
+    from rl.trainer.trainer import MegatronTrainer
+
+
+class MetricsSink(Protocol):
+    """Where the warm-up's metrics go: an rl.metrics.MetricsLogger, or the trainer
+    service's forwarder to the controller (rl/trainer/service.py)."""
+
+    def log(self, step: int, metrics: dict[str, float], phase: str, echo: bool = True) -> None:
+        ...
 
 
 def supervised_warmup(
-    trainer: Any,
+    trainer: MegatronTrainer,
     task: Task,
-    sft: Any,
-    log: Any,
+    sft: SFTConfig,
+    log: MetricsSink,
     evaluate: Callable[[list], float],
     save_dir: str | None = None,
     save_interval: int = 0,
@@ -71,7 +83,7 @@ def supervised_warmup(
     return acc
 
 
-def evaluator(trainer: Any, task: Task, cfg: Any) -> Callable[[list], float]:
+def evaluator(trainer: MegatronTrainer, task: Task, cfg: RootConfig) -> Callable[[list], float]:
     """The warm-up's greedy pass rate, scored by ``reward.fn`` in this process."""
     from rl.tasks.scoring import load
 
@@ -87,10 +99,10 @@ def evaluator(trainer: Any, task: Task, cfg: Any) -> Callable[[list], float]:
 # trainer's greedy decoder has no attention mask, and padding inside a prompt would move
 # the positions of every token after it.
 def greedy_accuracy(
-    trainer: Any,
+    trainer: MegatronTrainer,
     task: Task,
     examples: Sequence[Example],
-    score_fn: Callable[..., Any],
+    score_fn: RewardFn,
     max_new_tokens: int,
     threshold: float = 1.0,
 ) -> float:

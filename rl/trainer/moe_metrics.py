@@ -11,12 +11,15 @@ no AVG reduction (gloo has none).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
 from rl.models.parallel import Layout
+
+if TYPE_CHECKING:
+    from megatron.core.transformer.moe.router import TopKRouter
 
 TRACKED = "load_balancing_loss"
 
@@ -37,7 +40,12 @@ class MoEMetrics:
             if isinstance(m, TopKRouter)
         ]
 
-    def _count(self, router: Any, args: Any, out: Any) -> None:
+    def _count(
+        self,
+        router: TopKRouter,
+        args: Any,  # the router's inputs: unused
+        out: tuple[torch.Tensor, torch.Tensor],  # probs, routing map
+    ) -> None:
         _, routing_map = out  # [tokens, experts] booleans
         self.load[router.layer_number - 1] += routing_map.sum(0).float()
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -25,6 +25,9 @@ from rl.models.parallel import Layout, init_model_parallel
 from rl.models.shapes import padded_vocab_size
 from rl.trainer import checkpoint
 from rl.trainer.checkpoint import TrainState
+
+if TYPE_CHECKING:
+    from rl.config.schema import ModelConfig, TrainerConfig
 
 
 def pack_by_tokens(lengths: Sequence[int], budget: int) -> list[list[int]]:
@@ -84,8 +87,8 @@ def row_extents(batch: dict[str, torch.Tensor]) -> list[int]:
 class MegatronTrainer:
     def __init__(
         self,
-        model_cfg: Any,
-        trainer_cfg: Any,
+        model_cfg: ModelConfig,
+        trainer_cfg: TrainerConfig,
         layout: Layout,
         total_steps: int,
         frozen: bool = False,
@@ -449,7 +452,7 @@ class MegatronTrainer:
 
 
 def build_trainer(
-    model_cfg: Any, trainer_cfg: Any, total_steps: int, frozen: bool = False
+    model_cfg: ModelConfig, trainer_cfg: TrainerConfig, total_steps: int, frozen: bool = False
 ) -> MegatronTrainer:
     """Initialise model parallelism on this rank's world and build the trainer."""
     layout = init_model_parallel(

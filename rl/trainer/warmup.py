@@ -34,8 +34,7 @@ class MetricsSink(Protocol):
     """Where the warm-up's metrics go: an rl.metrics.MetricsLogger, or the trainer
     service's forwarder to the controller (rl/trainer/service.py)."""
 
-    def log(self, step: int, metrics: dict[str, float], phase: str, echo: bool = True) -> None:
-        ...
+    def log(self, step: int, metrics: dict[str, float], phase: str, echo: bool = True) -> None: ...
 
 
 def supervised_warmup(
@@ -63,7 +62,7 @@ def supervised_warmup(
     stream = task.train_stream(0)
     for step in range(1, sft.steps + 1):
         m = trainer.train_step(sft_batch(take(stream, gbs), task.codec.pad_id), nll_loss)
-        keep = ("loss", "grad_norm", "lr", "tokens_per_s", "step_seconds")
+        keep: tuple[str, ...] = ("loss", "grad_norm", "lr", "tokens_per_s", "step_seconds")
         keep += tuple(k for k in m if k.startswith("moe_"))  # MoE router health
         stop = False
         if target is not None and step % sft.check_every == 0:

@@ -18,7 +18,6 @@ import sys
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -29,7 +28,7 @@ from rl.weights import keymap as km
 from rl.weights.dist_ckpt import CheckpointError, check, model_state, write
 from rl.weights.hf_config import hf_config_from_model, model_config_from_hf
 from rl.weights.hf_io import TOKENIZER_FILES, HFCheckpoint, plan_shards, write_safetensors
-from rl.weights.megatron_io import checkpoint_key, stored_keys
+from rl.weights.megatron_io import Provider, checkpoint_key, stored_keys
 
 
 def peak_rss_mb() -> float:
@@ -63,7 +62,7 @@ def prepare_hf_to_mcore(
     return m, dtype
 
 
-def hf_provider(hf: HFCheckpoint, m: Any, dtype: torch.dtype) -> Any:
+def hf_provider(hf: HFCheckpoint, m: ModelConfig, dtype: torch.dtype) -> Provider:
     """Global Megatron tensors computed from the HF checkpoint on demand."""
     d = km.Dims.of(m)
 
@@ -135,7 +134,7 @@ def hf_to_mcore(
     return res
 
 
-def hf_cache_key(hf_dir: str, m: Any, tp: int, pp: int, dtype: str, ep: int = 1) -> str:
+def hf_cache_key(hf_dir: str, m: ModelConfig, tp: int, pp: int, dtype: str, ep: int = 1) -> str:
     """A digest of the checkpoint's content (config.json and every weight byte) and of the
     target layout: a changed file or layout converts again, a rerun does not."""
     import xxhash
@@ -152,7 +151,7 @@ def hf_cache_key(hf_dir: str, m: Any, tp: int, pp: int, dtype: str, ep: int = 1)
 
 
 def cached_hf_to_mcore(
-    hf_dir: str, cache_root: str | Path, m: Any, tp: int, pp: int, dtype: str, ep: int = 1
+    hf_dir: str, cache_root: str | Path, m: ModelConfig, tp: int, pp: int, dtype: str, ep: int = 1
 ) -> str:
     """``hf_dir`` as a Megatron checkpoint at ``tp``/``pp``, converted on the calling ranks
     (torch.distributed over exactly the trainer's ranks) unless the cache holds it."""

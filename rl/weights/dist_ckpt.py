@@ -69,7 +69,9 @@ def model_config_dict(m: ModelConfig | DictConfig) -> dict[str, Any]:
 
 
 def model_state(
-    model: MegatronModule, model_cfg: ModelConfig | DictConfig, **common: Any
+    model: MegatronModule,
+    model_cfg: ModelConfig | DictConfig,
+    **common: Any,  # JSON-like metadata
 ) -> dict[str, Any]:
     """A weights-only checkpoint state: the sharded model plus the common metadata."""
     return {

@@ -95,7 +95,7 @@ class HFCheckpoint:
                 if v["dtype"] not in SAFETENSORS:
                     raise HFCheckpointError(f"{fname}: tensor {name} has dtype {v['dtype']}")
                 self.meta[name] = (fname, torch_dtype(SAFETENSORS[v["dtype"]]), tuple(v["shape"]))
-        self._handles: dict[str, Any] = {}
+        self._handles: dict[str, safe_open] = {}
 
     @property
     def dtype(self) -> torch.dtype:
@@ -118,7 +118,7 @@ class HFCheckpoint:
                 f"{str(self.path)!r}: unexpected tensors for this architecture: {extra[:5]}"
             )
 
-    def _handle(self, fname: str) -> Any:
+    def _handle(self, fname: str) -> safe_open:
         if fname not in self._handles:
             self._handles[fname] = safe_open(str(self.path / fname), framework="pt")
         return self._handles[fname]

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -21,13 +21,16 @@ from rl.models import arch as a
 from rl.weights import keymap as km
 from rl.weights.keymap import LAYERS
 
+if TYPE_CHECKING:  # Megatron is imported only after megatron_patches.apply_all
+    from megatron.core.transformer.module import MegatronModule
+
 # provider(key, layer, row_range) -> global tensor of ``key`` (for ``layer``), or only the
 # rows [start, stop) of it when row_range is given (used for vocab-sized tensors).
 Provider = Callable[[str, int | None, tuple[int, int] | None], torch.Tensor]
 ROW_SLICED = ("embedding.word_embeddings.weight", "output_layer.weight")
 
 
-def leaves(obj: Any) -> Iterator[Any]:
+def leaves(obj: Any) -> Iterator[Any]:  # a nested sharded state dict
     from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
 
     if isinstance(obj, dict):
@@ -83,7 +86,7 @@ def stored_keys(d: km.Dims) -> dict[str, tuple[int, ...]]:
 
 @torch.no_grad()
 def fill_model(
-    model: Any, provider: Provider, on_layer: Callable[[int], None] | None = None
+    model: MegatronModule, provider: Provider, on_layer: Callable[[int], None] | None = None
 ) -> int:
     """Copy every local shard of ``model`` from ``provider``; return the tensors written.
 
@@ -146,7 +149,7 @@ def read_layer(
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
-    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
     from torch.distributed.checkpoint.planner import LoadPlan
     from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
@@ -168,7 +171,7 @@ def read_layer(
                 items += create_read_items_for_chunk_list(fqn, md, [chunks[fqn]])
             return LoadPlan(items)
 
-        def lookup_tensor(self, index: Any) -> torch.Tensor:
+        def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
             return self.state_dict[index.fqn]  # read items carry chunk-relative offsets
 
     with warnings.catch_warnings():  # "assuming ... single process" is exactly the intent

@@ -57,7 +57,7 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
-    from rl.config.validate import ConfigError
+    from rl.config.errors import ConfigError
     from rl.weights.convert import hf_to_mcore, hf_to_mcore_rank, prepare_hf_to_mcore
     from rl.weights.hf_config import HFConfigError
     from rl.weights.hf_io import HFCheckpointError

@@ -7,9 +7,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import cast
 
+from rl.config.errors import ConfigError
 from rl.config.hf import resolve_model
 from rl.config.schema import RootConfig, register
-from rl.config.validate import ConfigError, check_task, validate
+from rl.config.validate import check_task, validate
 
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 

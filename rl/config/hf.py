@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, cast
 
 from omegaconf import OmegaConf
 
-from rl.config.validate import ConfigError
+from rl.config.errors import ConfigError
 
 if TYPE_CHECKING:
     from rl.config.schema import ModelConfig, RootConfig

@@ -2,7 +2,8 @@
 
 Why dataclasses: Hydra then type-checks every YAML file and command-line override against
 the schema, so ``trainer.tpp=2`` or ``trainer.tp=two`` fails at composition, before any
-process is spawned. Semantic checks (divisibility, presets) live in ``validate.py``.
+process is spawned. Semantic checks (divisibility, presets) live in ``model_checks.py``
+(the model and its trainer) and ``validate.py`` (the rest, and the whole).
 """
 
 from __future__ import annotations

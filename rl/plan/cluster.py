@@ -7,7 +7,7 @@ GPU counts, TP across nodes) raises :class:`PlanRefused` at once; budgets that a
 exceeded (GPU memory, KV cache) are collected as ``problems`` so the CLI can print the
 breakdown that explains them before refusing.
 
-The config is first checked by the torch-free parts of rl.config.validate (model, trainer,
+The config is first checked by the torch-free checks of rl.config (model, trainer,
 rollout); ``validate()`` as a whole runs at launch and in tests/unit/test_config.py.
 """
 
@@ -16,7 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from rl.config.validate import validate_model, validate_rollout, validate_trainer
+from rl.config.model_checks import validate_model, validate_trainer
+from rl.config.validate import validate_rollout
 from rl.models.shapes import param_count
 from rl.plan.memory import (
     GIB,

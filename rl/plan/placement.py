@@ -29,8 +29,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from rl.config.errors import ConfigError
 from rl.config.roles import RoleError, RoleMap
-from rl.config.validate import ConfigError, validate_cluster
+from rl.config.validate import validate_cluster
 
 if TYPE_CHECKING:
     from rl.config.schema import RootConfig

@@ -9,8 +9,8 @@ from omegaconf import OmegaConf
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
 from rl.config import CONF_DIR, ConfigError, compose, validate
+from rl.config.model_checks import validate_model
 from rl.config.schema import ModelConfig, RootConfig
-from rl.config.validate import validate_model
 from rl.models.shapes import padded_vocab_size, param_count
 from tests.helpers.configs import composed
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from rl.config.validate import ConfigError
+from rl.config.errors import ConfigError
 from rl.weights.convert import prepare_hf_to_mcore
 from rl.weights.hf_config import HFConfigError
 from rl.weights.hf_io import HFCheckpoint, HFCheckpointError, plan_shards, write_safetensors

@@ -16,7 +16,7 @@ import pytest
 import transformers
 from safetensors import safe_open
 
-from rl.config.validate import ConfigError, validate
+from rl.config import ConfigError, validate
 from rl.models import registry
 from rl.models.arch import Dims
 from rl.models.registry import active_count

@@ -1,0 +1,189 @@
+"""Checks of the model and the trainer that shapes it: shapes, families, MoE, parallelism.
+
+Pure logic, no torch: the planner and the converters run them too.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from rl.config.dtypes import PARAM_DTYPES
+from rl.config.errors import ConfigError, positive, require
+from rl.models import registry
+from rl.models.arch import kv_channels
+from rl.models.shapes import padded_vocab_size
+
+if TYPE_CHECKING:
+    from rl.config.schema import ModelConfig, OptimConfig, TrainerConfig
+
+DEVICES = ("cpu", "cuda")
+DECAY_STYLES = ("constant", "linear", "cosine")
+# Megatron-Core 0.16 applies Llama 3 RoPE scaling with only `factor` configurable.
+MCORE_LLAMA3_ROPE = {
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
+
+
+def validate_model(m: ModelConfig) -> None:
+    positive(
+        "model",
+        m,
+        "num_layers",
+        "hidden_size",
+        "ffn_hidden_size",
+        "num_attention_heads",
+        "num_query_groups",
+        "vocab_size",
+        "max_position_embeddings",
+        "make_vocab_size_divisible_by",
+    )
+    try:
+        arch = registry.get(m.architecture)
+    except registry.UnknownArchitecture as e:
+        raise ConfigError(str(e)) from None
+    for key, want in arch.fixed.items():
+        require(
+            getattr(m, key) == want,
+            f"model.{key}={getattr(m, key)!r} is not supported by {arch.hf_class} "
+            f"(the family fixes {want!r})",
+        )
+    require(
+        m.head_dim is None or (isinstance(m.head_dim, int) and m.head_dim >= 1),
+        f"model.head_dim={m.head_dim!r} must be an integer >= 1 or null",
+    )
+    require(
+        m.head_dim is not None or m.hidden_size % m.num_attention_heads == 0,
+        f"model.num_attention_heads={m.num_attention_heads} does not divide "
+        f"model.hidden_size={m.hidden_size} (or set model.head_dim)",
+    )
+    require(
+        m.num_attention_heads % m.num_query_groups == 0,
+        f"model.num_query_groups={m.num_query_groups} does not divide "
+        f"model.num_attention_heads={m.num_attention_heads}",
+    )
+    require(
+        kv_channels(m) % 2 == 0,
+        f"model head dim {kv_channels(m)} must be even for RoPE (model.head_dim={m.head_dim}, "
+        f"model.hidden_size={m.hidden_size}, model.num_attention_heads={m.num_attention_heads})",
+    )
+    _validate_moe(m, arch.moe)
+    rs = m.rope_scaling
+    if rs is not None:
+        require(rs.factor > 0, f"model.rope_scaling.factor={rs.factor} must be > 0")
+        for name, fixed in MCORE_LLAMA3_ROPE.items():
+            require(
+                getattr(rs, name) == fixed,
+                f"model.rope_scaling.{name}={getattr(rs, name)} is not supported: "
+                f"Megatron-Core's Llama 3 RoPE scaling fixes it at {fixed}",
+            )
+
+
+def _validate_moe(m: ModelConfig, moe: bool) -> None:
+    require(
+        (m.num_experts > 0) == moe,
+        f"model.num_experts={m.num_experts} does not fit {m.architecture} "
+        f"({'a Mixture-of-Experts' if moe else 'a dense'} family)",
+    )
+    if not moe:
+        return
+    require(
+        isinstance(m.moe_ffn_hidden_size, int) and m.moe_ffn_hidden_size >= 1,
+        f"model.moe_ffn_hidden_size={m.moe_ffn_hidden_size!r} must be an integer >= 1",
+    )
+    require(
+        1 <= m.moe_router_topk <= m.num_experts,
+        f"model.moe_router_topk={m.moe_router_topk} must be in [1, model.num_experts="
+        f"{m.num_experts}]",
+    )
+    require(
+        m.moe_router_topk > 1 or not m.moe_norm_topk_prob,
+        "model.moe_router_topk=1 with model.moe_norm_topk_prob=true always weighs the expert "
+        "1.0, which Megatron's router does not reproduce: set moe_norm_topk_prob=false",
+    )
+    require(
+        m.shared_expert_ffn_hidden_size >= 0,
+        f"model.shared_expert_ffn_hidden_size={m.shared_expert_ffn_hidden_size} must be >= 0",
+    )
+    require(
+        not m.shared_expert_gate or m.shared_expert_ffn_hidden_size > 0,
+        "model.shared_expert_gate=true needs model.shared_expert_ffn_hidden_size > 0",
+    )
+    require(m.moe_aux_loss_coeff >= 0, f"model.moe_aux_loss_coeff={m.moe_aux_loss_coeff} < 0")
+
+
+def validate_optim(where: str, o: OptimConfig) -> None:
+    require(
+        o.decay_style in DECAY_STYLES,
+        f"{where}.decay_style={o.decay_style!r} must be one of {DECAY_STYLES}",
+    )
+    require(o.lr > 0, f"{where}.lr={o.lr} must be > 0")
+    require(0 <= o.min_lr <= o.lr, f"{where}.min_lr={o.min_lr} must be in [0, {where}.lr={o.lr}]")
+    require(o.clip_grad >= 0, f"{where}.clip_grad={o.clip_grad} must be >= 0")
+    for name in ("warmup_steps", "decay_steps"):
+        v = getattr(o, name)
+        require(v is None or v >= 0, f"{where}.{name}={v} must be >= 0")
+
+
+def validate_trainer(t: TrainerConfig, m: ModelConfig) -> None:
+    positive("trainer", t, "tp", "pp", "dp", "ep", "micro_batch_size", "global_batch_size")
+    positive("trainer", t, "threads_per_rank")
+    require(
+        t.ep == 1 or m.num_experts > 0,
+        f"trainer.ep={t.ep} needs a Mixture-of-Experts model (model.num_experts=0)",
+    )
+    require(t.dp % t.ep == 0, f"trainer.ep={t.ep} does not divide trainer.dp={t.dp}")
+    require(
+        m.num_experts % t.ep == 0,
+        f"trainer.ep={t.ep} does not divide model.num_experts={m.num_experts}",
+    )
+    require(t.device in DEVICES, f"trainer.device={t.device!r} must be one of {DEVICES}")
+    require(
+        t.params_dtype in PARAM_DTYPES,
+        f"trainer.params_dtype={t.params_dtype!r} must be one of {PARAM_DTYPES}",
+    )
+    validate_optim("trainer.optim", t.optim)
+    budget = t.max_tokens_per_microbatch
+    require(
+        budget is None or (isinstance(budget, int) and budget >= 1),
+        f"trainer.max_tokens_per_microbatch={budget!r} must be an integer >= 1 or null",
+    )
+    require(
+        budget is None or t.pp == 1,
+        f"trainer.max_tokens_per_microbatch={budget} needs trainer.pp=1 (pipeline stages "
+        f"exchange one fixed micro-batch shape), not trainer.pp={t.pp}",
+    )
+    require(t.save_interval >= 0, f"trainer.save_interval={t.save_interval} must be >= 0")
+    for field, value in (
+        ("num_attention_heads", m.num_attention_heads),
+        ("num_query_groups", m.num_query_groups),
+        *(
+            (("moe_ffn_hidden_size", m.moe_ffn_hidden_size),)
+            if m.num_experts
+            else (("ffn_hidden_size", m.ffn_hidden_size),)
+        ),
+        *(
+            (("shared_expert_ffn_hidden_size", m.shared_expert_ffn_hidden_size),)
+            if m.num_experts and m.shared_expert_ffn_hidden_size
+            else ()
+        ),
+    ):
+        require(value % t.tp == 0, f"trainer.tp={t.tp} does not divide model.{field}={value}")
+    vocab = padded_vocab_size(m)
+    require(
+        vocab % t.tp == 0,
+        f"trainer.tp={t.tp} does not divide the padded vocab {vocab} (model.vocab_size="
+        f"{m.vocab_size}, model.make_vocab_size_divisible_by={m.make_vocab_size_divisible_by}; "
+        f"set the latter to a multiple of {t.tp})",
+    )
+    require(
+        m.num_layers % t.pp == 0,
+        f"trainer.pp={t.pp} does not divide model.num_layers={m.num_layers}",
+    )
+    per_step = t.micro_batch_size * t.dp
+    require(
+        t.global_batch_size % per_step == 0,
+        f"trainer.global_batch_size={t.global_batch_size} is not a multiple of "
+        f"trainer.micro_batch_size*dp={t.micro_batch_size}*{t.dp}={per_step}",
+    )

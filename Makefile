@@ -13,8 +13,7 @@ venv:
 run:
 	@V=$$(tools/setup_env.sh) && $$V/bin/python -m rl.train $(ARGS)
 
-# ruff; the import layers (.importlinter); the types of the pure and transport layers and
-# the controller.
+# ruff; the import layers (.importlinter); types (mypy, [tool.mypy] in pyproject.toml).
 LINT = $$V/bin/ruff check . && $$V/bin/ruff format --check . \
 	&& $$V/bin/lint-imports --no-cache && $$V/bin/mypy
 

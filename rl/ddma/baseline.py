@@ -34,13 +34,15 @@ def gather_hf(
     me = dist.get_rank()
     for key, layer in _model_keys(d):
         t = shards(key, layer).contiguous()
+        full: torch.Tensor | None
         if km.tp_dim(key) is None:
             full = t
         else:
             parts = [torch.empty_like(t) for _ in range(tp)] if me == root else None
             dist.gather(t, parts, dst=root, group=group)
-            full = km.tp_unshard(key, parts) if me == root else None  # type: ignore[arg-type]
+            full = km.tp_unshard(key, parts) if parts is not None else None
         if me == root:
+            assert full is not None
             yield from zip(km.hf_names(key, d, layer), km.to_hf(key, full, d), strict=True)
 
 
@@ -82,6 +84,7 @@ def load_rank(
         glob[(key, layer)] = t
     for b in plan.receives(rank):  # one copy per piece, as SGLang's weight loaders do
         for p in b.pieces:
+            assert p.key is not None  # received pieces have a source; fills are not sent
             part = glob[(p.key, p.layer)].narrow(p.dim, p.src_start, p.length)
             tensors(p.dst_name).narrow(p.dim, p.dst_start, p.length).copy_(part)
     wire.zero_fill(plan, rank, tensors)

@@ -47,7 +47,7 @@ def _lost(b: Bucket, peer: int, role: str, e: Exception) -> TransferError:
 
 
 def _post(
-    op: Callable[..., object],
+    op: Callable[..., dist.Work | None],
     tensor: torch.Tensor,
     peer: int,
     group: dist.ProcessGroup | None,

@@ -21,9 +21,9 @@ import concurrent.futures as cf
 import contextlib
 import itertools
 import threading
-from collections.abc import Coroutine, Iterable
+from collections.abc import Coroutine, Iterable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import aiohttp
 import torch
@@ -337,12 +337,13 @@ class GeneratorClient:
         first = next(items, None)
         if first is None:
             raise ValueError("update_weights got no weights")
-        items = itertools.chain([first], items)
-        packs = (
-            items
-            if isinstance(first, FlatBucket)
-            else map(FlatBucket.pack, buckets(items, bucket_bytes))
-        )
+        packs: Iterator[FlatBucket]
+        if isinstance(first, FlatBucket):
+            packs = itertools.chain([first], cast("Iterator[FlatBucket]", items))
+        else:
+            pair = cast("tuple[str, torch.Tensor]", first)
+            pairs = itertools.chain([pair], cast("Iterator[tuple[str, torch.Tensor]]", items))
+            packs = map(FlatBucket.pack, buckets(pairs, bucket_bytes))
         self.pause("retract")
         ok = False
         try:

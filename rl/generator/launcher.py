@@ -27,6 +27,7 @@ import time
 import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import FrameType
 from typing import TYPE_CHECKING
 
 from rl.config.sglang import layout_problem
@@ -190,7 +191,7 @@ def _install_hooks() -> None:
     if threading.current_thread() is threading.main_thread():
         previous = signal.getsignal(signal.SIGTERM)
 
-        def on_term(signum: int, frame: object) -> None:
+        def on_term(signum: int, frame: FrameType | None) -> None:
             _stop_all()
             if callable(previous):
                 previous(signum, frame)

@@ -24,8 +24,11 @@ def model_dir(tmp_path_factory):
     return make_model("llama", tmp_path_factory.mktemp("gen") / "tiny")
 
 
+# The owner takes Ctrl-C as an interactive Python does, even when the suite runs as a
+# background job (whose children start with SIGINT ignored).
 _OWNER = """
-import sys, time
+import signal, sys, time
+signal.signal(signal.SIGINT, signal.default_int_handler)
 from rl.generator.launcher import ServerConfig, ServerLauncher
 cfg = ServerConfig(model_path=sys.argv[1], threads=1)
 launcher = ServerLauncher(cfg, n=1, log_dir=sys.argv[2]).start()

@@ -8,13 +8,16 @@ once and reflects every optimizer step without copying anything.
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from rl.ddma import wire
 from rl.ddma.plan import Plan, SrcLayout
 from rl.weights.megatron_io import leaves, split_key
+
+if TYPE_CHECKING:  # Megatron is imported at run time only after its patches
+    from megatron.core.transformer.module import MegatronModule
 
 
 class ParallelRank(Protocol):
@@ -46,7 +49,7 @@ class ParallelRank(Protocol):
     def ep_rank(self) -> int: ...
 
 
-def shard_map(model: Any) -> dict[tuple[str, int | None], torch.Tensor]:  # Megatron: untyped
+def shard_map(model: MegatronModule) -> dict[tuple[str, int | None], torch.Tensor]:
     """(keymap key, global layer or None) -> this rank's live shard.
 
     A factory (fc1 under SwiGLU: Megatron checkpoints gate and up as two tensors) gives
@@ -79,7 +82,7 @@ def source_rank(layout: ParallelRank, src: SrcLayout) -> int:
     return rank
 
 
-def shard_getter(model: Any, plan: Plan, rank: int) -> wire.SrcGetter:  # Megatron: untyped
+def shard_getter(model: MegatronModule, plan: Plan, rank: int) -> wire.SrcGetter:
     """A source getter for ``plan`` on ``rank`` that fails early on a missing or
     mis-shaped shard (a trainer whose model is not the one planned)."""
     shards = shard_map(model)

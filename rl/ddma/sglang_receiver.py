@@ -33,7 +33,6 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from functools import lru_cache
-from typing import Any
 
 import torch
 
@@ -131,7 +130,7 @@ def architecture_errors(plan: Plan, params: dict[str, torch.Tensor], dtype: torc
     return "; ".join(problems[:4])
 
 
-def handle(model: Any, ctl: dict, tensor: torch.Tensor, rank: int) -> dict:  # SGLang: untyped
+def handle(model: torch.nn.Module, ctl: dict, tensor: torch.Tensor, rank: int) -> dict:
     """Apply one control entry; returns the status to report (raises on bad input)."""
     op = ctl["op"]
     st = _STATE["stage"]
@@ -200,7 +199,7 @@ def handle(model: Any, ctl: dict, tensor: torch.Tensor, rank: int) -> dict:  # S
     raise ValueError(f"unknown op {op!r}")
 
 
-def load(model: Any, named_tensors: list[tuple[str, torch.Tensor]]) -> None:  # SGLang: untyped
+def load(model: torch.nn.Module, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
     """SGLang's entry point. Never raises: errors go to the status file and poison the
     staged version, so it can never be committed."""
     rank = _tp_rank()

@@ -11,7 +11,7 @@ no AVG reduction (gloo has none).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -43,7 +43,7 @@ class MoEMetrics:
     def _count(
         self,
         router: TopKRouter,
-        args: Any,  # the router's inputs: unused
+        args: tuple[object, ...],  # the router's inputs: unused
         out: tuple[torch.Tensor, torch.Tensor],  # probs, routing map
     ) -> None:
         _, routing_map = out  # [tokens, experts] booleans

@@ -10,7 +10,7 @@ from typing import Any
 from rl.tasks.scoring import ScoreItem
 
 
-def item(response: str, label: Any = "", prompt: str = "", **metadata: Any) -> ScoreItem:
+def item(response: str, label: Any = "", prompt: str = "", **metadata: Any) -> ScoreItem:  # JSON
     """A score request as the reward executor receives it."""
     return ScoreItem(prompt, response, label, metadata)
 

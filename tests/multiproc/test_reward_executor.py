@@ -8,7 +8,6 @@ import queue
 import threading
 import time
 from pathlib import Path
-from typing import Any
 
 from rl.reward.executor import RewardExecutor
 from rl.tasks.scoring import ScoreResult
@@ -78,10 +77,10 @@ class _Queue:
     def __init__(self) -> None:
         self.q: queue.Queue = queue.Queue()
 
-    def put(self, msg: Any) -> None:
+    def put(self, msg: object) -> None:
         self.q.put(pickle.dumps(msg))
 
-    def get(self) -> Any:
+    def get(self) -> object:
         return pickle.loads(self.q.get(timeout=30))
 
     wait = get  # an executor's inbox waits as long as it takes; here 30 s is plenty

@@ -43,7 +43,7 @@ def _compose_file(path: Path) -> tuple[DictConfig, list[str]]:
     return compose(overrides), overrides
 
 
-def _assert_contains(expected: Any, actual: Any, where: str) -> None:
+def _assert_contains(expected: Any, actual: Any, where: str) -> None:  # YAML values
     """Every value the YAML file sets appears, unchanged, in the composed config."""
     if isinstance(expected, dict):
         for key, value in expected.items():

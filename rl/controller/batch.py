@@ -28,6 +28,29 @@ if TYPE_CHECKING:
 OVERLONG = ("keep", "mask", "penalise")
 
 
+def trained_rewards(
+    group: Sequence[Rollout], rewards: Sequence[float], overlong: str, penalty: float
+) -> list[float]:
+    """The rewards the advantages are computed from: ``penalise`` replaces an overlong
+    sample's reward with ``penalty``."""
+    if overlong != "penalise":
+        return [float(x) for x in rewards]
+    return [
+        penalty if r.finish_reason == "length" else float(x)
+        for r, x in zip(group, rewards, strict=True)
+    ]
+
+
+def no_signal(
+    group: Sequence[Rollout], rewards: Sequence[float], overlong: str, penalty: float
+) -> bool:
+    """True for a group that cannot move the weights: its rewards, after the overlong rule,
+    are all equal (every advantage is 0), or ``mask`` takes every sample out of the loss."""
+    if overlong == "mask" and all(r.finish_reason == "length" for r in group):
+        return True
+    return len(set(trained_rewards(group, rewards, overlong, penalty))) <= 1
+
+
 def build_batch(
     groups: Sequence[Sequence[Rollout]],
     rewards: Sequence[Sequence[float]],
@@ -75,10 +98,14 @@ def build_batch(
         mu[i, span] = torch.tensor(r.logprobs, dtype=torch.float32)
         versions[i, span] = torch.tensor(r.versions, dtype=torch.int64)
     cut = torch.tensor([float(r.finish_reason == "length") for r in rows])
-    reward = torch.tensor([list(map(float, g)) for g in rewards], dtype=torch.float32)
-    if overlong == "penalise":
-        reward = torch.where(cut.reshape(reward.shape) > 0, overlong_penalty, reward)
-    elif overlong == "mask":
+    reward = torch.tensor(
+        [
+            trained_rewards(g, x, overlong, overlong_penalty)
+            for g, x in zip(groups, rewards, strict=True)
+        ],
+        dtype=torch.float32,
+    )
+    if overlong == "mask":
         mask = mask * (1 - cut).unsqueeze(1)
     adv = group_advantages(reward, normalize_std).reshape(-1)
     return {

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from rl.config.sampling import SamplingParams
-from rl.controller.batch import build_batch
+from rl.controller.batch import build_batch, no_signal
 from rl.controller.evaluate import Evaluator, score_items
 from rl.controller.rollouts import Group, RolloutStream
 from rl.controller.staleness import StalenessGate
@@ -145,8 +145,13 @@ def rl_loop(
     gate = StalenessGate(
         0 if cfg.rl.mode == "sync" else a.max_policy_lag, a.stale, per_step=cfg.rl.prompts_per_step
     )
+
+    def uniform(g: Group) -> bool:
+        return no_signal(g.rollouts, g.rewards, a.overlong, a.overlong_penalty)
+
+    drop = uniform if a.drop_uniform_groups else None
     stream = RolloutStream(client, score, lambda: next(prompts), sampling, gate, version,
-                           r.segment_tokens, drop_uniform=a.drop_uniform_groups)  # fmt: skip
+                           r.segment_tokens, drop_uniform=drop)  # fmt: skip
     stream.start()
     t_last = time.perf_counter()
     m: dict[str, float] = {}

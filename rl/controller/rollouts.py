@@ -7,9 +7,10 @@ trainer's side, :meth:`RolloutStream.next_batch`, takes the next ``per_step`` gr
 are fresh enough; it blocks only when none are ready, which is exactly when the staleness
 bound (or a slow generator) requires it.
 
-Dynamic sampling: with ``drop_uniform`` a scored group whose rewards are all equal (every
-sample right, or every one wrong) carries no advantage signal; it is skipped, counted and
-replaced by a new group, so a batch holds only groups that teach something.
+Dynamic sampling: ``drop_uniform(group)`` tells a scored group that carries no advantage
+signal (rewards all equal after the overlong rule: every sample right, every one wrong, or
+every one cut by length); it is skipped, counted and replaced by a new group, so a batch
+holds only groups that teach something.
 
 Partial rollouts: with ``segment_tokens`` a response is cut after that many new tokens
 and parked; it resumes (prompt + tokens so far) once a newer policy version is committed,
@@ -67,7 +68,7 @@ class RolloutStream:
         version: int,
         segment_tokens: int | None = None,
         eager_resume: bool = True,
-        drop_uniform: bool = False,
+        drop_uniform: Callable[[Group], bool] | None = None,
     ) -> None:
         """``score(group)`` returns a future of the group's ``ScoreResult`` list.
         ``eager_resume=False``: parked rollouts wait for a newer version even when the
@@ -187,7 +188,7 @@ class RolloutStream:
                         elif f in self._scoring:
                             group = self._scoring.pop(f)
                             group.results = list(f.result())
-                            if self.drop_uniform and len(set(group.rewards)) == 1:
+                            if self.drop_uniform is not None and self.drop_uniform(group):
                                 self.consumed += 1
                                 self.gate.skip()
                                 continue

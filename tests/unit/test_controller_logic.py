@@ -235,7 +235,8 @@ def test_uniform_groups_are_skipped_counted_and_replaced():
     prompts = (Example(f"p{i}", (i, 7), "") for i in range(1000))
     gate = StalenessGate(max_lag=1, mode="throttle", per_step=3)
     stream = RolloutStream(_InstantClient(), score, lambda: next(prompts),
-                           SamplingParams(n=4), gate, 1, drop_uniform=True)  # fmt: skip
+                           SamplingParams(n=4), gate, 1,
+                           drop_uniform=lambda g: len(set(g.rewards)) == 1)  # fmt: skip
     stream.start()
     try:
         groups, stats = stream.next_batch(1)
@@ -244,3 +245,29 @@ def test_uniform_groups_are_skipped_counted_and_replaced():
     assert [g.item.prompt_ids[0] % 2 for g in groups] == [1, 1, 1]
     assert all(len(set(g.rewards)) == 2 for g in groups)
     assert stats["uniform_skipped_total"] >= 3 and gate.skipped == stats["uniform_skipped_total"]
+
+
+def test_a_group_is_uniform_after_the_overlong_rule():
+    """Raw rewards that differ carry no signal when ``penalise`` gives every sample the same
+    penalty (all cut by length), or when ``mask`` takes every sample out of the loss."""
+    from rl.config.sampling import SamplingParams
+    from rl.controller.batch import build_batch, no_signal
+    from rl.generator.types import Rollout
+
+    def group(reasons):
+        out = []
+        for i, why in enumerate(reasons):
+            r = Rollout([1, 2], SamplingParams(n=len(reasons), max_new_tokens=2), i, 0)
+            r.append([5, 6], [-0.1, -0.2], [0, 0], why)
+            out.append(r)
+        return out
+
+    cut, mixed = group(["length"] * 3), group(["length", "stop", "stop"])
+    raw = [0.1, 0.2, 0.3]
+    assert no_signal(cut, raw, "penalise", 0.0)
+    adv = build_batch([cut], [raw], overlong="penalise", overlong_penalty=0.0)["advantages"]
+    assert adv.abs().max() == 0  # what no_signal predicts
+    assert not no_signal(cut, raw, "keep", 0.0)
+    assert no_signal(cut, raw, "mask", 0.0)
+    assert not no_signal(mixed, raw, "penalise", 0.0) and not no_signal(mixed, raw, "mask", 0.0)
+    assert no_signal(mixed, [0.5, 0.5, 0.5], "keep", 0.0)

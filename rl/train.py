@@ -76,7 +76,7 @@ def _title(title: str) -> None:
 
 @hydra.main(config_path="../conf", config_name="config", version_base="1.3")
 def main(cfg: RootConfig) -> None:
-    from rl.dist import resume
+    from rl.dist import resume, secret
 
     try:  # under a launcher, its world must be exactly the role map's
         resolve_model(cfg)  # model.hf_checkpoint: the architecture from its config.json
@@ -89,6 +89,10 @@ def main(cfg: RootConfig) -> None:
             resume.read(cfg.run.output_dir)
     except resume.ResumeError as e:
         sys.exit(f"resume error: {e}")
+    try:  # the control plane's key: every rank (and node) reads the same 0600 file
+        secret.ensure(cfg.run.output_dir)
+    except (OSError, secret.SecretError) as e:
+        sys.exit(f"job secret: {e}")
     if under_launcher():
         run(cfg)
         return

@@ -2,23 +2,39 @@
 
 Only one rank (the controller's rank 0) writes; other ranks get a disabled logger so the
 training code can call it unconditionally.
+
+A resumed run (rl/dist/resume.py) logs again the steps after its checkpoint, which the
+lost attempt had logged already; the logger drops those records of the resumed phases
+from both the JSONL and the TensorBoard files before it writes, so each step appears once.
+SummaryWriter's ``purge_step`` cannot do it here: it hides *every* tag at or after the
+step, and the warm-up's steps (up to ``sft.steps``) share the run and the step axis.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
+import shutil
 import time
 from pathlib import Path
 from typing import Any
 
+JSONL, TENSORBOARD = "metrics.jsonl", "tensorboard"
+RESUMED_PHASES = ("rl", "rl_eval")  # what a resumed run logs again
+
 
 class MetricsLogger:
     def __init__(
-        self, out_dir: str | Path, enabled: bool = True, totals: dict[str, int] | None = None
+        self,
+        out_dir: str | Path,
+        enabled: bool = True,
+        totals: dict[str, int] | None = None,
+        resume_step: int | None = None,
     ):
         """``totals``: steps of each stage by phase prefix (``{"warmup": 200}`` shows
-        "step 20/200" for the phases warmup and warmup_eval)."""
+        "step 20/200" for the phases warmup and warmup_eval). ``resume_step``: the run
+        resumes after this RL step; records of later RL steps already on disk go."""
         self.enabled = enabled
         self.totals = totals or {}
         self.out_dir = Path(out_dir)
@@ -27,10 +43,13 @@ class MetricsLogger:
         self._jsonl = None
         if enabled:
             self.out_dir.mkdir(parents=True, exist_ok=True)
-            self._jsonl = open(self.out_dir / "metrics.jsonl", "a", buffering=1)  # noqa: SIM115
+            if resume_step is not None:
+                drop_jsonl_after(self.out_dir / JSONL, resume_step)
+                drop_tensorboard_after(self.out_dir / TENSORBOARD, resume_step)
+            self._jsonl = open(self.out_dir / JSONL, "a", buffering=1)  # noqa: SIM115
             from torch.utils.tensorboard import SummaryWriter
 
-            self._tb = SummaryWriter(log_dir=str(self.out_dir / "tensorboard"))
+            self._tb = SummaryWriter(log_dir=str(self.out_dir / TENSORBOARD))
 
     def log(
         self,
@@ -50,6 +69,9 @@ class MetricsLogger:
         self._jsonl.write(json.dumps(rec) + "\n")
         for k, v in metrics.items():
             self._tb.add_scalar(f"{phase}/{k}", float(v), step)
+        # On disk now, like the JSONL line: a job stopped or killed (its ranks end at once)
+        # lost up to the writer's 120 s of buffered events.
+        self._tb.flush()
         if echo:
             line = metrics if show is None else {k: metrics[k] for k in show if k in metrics}
             print(self.format_line(step, phase, line), flush=True)
@@ -74,6 +96,74 @@ class MetricsLogger:
             self._jsonl.close()
         if self._tb is not None:
             self._tb.close()
+
+
+def drop_jsonl_after(path: str | Path, step: int, phases: tuple[str, ...] = RESUMED_PHASES) -> int:
+    """Drop the records of ``phases`` after ``step`` and any line a kill cut short;
+    return how many went. Rewritten beside and renamed, so a kill keeps one whole file."""
+    path = Path(path)
+    if not path.exists():
+        return 0
+    keep, dropped = [], 0
+    for line in path.read_text().splitlines():
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            dropped += 1
+            continue
+        if rec.get("phase") in phases and rec.get("step", 0) > step:
+            dropped += 1
+        else:
+            keep.append(line)
+    if dropped:
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text("".join(x + "\n" for x in keep))
+        os.replace(tmp, path)
+    return dropped
+
+
+def drop_tensorboard_after(
+    log_dir: str | Path, step: int, phases: tuple[str, ...] = RESUMED_PHASES
+) -> int:
+    """Rewrite the event files of ``log_dir`` without the scalars of ``phases`` (tags
+    ``<phase>/<name>``) after ``step``; return how many values went. The new file is
+    moved in before the old ones go: a kill in between leaves duplicates, never a loss."""
+    log_dir = Path(log_dir)
+    files = sorted(log_dir.glob("events.out.tfevents.*"))
+    if not files:
+        return 0
+    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+    from tensorboard.summary.writer.event_file_writer import EventFileWriter
+
+    events, dropped = [], 0
+    for f in files:
+        for ev in EventFileLoader(str(f)).Load():
+            if ev.HasField("file_version"):  # each file's header: the new file has its own
+                continue
+            if ev.HasField("summary") and ev.step > step:
+                values = list(ev.summary.value)
+                kept = [v for v in values if v.tag.split("/", 1)[0] not in phases]
+                if len(kept) < len(values):
+                    dropped += len(values) - len(kept)
+                    if not kept:
+                        continue
+                    del ev.summary.value[:]
+                    ev.summary.value.extend(kept)
+            events.append(ev)
+    if not dropped:
+        return 0
+    tmp = log_dir.with_name(log_dir.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    writer = EventFileWriter(str(tmp))
+    for ev in events:
+        writer.add_event(ev)
+    writer.close()
+    for new in tmp.glob("events.out.tfevents.*"):
+        os.replace(new, log_dir / new.name)
+    for f in files:
+        f.unlink()
+    shutil.rmtree(tmp, ignore_errors=True)
+    return dropped
 
 
 def read_jsonl(path: str | Path) -> list[dict[str, Any]]:

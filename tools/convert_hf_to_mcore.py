@@ -55,8 +55,23 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def bad_count(args: argparse.Namespace) -> str | None:
+    """The first numeric flag out of range, named as the user typed it."""
+    for flag, low in (("--tp", 1), ("--pp", 1), ("--ep", 1), ("--vocab-multiple", 0)):
+        v = getattr(args, flag[2:].replace("-", "_"))
+        if v < low:
+            return f"{flag}={v} must be an integer >= {low}"
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    if problem := bad_count(args):
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
+    from rl.dist.launch import quiet_known_warnings
+
+    quiet_known_warnings()  # before Megatron is imported: some of its warnings fire then
     from rl.config.errors import ConfigError
     from rl.weights.convert import hf_to_mcore, hf_to_mcore_rank, prepare_hf_to_mcore
     from rl.weights.hf_config import HFConfigError

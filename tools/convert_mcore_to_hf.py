@@ -66,6 +66,9 @@ def parse_size(text: str) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    from rl.dist.launch import quiet_known_warnings
+
+    quiet_known_warnings()  # before Megatron is imported: some of its warnings fire then
     from rl.weights.convert import mcore_to_hf
     from rl.weights.dist_ckpt import CheckpointError
     from rl.weights.hf_config import HFConfigError

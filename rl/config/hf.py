@@ -28,6 +28,8 @@ def hf_model_config(path: str, make_vocab_size_divisible_by: int = 1) -> ModelCo
 
     field = f"model.hf_checkpoint={path!r}"
     p = Path(path)
+    if not p.exists():
+        raise ConfigError(f"{field} does not exist")
     if not p.is_dir():
         raise ConfigError(f"{field} is not a directory")
     if not (p / "config.json").is_file():

@@ -174,6 +174,11 @@ class WeightSyncConfig:
     # from an FP8 checkpoint config; null sends them in the trainer's dtype.
     fp8_block: int | None = None
     timeout: float = 600.0
+    # Where each server keeps the incoming version until all of it has arrived (the
+    # planner counts it): device, a full copy of its weights beside them (today's
+    # behaviour); host, a pinned host-memory copy; none, written in place while paused, and
+    # a version that does not complete leaves the server paused and out of routing.
+    staging: str = "device"
 
 
 @dataclass
@@ -199,6 +204,12 @@ class RolloutConfig:
     request_timeout: float = 600.0
     # Cut rollouts after this many new tokens and resume them later (partial rollouts).
     segment_tokens: int | None = None
+    # A server that dies or stops answering /health is restarted on its rank and given the
+    # current weights; more than max_restarts restarts within restart_window_s fail the job.
+    max_restarts: int = 3
+    restart_window_s: float = 600.0
+    health_timeout_s: float = 10.0  # a /health slower than this counts as a failed check
+    health_failures: int = 3  # consecutive failed checks that make a live server unresponsive
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
 
@@ -264,6 +275,10 @@ class RLConfig:
     save_hf: bool = False  # also export each RL checkpoint as an HF directory
     log_every: int = 1
     save_interval: int = 0  # RL checkpoints every N steps (0: at the end only)
+    # auto: a run dir holding a resume point (rl_state.json: the last RL checkpoint, its
+    # rollout state and prompt-stream position) continues from it, as a SLURM requeue does;
+    # never: start fresh, refusing a run dir that holds one rather than overwrite it.
+    resume: str = "auto"
     # A reply from another executor that takes longer than this is an error (seconds).
     channel_timeout: float = 1800.0
 
@@ -290,6 +305,7 @@ class ClusterConfig:
     gpus_per_node: int = 0  # 0: CPU only (ranks are processes; no GPU memory to check)
     gpu_memory_gb: float = 80.0  # per GPU; a plan needing more is refused
     cpus_per_node: int | None = None  # null: not checked
+    host_memory_gb: float | None = None  # per node (staging=host copies); null: not checked
     # Nodes for the trainer (tp*pp*dp GPUs) and for the SGLang servers (servers*rollout.tp
     # GPUs); they must add up to nodes. 0 and 0: every executor shares every node (local).
     train_nodes: int = 0

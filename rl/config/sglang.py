@@ -8,6 +8,10 @@ from __future__ import annotations
 
 from rl.config.dtypes import PARAM_DTYPES
 
+# Where a server's DDMA receiver (rl/ddma/sglang_receiver.py) stages an incoming version:
+# rollout.weight_sync.staging.
+WEIGHT_STAGINGS = ("device", "host", "none")
+
 
 def layout_problem(device: str, tp: int, dtype: str, where: str) -> str | None:
     """Why SGLang cannot serve ``tp``/``dtype`` on ``device`` (None if it can).

@@ -15,7 +15,7 @@ from rl.config.errors import ConfigError, at_least, positive, require
 from rl.config.model_checks import validate_model, validate_optim, validate_trainer
 from rl.config.roles import RoleError, RoleMap
 from rl.config.sampling import RequestError, SamplingParams
-from rl.config.sglang import layout_problem
+from rl.config.sglang import WEIGHT_STAGINGS, layout_problem
 from rl.tasks import scoring
 
 if TYPE_CHECKING:  # a task is built (data files, tokenizers) only where it is checked
@@ -59,15 +59,8 @@ def check_task(cfg: RootConfig) -> Task:
         task = build_task(cfg)
     except TaskError as e:
         raise ConfigError(str(e)) from None
-    longest, new = task.max_prompt_len, cfg.rollout.sampling.max_new_tokens
-    context = cfg.rollout.context_length or cfg.model.max_position_embeddings
     if cfg.rl.steps > 0:
-        require(
-            longest + new <= context,
-            f"rollout.sampling.max_new_tokens={new} + the longest prompt ({longest} tokens) "
-            f"exceeds the context of {context} tokens (rollout.context_length or "
-            "model.max_position_embeddings; task.max_prompt_tokens drops long prompts)",
-        )
+        check_context(cfg, task.max_prompt_len)
     if cfg.sft.steps > 0:
         missing = next((e.uid for e in task.validation_set if not e.target_ids), None)
         require(
@@ -76,6 +69,33 @@ def check_task(cfg: RootConfig) -> Task:
             f"(task.label_key={cfg.task.label_key!r})",
         )
     return task
+
+
+def check_context(cfg: RootConfig, longest: int) -> None:
+    """Every rollout must fit the servers: the longest prompt (``longest`` tokens, measured
+    on the rendered data) plus ``max_new_tokens`` within the context and the KV cache, and
+    the context within the model's positions (checked here, after resolve_model has read
+    them from model.hf_checkpoint, not in validate)."""
+    r, new = cfg.rollout, cfg.rollout.sampling.max_new_tokens
+    positions = cfg.model.max_position_embeddings
+    require(  # SGLang refuses it at server start, after the warm-up
+        r.context_length is None or r.context_length <= positions,
+        f"rollout.context_length={r.context_length} exceeds model.max_position_embeddings="
+        f"{positions} (the servers refuse a longer context; null: the model's)",
+    )
+    context = r.context_length or positions
+    require(
+        longest + new <= context,
+        f"rollout.sampling.max_new_tokens={new} + the longest prompt ({longest} tokens) "
+        f"exceeds the context of {context} tokens (rollout.context_length or "
+        "model.max_position_embeddings; task.max_prompt_tokens drops long prompts)",
+    )
+    kv = r.max_total_tokens
+    require(
+        kv is None or longest + new <= kv,
+        f"rollout.max_total_tokens={kv} (a server's KV cache) cannot hold one rollout: the "
+        f"longest prompt ({longest} tokens) + rollout.sampling.max_new_tokens={new}",
+    )
 
 
 def validate_rollout(r: RolloutConfig) -> None:
@@ -88,9 +108,11 @@ def validate_rollout(r: RolloutConfig) -> None:
             v is None or (isinstance(v, int) and v >= 1),
             f"rollout.{name}={v!r} must be an integer >= 1 or null",
         )
-    for name in ("startup_timeout", "request_timeout"):
+    for name in ("startup_timeout", "request_timeout", "restart_window_s", "health_timeout_s"):
         v = getattr(r, name)
         require(v > 0, f"rollout.{name}={v} must be > 0 seconds")
+    require(r.max_restarts >= 0, f"rollout.max_restarts={r.max_restarts} must be >= 0")
+    positive("rollout", r, "health_failures")
     seg = r.segment_tokens
     require(seg is None or seg >= 1, f"rollout.segment_tokens={seg} must be >= 1 or null")
     try:
@@ -103,6 +125,8 @@ def validate_rollout(r: RolloutConfig) -> None:
         f"rollout.weight_sync.transport={w.transport!r} must be 'ipc' or 'p2p'",
     )
     require(w.bucket_mb >= 1, f"rollout.weight_sync.bucket_mb={w.bucket_mb} must be >= 1")
+    why = f"rollout.weight_sync.staging={w.staging!r} must be one of {WEIGHT_STAGINGS}"
+    require(w.staging in WEIGHT_STAGINGS, why)
     require(w.timeout > 0, f"rollout.weight_sync.timeout={w.timeout} must be > 0 seconds")
     fp8 = w.fp8_block
     require(
@@ -174,6 +198,7 @@ def validate_rl(cfg: RootConfig) -> None:
     rl, a, t, s = cfg.rl, cfg.algorithm, cfg.trainer, cfg.rollout.sampling
     require(rl.steps >= 0, f"rl.steps={rl.steps} must be >= 0")
     require(rl.mode in ("async", "sync"), f"rl.mode={rl.mode!r} must be 'async' or 'sync'")
+    require(rl.resume in ("auto", "never"), f"rl.resume={rl.resume!r} must be 'auto' or 'never'")
     positive("rl", rl, "prompts_per_step", "log_every")
     for name in ("eval_every", "save_interval"):
         v = getattr(rl, name)

@@ -71,7 +71,7 @@ class Evaluator:
                 for e, r, it, res in zip(examples, outs, items, results, strict=True):
                     rec = {"uid": e.uid, "prompt": e.prompt_text, "response": it.response,
                            "label": e.label, "score": res.score, "prompt_ids": list(e.prompt_ids),
-                           "output_ids": r.output_ids}  # fmt: skip
+                           "output_ids": r.output_ids, "server": r.server}  # fmt: skip
                     f.write(json.dumps(rec, default=str) + "\n")
         return [results[i * per : (i + 1) * per] for i in range(len(examples))]
 

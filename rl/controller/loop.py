@@ -15,12 +15,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from rl.config.sampling import SamplingParams
+from rl.controller import rollout_state
 from rl.controller.batch import build_batch, no_signal
 from rl.controller.evaluate import Evaluator, score_items
+from rl.controller.recovery import ServerRecovery
 from rl.controller.rollouts import Group, RolloutStream
 from rl.controller.staleness import StalenessGate
 from rl.dist import resume
-from rl.metrics import MetricsLogger, plot_curves, plot_rl
+from rl.dist.channel import rejected_total
+from rl.metrics import MetricsLogger, drop_jsonl_after, plot_curves, plot_rl
 from rl.tasks import Task, build_task
 
 if TYPE_CHECKING:  # the executors' handles, imported where they are used
@@ -58,9 +61,10 @@ def controller(cfg: RootConfig, job: Job) -> dict[str, float | None]:
     out = Path(cfg.run.output_dir)
     point = resume.read(out) if cfg.rl.steps > 0 else None  # a restarted (requeued) job
     if point is not None:  # what the lost attempt logged after its checkpoint goes
-        resume.truncate_metrics(out / "metrics.jsonl", point.step)
+        drop_jsonl_after(out / rollout_state.TRAINED, point.step)  # metrics: the logger's
         print(f"resuming from RL step {point.step} ({point.checkpoint})", flush=True)
-    log = MetricsLogger(out, totals={"warmup": cfg.sft.steps, "rl": cfg.rl.steps})
+    log = MetricsLogger(out, totals={"warmup": cfg.sft.steps, "rl": cfg.rl.steps},
+                        resume_step=point.step if point is not None else None)  # fmt: skip
     trainer = TrainerHandle(job)
     handles: list[TrainerHandle | GeneratorHandle | RewardHandle] = [trainer]
     try:
@@ -107,22 +111,25 @@ def rl_loop(
     """RL steps ``first``..``rl.steps`` (``first`` > 1 when resuming ``point``)."""
     from rl.controller.weight_sync import WeightSync
     from rl.generator.client import GeneratorClient
+    from rl.generator.server_api import job_keys
 
     steps, r, a = cfg.rl.steps, cfg.rollout, cfg.algorithm
     task = build_task(cfg)
     print(task.describe(), flush=True)
     sampling = rollout_sampling(cfg, task)
     out, first = Path(cfg.run.output_dir), point.step + 1 if point else 1
-    # A resumed job draws from a stream of its own, the same on every attempt resumed here.
-    prompts = task.train_stream(first if point is not None else 0)
+    # A resumed job takes up its checkpoint's rollouts and continues the prompt stream.
+    saved = rollout_state.load(out, point)
+    prompts = task.train_stream(saved.position if saved else None)
     urls, model_path = gen.wait_up()
-    client = GeneratorClient.for_urls(urls, model_path, r)
+    client = GeneratorClient.for_urls(urls, model_path, r, job_keys())
     evaluator = Evaluator(client, task, reward, replace(sampling, n=1), cfg.rl.eval_k,
                           cfg.reward.pass_threshold, out / "eval")  # fmt: skip
     # The trainer's weights as they are now (after step first - 1) become version first.
     sync = WeightSync.connect(cfg, trainer, urls, weight_version=first - 1)
     push(sync, client)
     version = sync.weight_version
+    recovery = ServerRecovery(gen, sync, client).start()  # restarted servers come back
     if point is None:
         start_eval = evaluator.run()
         log.log(0, start_eval, phase="rl_eval")
@@ -132,12 +139,15 @@ def rl_loop(
 
     if first > steps:  # the lost attempt had finished all its steps (and saved them)
         final = evaluator.run(steps)["eval_accuracy"]
+        recovery.close()
         client.close()
         return {"start_accuracy": start, "final_accuracy": final}
 
     def save(step: int, path: str) -> None:
         trainer.save(path, export_hf=cfg.rl.save_hf, step=step)
-        resume.write(out, resume.ResumePoint(step, path, start, warmup_accuracy))
+        state = rollout_state.save(out, step, stream.snapshot())
+        resume.write(out, resume.ResumePoint(step, path, start, warmup_accuracy, state))
+        rollout_state.prune(out, keep=state)
 
     def score(g: Group) -> Future[list[ScoreResult]]:
         return reward.score(score_items(task, [g.item] * len(g.rollouts), g.rollouts))
@@ -151,7 +161,10 @@ def rl_loop(
 
     drop = uniform if a.drop_uniform_groups else None
     stream = RolloutStream(client, score, lambda: next(prompts), sampling, gate, version,
-                           r.segment_tokens, drop_uniform=drop)  # fmt: skip
+                           r.segment_tokens, drop_uniform=drop,
+                           position=prompts.position)  # fmt: skip
+    if saved is not None:
+        print(f"rollout state of step {saved.step}: {stream.restore(saved)}", flush=True)
     stream.start()
     t_last = time.perf_counter()
     m: dict[str, float] = {}
@@ -161,9 +174,12 @@ def rl_loop(
             batch = build_batch([g.rollouts for g in groups], [g.rewards for g in groups],
                                 a.normalize_std, task.codec.pad_id, None, a.overlong,
                                 a.overlong_penalty)  # fmt: skip
-            m.update(trainer.train(step, batch))
+            with sync.lock:  # no server re-push between a step and the push of its weights
+                m.update(trainer.train(step, batch))
+                m.update(push(sync, client))
             m["train_s"], m["train_tokens_per_s"] = m.pop("step_seconds"), m.pop("tokens_per_s")
-            m.update(push(sync, client))
+            m.update(recovery.stats(), channel_rejected=float(rejected_total()))
+            rollout_state.log_trained(out, step, groups, client.take_requeued())
             version = sync.weight_version
             stream.commit(version)
             m.update(batch_metrics(groups, batch, cfg.reward.pass_threshold))
@@ -180,6 +196,7 @@ def rl_loop(
             if cfg.rl.save_interval and step % cfg.rl.save_interval == 0 and step < steps:
                 save(step, str(out / "checkpoint"))
     finally:
+        recovery.close()
         stream.close()
         client.close()
     save(steps, cfg.trainer.save_dir or str(out / "checkpoint"))
@@ -210,7 +227,9 @@ def batch_metrics(
 
 def push(sync: WeightSync, client: GeneratorClient) -> dict[str, float]:
     """DDMA the trainer's weights into every server as the next version; route rollouts
-    by it."""
-    stats = sync.push()
+    by it (a server lost meanwhile gets none until it is restarted and re-pushed)."""
+    stats = sync.push(skip=client.dead())
+    lost = stats.pop("lost")
     client.adopt_version(sync.weight_version)
-    return stats
+    out = {k: float(v) for k, v in stats.items() if isinstance(v, (int, float))}
+    return {**out, "sync_lost_servers": float(len(lost) if isinstance(lost, list) else 0)}

@@ -16,6 +16,11 @@ Partial rollouts: with ``segment_tokens`` a response is cut after that many new 
 and parked; it resumes (prompt + tokens so far) once a newer policy version is committed,
 or at once if the generator would otherwise sit idle. Every token keeps the behaviour
 log-prob and the version it was sampled with, so one response can span versions.
+
+Resume: :meth:`RolloutStream.snapshot` is what an RL checkpoint saves of the stream (every
+group drawn and not trained on, and the prompt stream's position; the file format is in
+rl/controller/rollout_state.py), and :meth:`RolloutStream.restore` takes it up in a
+resumed job before the thread starts.
 """
 
 from __future__ import annotations
@@ -26,8 +31,8 @@ import threading
 import time
 from collections import Counter, deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any, cast
 
 from rl.config.sampling import SamplingParams
 from rl.controller.staleness import StalenessGate
@@ -36,7 +41,7 @@ from rl.tasks.common import Example
 from rl.tasks.scoring import ScoreResult
 
 if TYPE_CHECKING:
-    from rl.generator.client import GeneratorClient
+    from rl.generator.client import GeneratorClient, RolloutFuture
 
 
 @dataclass
@@ -47,6 +52,8 @@ class Group:
     rollouts: list[Rollout] = field(default_factory=list)
     results: list[ScoreResult] | None = None
     done: int = 0
+    index: int = 0  # its prompt's place in the prompt stream (0: the run's first)
+    restored_at: int | None = None  # the checkpoint step it was carried over from
 
     @property
     def rewards(self) -> list[float]:
@@ -55,6 +62,18 @@ class Group:
     @property
     def versions(self) -> list[int]:
         return [v for r in self.rollouts for v in r.versions]
+
+
+@dataclass
+class StreamState:
+    """A consistent cut of the stream (:meth:`RolloutStream.snapshot`): with it, nothing
+    drawn from the prompt stream is lost or counted twice. Its file: rollout_state.py."""
+
+    step: int  # the RL step of the checkpoint it goes with (0 until saved)
+    version: int  # the newest weight version the generator held
+    drawn: int  # prompts drawn from the prompt stream since the run began
+    position: dict[str, Any]  # the prompt stream's: task.train_stream(position) goes on
+    groups: list[Group]  # drawn, not trained on; the scored queue first, in its order
 
 
 class RolloutStream:
@@ -69,16 +88,18 @@ class RolloutStream:
         segment_tokens: int | None = None,
         eager_resume: bool = True,
         drop_uniform: Callable[[Group], bool] | None = None,
+        position: Callable[[], dict[str, Any]] = dict,
     ) -> None:
         """``score(group)`` returns a future of the group's ``ScoreResult`` list.
         ``eager_resume=False``: parked rollouts wait for a newer version even when the
-        generator has nothing else to do (each segment then runs on a newer policy)."""
+        generator has nothing else to do (each segment then runs on a newer policy).
+        ``position()``: the prompt stream's position (``next_item``'s), for snapshots."""
         self.client, self.score, self.gate = client, score, gate
         self.eager_resume, self.drop_uniform = eager_resume, drop_uniform
-        self.next_item = next_item
+        self.next_item, self.position = next_item, position
         self.sampling, self.segment_tokens = sampling, segment_tokens
         self.first = self.committed = version
-        self.started = self.consumed = 0
+        self.started = self.consumed = self.drawn = 0
         self._ids = itertools.count()
         self._gen: dict[cf.Future, tuple[Group, int]] = {}  # segment -> (group, tokens before)
         self._scoring: dict[cf.Future, Group] = {}
@@ -91,6 +112,7 @@ class RolloutStream:
         # Per-window counters (reset by each next_batch).
         self._tokens = self._resumed = 0
         self._idle_s = 0.0
+        self._restored: dict[str, float] = {}  # what restore() carried over, for one window
         self._idle_since: float | None = time.perf_counter()
         self._window_start = time.perf_counter()
         self._thread = threading.Thread(target=self._run, name="rollout-stream", daemon=True)
@@ -142,7 +164,9 @@ class RolloutStream:
                 "lag_mean": sum(k * n for k, n in lags.items()) / len(batch),
                 "lag_max": float(max(lags)),
                 **{f"lag_{k}": float(n) for k, n in sorted(lags.items())},
+                **self._restored,
             }
+            self._restored = {}
             self._tokens = self._resumed = 0
             self._idle_s, self._window_start = 0.0, now
             if since is not None:
@@ -153,6 +177,65 @@ class RolloutStream:
     def parked(self) -> int:
         with self._cv:
             return len(self._parked)
+
+    def snapshot(self) -> StreamState:
+        """Everything drawn from the prompt stream and not yet trained on, with the
+        stream's position, taken under the lock (the thread draws prompts under it too):
+        scored groups in queue order, then groups being scored or generating. A sample
+        on a server is cut back to the tokens it had when its segment was sent (the
+        client may be appending to it right now). Copies: the stream runs on."""
+        with self._cv:
+            sent = {id(cast("RolloutFuture", f).rollout): n for f, (_, n) in self._gen.items()}
+            pending = [g for g, _ in self._gen.values()] + [g for g, _ in self._parked]
+            pending += self._scoring.values()
+            groups = {g.gid: g for g in [*self._ready, *pending]}  # queue order first
+
+            def cut(r: Rollout) -> Rollout:
+                n = sent.get(id(r))
+                if n is None:  # finished or parked: nothing changes it
+                    return replace(r, output_ids=list(r.output_ids), logprobs=list(r.logprobs),
+                                   versions=list(r.versions))  # fmt: skip
+                return replace(r, output_ids=r.output_ids[:n], logprobs=r.logprobs[:n],
+                               versions=r.versions[:n], finish_reason=None)  # fmt: skip
+
+            copies = [replace(g, rollouts=[cut(r) for r in g.rollouts],
+                              results=None if g.results is None else list(g.results))
+                      for g in groups.values()]  # fmt: skip
+            return StreamState(0, self.committed, self.drawn, self.position(), copies)
+
+    def restore(self, state: StreamState) -> dict[str, float]:
+        """Before :meth:`start`: take up a snapshot's groups under the version the
+        stream was built with. A group whose oldest token is already more than the
+        gate's lag behind can never be trained on: it is dropped and counted. Scored
+        groups go to the front of the queue, finished ones to the reward executor, and
+        unfinished samples resume at once from their tokens (under new request ids: the
+        old ones belong to the lost attempt's numbering)."""
+        carried = dropped = resumed = 0
+        with self._cv:
+            for g in state.groups:
+                v = g.versions
+                if v and self.committed - min(v) > self.gate.max_lag:
+                    dropped += 1
+                    continue
+                carried += 1
+                g.restored_at = state.step
+                g.done = sum(r.finished for r in g.rollouts)
+                if g.results is not None:
+                    self._ready.append(g)
+                elif g.done == len(g.rollouts):
+                    self._scoring[self.score(g)] = g
+                for r in g.rollouts:
+                    if not r.finished:
+                        r.rid = f"{r.rid}@{state.step}"
+                        self._parked.append((g, r))
+                        resumed += 1
+            self.started += carried
+            self.drawn = state.drawn
+            self._ids = itertools.count(max((g.gid for g in state.groups), default=-1) + 1)
+            self._resume_parked()
+            self._restored = {"resume_groups": float(carried), "resume_rollouts": float(resumed),
+                              "resume_dropped_groups": float(dropped)}  # fmt: skip
+        return dict(self._restored)
 
     def close(self) -> None:
         with self._cv:
@@ -202,7 +285,8 @@ class RolloutStream:
     def _start_groups(self) -> None:
         while self.gate.may_start(self.started, self.consumed, self.committed, self.first):
             item = self.next_item()
-            group = Group(next(self._ids), item, self.committed)
+            group = Group(next(self._ids), item, self.committed, index=self.drawn)
+            self.drawn += 1
             futures = self.client.submit(
                 list(item.prompt_ids),
                 self.sampling,

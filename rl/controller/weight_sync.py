@@ -6,16 +6,26 @@ begin (:meth:`SGLangTarget.begin`), let the trainer ranks send their own shards 
 the trainer's handle: ``connect`` once, ``join`` for p2p, ``push`` per version), then
 commit on every server, which swaps the version in only if every rank holds every bucket.
 A failed sync leaves every server on its previous version, and generation resumes on it.
+
+A server that stops answering during a sync (:class:`TransferError`: it died) is left out
+of that version and reported in ``lost``, and the version still lands on the others; when
+its generator rank has restarted it, :meth:`repush` gives it the current version, from
+the trainer ranks as usual. ``lock`` keeps a re-push between whole steps: it is held from
+a train step to the push of its weights, so what the trainer holds is always
+``weight_version`` when a re-push runs.
 """
 
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
+from collections.abc import Collection
 from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
 from rl.config.dtypes import torch_dtype
+from rl.ddma.engine import TransferError
 from rl.ddma.group import group_name
 from rl.ddma.plan import plan_for
 from rl.generator.ddma_target import SGLangTarget
@@ -43,6 +53,7 @@ class WeightSync:
         self.trainer, self.targets, self.transport = trainer, targets, transport
         self.weight_version = weight_version
         self.names: list[str] = []  # p2p: each server's DDMA group
+        self.lock = threading.RLock()
 
     @classmethod
     def connect(
@@ -54,7 +65,7 @@ class WeightSync:
         w, t = cfg.rollout.weight_sync, cfg.trainer
         plan = plan_for(cfg.model, t, cfg.rollout, dp=t.dp)
         dtype = torch_dtype(t.params_dtype)
-        targets = [SGLangTarget(u, plan, dtype, w.timeout) for u in urls]
+        targets = [SGLangTarget(u, plan, dtype, w.timeout, staging=w.staging) for u in urls]
         sync = cls(trainer, targets, w.transport, weight_version)
         where = trainer.connect(urls)
         if w.transport == "p2p":
@@ -72,31 +83,74 @@ class WeightSync:
             for t, name, port in zip(self.targets, self.names, ports, strict=True)
         ]
 
-    def push(self) -> dict[str, float]:
+    def push(self, skip: Collection[int] = ()) -> dict[str, float | list[int]]:
         """Make the trainer's current weights version ``weight_version + 1`` on every
-        server: begin on each, the trainer ranks send, commit on each. Raises after putting
-        every server back on its previous version if any part fails."""
-        version = self.weight_version + 1
+        server that answers: begin on each, the trainer ranks send, commit on each.
+        ``lost``: the servers that stopped answering (left on whatever they had). Raises
+        after putting every server back on its previous version if any other part fails.
+        ``skip``: servers known lost (being restarted; each gets a :meth:`repush`)."""
+        with self.lock:
+            which = [i for i in range(len(self.targets)) if i not in skip]
+            out = self._push(self.weight_version + 1, which)
+            self.weight_version += 1
+            return out
+
+    def repush(self, servers: list[int]) -> dict[str, float | list[int]]:
+        """Give restarted ``servers`` the version every other server serves, which is what
+        the trainer holds between steps (p2p: their DDMA groups died with them: join new
+        ones first)."""
+        with self.lock:
+            if self.transport == "p2p":
+                self._rejoin(servers)
+            return self._push(self.weight_version, servers)
+
+    def _rejoin(self, servers: list[int]) -> None:
+        where = self.trainer.reserve(len(servers))
+        address, ports = where["address"], where["ports"]
+        joined = []
+        for i, port in zip(servers, ports, strict=True):
+            self.names[i] = group_name(ports[0], i)
+            joined.append(self.targets[i].open_group(self.names[i], address, port))
+        self.trainer.join(address, ports, servers)
+        for f in joined:
+            f.result()
+
+    def _push(self, version: int, servers: list[int]) -> dict[str, float | list[int]]:
         t0 = time.perf_counter()
-        begun: list[SGLangTarget] = []
+        begun: list[int] = []
+        lost: list[int] = []
         committed = 0
         try:
-            for t in self.targets:
-                t.begin(version)
-                begun.append(t)
+            for i in servers:
+                try:
+                    self.targets[i].begin(version)
+                except TransferError:
+                    lost.append(i)
+                    continue
+                begun.append(i)
             received = []
             if self.transport == "p2p":
-                received = [t.receive(version, n) for t, n in zip(begun, self.names, strict=True)]
-            stats = self.trainer.push(version)
-            for f in received:
-                f.result()
-            for t in begun:
-                t.commit(version)  # aborts this server's version itself if it fails
+                received = [self.targets[i].receive(version, self.names[i]) for i in begun]
+            stats = self.trainer.push(version, begun)
+            for i, f in zip(begun, received, strict=False):
+                try:
+                    f.result()
+                except TransferError:  # the server died while receiving
+                    lost.append(i)
+            lost += [i for i in stats.pop("lost", []) if i not in lost]
+            for i in begun:
+                if i in lost:  # if it still lives, it resumes on its previous version
+                    with contextlib.suppress(Exception):
+                        self.targets[i].abort(version)
+                else:
+                    try:
+                        self.targets[i].commit(version)  # aborts its version itself on failure
+                    except TransferError:
+                        lost.append(i)
                 committed += 1
         except BaseException:
-            for t in begun[committed + 1 :]:
+            for i in begun[committed + 1 :]:
                 with contextlib.suppress(Exception):
-                    t.abort(version)
+                    self.targets[i].abort(version)
             raise
-        self.weight_version = version
-        return {**stats, "sync_s": time.perf_counter() - t0}
+        return {**stats, "lost": sorted(lost), "sync_s": time.perf_counter() - t0}

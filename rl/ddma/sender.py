@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from rl.ddma import group, wire
-from rl.ddma.engine import TransferStats
+from rl.ddma.engine import TransferError, TransferStats
 from rl.ddma.megatron_source import ParallelRank, shard_getter, source_rank
 from rl.ddma.plan import Plan
 
@@ -60,29 +60,41 @@ class Sender:
         self.rank = source_rank(layout, plan.src)
         self.getter = shard_getter(model, plan, self.rank)
         self.targets = [make_target(u, plan, dtype, timeout) for u in urls]
-        self.groups: list[dist.ProcessGroup] = []
+        self.groups: list[dist.ProcessGroup | None] = []
 
-    def join(self, address: str, ports: list[int]) -> None:
+    def join(self, address: str, ports: list[int], servers: list[int] | None = None) -> None:
         """p2p: join each server's DDMA group (blocks until that server's ranks join too;
-        the controller asks them to at the same time)."""
+        the controller asks them to at the same time). ``servers``: only these (restarted
+        servers, whose groups died with them), one port each; default every server."""
         world = self.plan.src.world + self.plan.dst.tp
-        for i, port in enumerate(ports):
+        which = range(len(ports)) if servers is None else servers
+        if not self.groups:
+            self.groups = [None] * len(self.targets)
+        for i, port in zip(which, ports, strict=True):
             name = group.group_name(ports[0], i)
-            self.groups.append(
-                group.join(address, port, world, self.rank, name, "gloo", self.timeout)
-            )
+            self.groups[i] = group.join(address, port, world, self.rank, name, "gloo", self.timeout)
 
-    def push(self, version: int) -> TransferStats:
-        """Send this rank's part of ``version`` to every server, one after the other."""
-        total = TransferStats()
-        for i, target in enumerate(self.targets):
-            if self.groups:
-                s = target.send(self.rank, self.getter, version, self.groups[i])
-            else:
-                s = target.stage(self.rank, self.getter, version)
+    def push(
+        self, version: int, servers: list[int] | None = None
+    ) -> tuple[TransferStats, list[int]]:
+        """Send this rank's part of ``version`` to ``servers`` (default: every server), one
+        after the other. A server that stops answering (:class:`TransferError`: it died) is
+        skipped and returned in the second item; the others still get the version."""
+        total, lost = TransferStats(), []
+        for i in range(len(self.targets)) if servers is None else servers:
+            target = self.targets[i]
+            try:
+                pg = self.groups[i] if self.groups else None
+                if pg is not None:
+                    s = target.send(self.rank, self.getter, version, pg)
+                else:
+                    s = target.stage(self.rank, self.getter, version)
+            except TransferError:
+                lost.append(i)
+                continue
             total.buckets += s.buckets
             total.payload_bytes += s.payload_bytes
             total.wire_bytes += s.wire_bytes
             total.seconds += s.seconds
             total.buffer_bytes = max(total.buffer_bytes, s.buffer_bytes)
-        return total
+        return total, lost

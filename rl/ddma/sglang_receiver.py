@@ -6,40 +6,88 @@ whose ``load_format`` is this function's import path (the server must list it in
 trainer rank hands every SGLang rank exactly that rank's buckets, already in SGLang's
 layout: no SGLang-side slicing, no full tensors.
 
-Why staging: a bucket is verified (plan digest, version, checksum) and scattered into a
-*staging copy* of the parameters, never into the live ones. Only when every bucket of the
-version has arrived on every rank (``prepare``) does ``commit`` copy the staging tensors
-into the model. A corrupt bucket, a version or architecture mismatch, or a trainer that
-dies mid-transfer therefore leaves the server serving the previous complete version.
-The price is one extra copy of the weights on the server (kept between versions).
+Every bucket is verified (plan digest, version, checksum) before a byte of it is written.
+Where it is written is the version's *staging* (``rollout.weight_sync.staging``, sent with
+the ``discard`` that opens a weight update):
 
-Two transports fill the staging copy. ``stage``: the entry's tensor is one bucket message
+* ``device``: a copy of the parameters on their device; only when every bucket of the
+  version has arrived on every rank (``prepare``) does ``commit`` copy it into the model.
+  A corrupt bucket, a version or architecture mismatch, or a trainer that dies
+  mid-transfer leaves the server serving the previous complete version. The price is a
+  second copy of the weights on the GPU (kept between versions: re-allocating it would
+  page-fault the whole model in again on every sync, measured 4x slower).
+* ``host``: the same, with the copy in host memory (pinned when CUDA is there), so the
+  GPU keeps that memory for the KV cache; ``commit`` copies host to device.
+* ``none``: straight into the live parameters while generation is paused. No copy, but
+  once a bucket is written the model is *torn* until a complete version is committed:
+  every status reports ``torn``, and the DDMA target keeps such a server paused and out of
+  routing rather than let it serve a half-updated model.
+
+Two transports fill the staging. ``stage``: the entry's tensor is one bucket message
 (shared memory on one host; CUDA IPC on GPU). ``recv``: this rank receives all its buckets
 point to point from the trainer ranks over a group SGLang created with
 ``/init_weights_update_group`` (found by name; trainer ranks first), which works across
 hosts and at any SGLang TP, each rank receiving only its own shards.
 
 Protocol: each entry is ``(json control, tensor)``. ``op`` is ``stage``, ``recv``,
-``prepare``, ``commit``, ``discard`` or ``noop`` (a rank with nothing in this request).
-The reply is a JSON status file per rank (``status`` path): SGLang's reply cannot carry
-it, and an exception here would kill SGLang's scheduler, so nothing may escape ``load``.
+``prepare``, ``commit``, ``discard``, ``state`` or ``noop`` (a rank with nothing in this
+request). The reply is a JSON status file per rank (``status``): SGLang's reply cannot
+carry it, and an exception here would kill SGLang's scheduler, so nothing may escape
+``load``. Status files are written only inside one directory, fixed when the server
+starts (:func:`status_dir`); a request naming a path elsewhere is refused and logged.
 """
 
 from __future__ import annotations
 
+import ctypes
 import json
+import logging
 import os
+import tempfile
 import time
 from collections import deque
 from dataclasses import dataclass, field
 from functools import lru_cache
+from pathlib import Path
 
 import torch
 
 from rl.config.dtypes import dtype_name, torch_dtype
+from rl.config.sglang import WEIGHT_STAGINGS
 from rl.ddma import engine, group, wire
 from rl.ddma.plan import DstLayout, Plan, SrcLayout, make_plan
 from rl.weights.keymap import Dims
+
+# The only directory status files go to; the DDMA target reads them from the same place.
+STATUS_DIR_ENV = "MSRL_DDMA_STATUS_DIR"
+log = logging.getLogger(__name__)
+
+
+@lru_cache(maxsize=1)
+def status_dir() -> Path:
+    """``$MSRL_DDMA_STATUS_DIR``, else a per-user directory under the temp dir; read once,
+    so a server's directory is the one it started with (owner-only, created if missing)."""
+    where = os.environ.get(STATUS_DIR_ENV) or Path(tempfile.gettempdir(), f"ddma-{os.getuid()}")
+    path = Path(os.path.realpath(where))
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    return path
+
+
+class StatusPathError(ValueError):
+    """A request asked for a status file outside :func:`status_dir`."""
+
+
+def status_path(requested: str, rank: int) -> Path:
+    """Where rank ``rank`` writes the status ``requested`` (``{rank}`` filled in): a file
+    directly inside :func:`status_dir`, or :class:`StatusPathError`."""
+    path = Path(requested.replace("{rank}", str(rank)))
+    root = status_dir()
+    if not path.name or path.name.startswith(".") or Path(os.path.realpath(path.parent)) != root:
+        raise StatusPathError(
+            f"DDMA status path {requested!r} is outside the server's status directory "
+            f"{root} (set by {STATUS_DIR_ENV} at server start): refused"
+        )
+    return root / path.name
 
 
 def plan_spec(plan: Plan, dtype: torch.dtype) -> str:
@@ -76,18 +124,10 @@ def plan_from_spec(spec: str) -> tuple[Plan, torch.dtype]:
 class Stage:
     version: int
     digest: int
+    staging: str
     staged: dict[str, torch.Tensor] = field(default_factory=dict)
     received: set[int] = field(default_factory=set)
     error: str | None = None
-
-
-_STATE: dict[str, Stage | None] = {"stage": None}
-# Staging tensors outlive a version: re-allocating them would page-fault the whole model
-# in again on every sync (measured: 4x slower scatter). One copy of the weights, kept.
-_STAGING: dict[str, torch.Tensor] = {}
-# The last messages received: holding them keeps their shared-memory mappings cached, so a
-# sender reusing its buffers costs no new mmap and page faults per bucket.
-_RECENT: deque[torch.Tensor] = deque(maxlen=16)
 
 
 def _tp_rank() -> int:
@@ -130,73 +170,145 @@ def architecture_errors(plan: Plan, params: dict[str, torch.Tensor], dtype: torc
     return "; ".join(problems[:4])
 
 
-def handle(model: torch.nn.Module, ctl: dict, tensor: torch.Tensor, rank: int) -> dict:
-    """Apply one control entry; returns the status to report (raises on bad input)."""
-    op = ctl["op"]
-    st = _STATE["stage"]
-    if op == "noop":
-        return {"ok": True}
-    if op == "discard":
-        _STATE["stage"] = None
-        return {"ok": True}
-    plan, dtype = plan_from_spec(ctl["plan"])
-    version = int(ctl["version"])
-    if st is None:  # the first bucket after begin (discard) opens the version
+class Receiver:
+    """One generator rank's DDMA state (one per SGLang worker process: :data:`RECEIVER`)."""
+
+    def __init__(self) -> None:
+        self.stage: Stage | None = None
+        self.staging = "device"  # for the next version (set by the discard that opens it)
+        self.torn: int | None = None  # staging none: the version written in place, incomplete
+        # Staging tensors outlive a version (see the module docstring), for one kind.
+        self.buffers: dict[str, torch.Tensor] = {}
+        self.buffers_kind: str | None = None
+        # The last messages received: holding them keeps their shared-memory mappings
+        # cached, so a sender reusing its buffers costs no new mmap and page faults.
+        self.recent: deque[torch.Tensor] = deque(maxlen=16)
+
+    def state(self) -> dict:
+        held = sum(t.numel() * t.element_size() for t in self.buffers.values())
+        return {"staging": self.staging, "staging_bytes": held, "torn": self.torn is not None}
+
+    def _open(self, model: torch.nn.Module, plan: Plan, dtype: torch.dtype, version: int) -> Stage:
         params = targets(model, plan)
         problem = architecture_errors(plan, params, dtype)
         if problem:
             raise ValueError(f"architecture mismatch: {problem}")
-        st = Stage(version, plan.digest)
+        st = Stage(version, plan.digest, self.staging)
+        if st.staging == "none":  # the live parameters themselves (paused meanwhile)
+            st.staged = {n: params[n].detach() for n in plan.dst_shapes}
+            return st
+        if self.buffers_kind != st.staging:
+            self.release()  # a copy of the other kind frees its memory first
+            self.buffers_kind = st.staging
+        pin = torch.cuda.is_available()
         for n in plan.dst_shapes:
-            p = params[n]
-            if n not in _STAGING or _STAGING[n].shape != p.shape or _STAGING[n].dtype != p.dtype:
-                _STAGING[n] = torch.empty_like(p)
-        st.staged = {n: _STAGING[n] for n in plan.dst_shapes}
-        _STATE["stage"] = st
-    elif (st.version, st.digest) != (version, plan.digest):
-        # Trainers disagree (a stale rank, another plan): the staged version cannot be
-        # complete and consistent any more, so it fails as a whole.
-        st.error = (
-            f"got {op} for version {version} (plan {plan.digest:#x}) while version "
-            f"{st.version} (plan {st.digest:#x}) is being staged"
-        )
-        raise ValueError(st.error)
-    if st.error is not None:
-        raise ValueError(f"version {version} already failed: {st.error}")
-    expected = {b.index: b for b in plan.receives(rank)}
-    if op == "recv":  # point-to-point from the trainer ranks over a DDMA group
-        src_ranks = list(range(plan.src.world))  # trainer ranks come first in the group
-        pg = group.find(ctl["group"])
-        engine.receive(plan, rank, st.staged.__getitem__, version, dtype, pg, src_ranks)
-        st.received.update(expected)
-        return {"ok": True, "received": len(st.received)}
-    if op == "stage":
-        head = wire.read_header(tensor)
-        b = expected.get(head["index"])
-        if b is None or head["dst"] != rank:
-            raise ValueError(f"bucket {head['index']} is not addressed to generator rank {rank}")
-        _RECENT.append(tensor)
-        wire.verify(tensor, plan, b, version)
-        wire.unpack(tensor, plan, b, st.staged.__getitem__, dtype)
-        st.received.add(b.index)
-        return {"ok": True, "received": len(st.received)}
-    missing = sorted(set(expected) - st.received)
-    if missing:
-        raise ValueError(
-            f"version {version}: {len(missing)} of {len(expected)} buckets never arrived "
-            f"(first missing: {missing[0]})"
-        )
-    wire.zero_fill(plan, rank, st.staged.__getitem__)  # padding rows: never sent
-    if op == "prepare":
-        return {"ok": True, "received": len(st.received)}
-    if op == "commit":
-        params = targets(model, plan)
-        with torch.no_grad():
-            for name, t in st.staged.items():
-                params[name].copy_(t)
-        _STATE["stage"] = None
-        return {"ok": True, "committed": version}
-    raise ValueError(f"unknown op {op!r}")
+            p, t = params[n], self.buffers.get(n)
+            if t is None or t.shape != p.shape or t.dtype != p.dtype:
+                if st.staging == "host":
+                    t = torch.empty(p.shape, dtype=p.dtype, device="cpu", pin_memory=pin)
+                else:
+                    t = torch.empty_like(p)
+                self.buffers[n] = t
+        st.staged = {n: self.buffers[n] for n in plan.dst_shapes}
+        return st
+
+    def handle(self, model: torch.nn.Module, ctl: dict, tensor: torch.Tensor, rank: int) -> dict:
+        """Apply one control entry; returns the status to report (raises on bad input)."""
+        op = ctl["op"]
+        if op == "noop":
+            return {"ok": True}
+        if op == "state":
+            return {"ok": True, **self.state()}
+        if op == "discard":  # opens a weight update: drops what a failed version left staged
+            staging = ctl.get("staging", "device")
+            if staging not in WEIGHT_STAGINGS:
+                raise ValueError(f"staging {staging!r} is not one of {WEIGHT_STAGINGS}")
+            self.stage, self.staging = None, staging
+            if staging == "none":
+                self.release()
+            return {"ok": True, **self.state()}
+        plan, dtype = plan_from_spec(ctl["plan"])
+        version = int(ctl["version"])
+        st = self.stage
+        if st is None:  # the first bucket after begin (discard) opens the version
+            st = self.stage = self._open(model, plan, dtype, version)
+        elif (st.version, st.digest) != (version, plan.digest):
+            # Trainers disagree (a stale rank, another plan): the staged version cannot be
+            # complete and consistent any more, so it fails as a whole.
+            st.error = (
+                f"got {op} for version {version} (plan {plan.digest:#x}) while version "
+                f"{st.version} (plan {st.digest:#x}) is being staged"
+            )
+            raise ValueError(st.error)
+        if st.error is not None:
+            raise ValueError(f"version {version} already failed: {st.error}")
+        expected = {b.index: b for b in plan.receives(rank)}
+        if op == "recv":  # point-to-point from the trainer ranks over a DDMA group
+            src_ranks = list(range(plan.src.world))  # trainer ranks come first in the group
+            pg = group.find(ctl["group"])
+            self._writing(st)
+            engine.receive(plan, rank, st.staged.__getitem__, version, dtype, pg, src_ranks)
+            st.received.update(expected)
+            return {"ok": True, "received": len(st.received)}
+        if op == "stage":
+            head = wire.read_header(tensor)
+            b = expected.get(head["index"])
+            if b is None or head["dst"] != rank:
+                raise ValueError(
+                    f"bucket {head['index']} is not addressed to generator rank {rank}"
+                )
+            self.recent.append(tensor)
+            wire.verify(tensor, plan, b, version)
+            self._writing(st)
+            wire.unpack(tensor, plan, b, st.staged.__getitem__, dtype)
+            st.received.add(b.index)
+            return {"ok": True, "received": len(st.received)}
+        missing = sorted(set(expected) - st.received)
+        if missing:
+            raise ValueError(
+                f"version {version}: {len(missing)} of {len(expected)} buckets never arrived "
+                f"(first missing: {missing[0]})"
+            )
+        wire.zero_fill(plan, rank, st.staged.__getitem__)  # padding rows: never sent
+        if op == "prepare":
+            return {"ok": True, "received": len(st.received), **self.state()}
+        if op == "commit":
+            if st.staging != "none":
+                params = targets(model, plan)
+                with torch.no_grad():
+                    for name, t in st.staged.items():
+                        params[name].copy_(t)
+            self.stage, self.torn = None, None  # whole again, whatever was torn before
+            return {"ok": True, "committed": version, **self.state()}
+        raise ValueError(f"unknown op {op!r}")
+
+    def release(self) -> None:
+        """Drop the staging copy and hand its memory back: the caching allocators (CUDA's,
+        pinned host memory's) and glibc's heap would otherwise keep it from everyone else."""
+        if not self.buffers:
+            return
+        self.buffers.clear()
+        self.buffers_kind = None
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+            getattr(torch._C, "_host_emptyCache", lambda: None)()
+        else:
+            try:
+                ctypes.CDLL("libc.so.6").malloc_trim(0)
+            except (OSError, AttributeError):  # not glibc: the memory stays reusable here
+                pass
+
+    def _writing(self, st: Stage) -> None:
+        if st.staging == "none":
+            self.torn = st.version  # from the first byte written until a commit
+
+    def failed(self, op: str | None, error: str) -> None:
+        """Poison the version being staged (a bucket or a request failed)."""
+        if self.stage is not None and op in ("stage", "recv"):
+            self.stage.error = error
+
+
+RECEIVER = Receiver()
 
 
 def load(model: torch.nn.Module, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
@@ -209,22 +321,28 @@ def load(model: torch.nn.Module, named_tensors: list[tuple[str, torch.Tensor]]) 
         t0 = time.perf_counter()
         try:
             ctl = json.loads(name)
-            status = handle(model, ctl, tensor, rank)
+            path = status_path(str(ctl["status"]), rank) if ctl.get("status") else None
+        except Exception as e:  # nowhere to report but the server's log
+            log.error("DDMA generator rank %d: %s: %s", rank, type(e).__name__, e)
+            RECEIVER.failed("stage", f"a request was refused: {e}")
+            continue
+        try:
+            status = RECEIVER.handle(model, ctl, tensor, rank)
             status["seconds"] = time.perf_counter() - t0
         except Exception as e:
             status = {"ok": False, "error": f"generator rank {rank}: {type(e).__name__}: {e}"}
-            st = _STATE["stage"]
-            if st is not None and ctl.get("op") in ("stage", "recv"):
-                st.error = status["error"]
-        if ctl.get("status"):
-            _write_status(ctl["status"].format(rank=rank), status)
+            status["torn"] = RECEIVER.torn is not None
+            RECEIVER.failed(ctl.get("op"), status["error"])
+        if path is not None:
+            _write_status(path, status)
 
 
-def _write_status(path: str, status: dict) -> None:
-    try:
-        tmp = f"{path}.tmp"
-        with open(tmp, "w") as f:
+def _write_status(path: Path, status: dict) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    try:  # no symlink followed: the directory is the server's, the names the caller's
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+        with os.fdopen(fd, "w") as f:
             json.dump(status, f)
         os.replace(tmp, path)
-    except OSError:
-        pass  # the sender then reports a missing status, naming this path
+    except OSError as e:  # the sender then reports a missing status, naming this path
+        log.error("DDMA status %s not written: %s", path, e)

@@ -12,28 +12,46 @@ protocol slip fails where it happens with both type names. Any executor that rai
 the remote traceback, so the controller never waits out a timeout for a dead peer.
 The libuv store refuses values over 8 MB: larger messages go as chunks under their own
 keys, with only a small descriptor in the queue (several writers may share a queue).
+
+The store listens on every interface, so what ``get`` pops is untrusted until checked.
+Messages are encoded by :mod:`rl.dist.codec` (a schema codec: decoding never runs code
+the bytes name) and carry an HMAC-SHA256 tag under the job's key
+(:mod:`rl.dist.secret`) over the channel's name, the writer's id and sequence number and
+the whole (reassembled) message: a message cannot be forged, moved to another channel,
+nor replayed on its own. A message that fails any check is dropped, counted
+(:attr:`Channel.rejected`, :func:`rejected_total`) and logged in one line, and ``get``
+goes on waiting for the next one.
 """
 
 from __future__ import annotations
 
-import io
 import itertools
 import json
+import logging
 import os
+import secrets
 import threading
-import uuid
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, TypeVar
 
-import torch
+from rl.dist import codec, secret
 
 if TYPE_CHECKING:
     from torch.distributed import Store
 
 CHUNK = 4 << 20
 M = TypeVar("M")
+# A queued value: kind (1 byte) | tag (32) | writer id (16) | sequence number (8) | body,
+# the body being the message itself (inline) or the JSON list of its chunks' keys.
 _INLINE, _BLOB = b"I", b"B"
+_WRITER, _SEQ = 16, 8
+_PREFIX = 1 + secret.TAG_BYTES + _WRITER + _SEQ
+_MAX_CHUNKS = 1 << 12  # 16 GB of chunks: more is not a message of ours
+log = logging.getLogger(__name__)
+_rejected_lock = threading.Lock()
+_rejected_total = 0
 
 
 class ChannelError(RuntimeError):
@@ -43,6 +61,17 @@ class ChannelError(RuntimeError):
 class ChannelTimeout(ChannelError):
     """No message arrived within the wait: for a rank that idles by design (a generator
     rank between start and stop), the normal state, not a failure."""
+
+
+class _Rejected(Exception):
+    """A popped value that is not an authentic message of the channel (internal)."""
+
+
+def rejected_total() -> int:
+    """Messages every channel of this process has dropped (bad tag, undecodable, not a
+    declared type, replayed): a metric for the controller; above 0, someone other than
+    the job writes to its store."""
+    return _rejected_total
 
 
 class RemoteError(RuntimeError):
@@ -66,62 +95,126 @@ def _store_error() -> type[BaseException]:
 
 class Channel:
     """``put`` from any rank, ``get`` on the one reader. One connection per instance: make
-    one instance per thread that uses it (a blocking ``get`` holds its connection)."""
+    one instance per thread that uses it (a blocking ``get`` holds its connection).
+    ``key`` is the job's secret (:func:`rl.dist.secret.load`), the same on every rank."""
 
-    def __init__(self, store: Store, name: str, types: tuple[type, ...], timeout: float):
+    def __init__(
+        self, store: Store, name: str, types: tuple[type, ...], timeout: float, key: bytes
+    ):
+        if len(key) < 16:
+            raise ChannelError(f"channel {name!r}: the job's key is missing or too short")
         self.store = store.clone()
         self.name, self.types, self.timeout = name, tuple(types), timeout
+        self._schema = (*self.types, Failed)
+        try:  # a type the codec cannot carry fails here, not at the first message
+            codec.check_types(self._schema)
+        except codec.CodecError as e:
+            raise ChannelError(f"channel {name!r}: {e}") from None
+        self._key, self._scope = key, b"msrl/channel\0" + name.encode() + b"\0"
         self._lock = threading.Lock()
-        self._ids = itertools.count()
+        self._writer, self._seq = secrets.token_bytes(_WRITER), itertools.count(1)
+        self._last: dict[bytes, int] = {}  # writer -> last sequence number read
+        self.rejected = 0  # messages dropped by this endpoint
 
     def put(self, msg: object) -> None:
-        if not isinstance(msg, (*self.types, Failed)):
+        if not isinstance(msg, self._schema):
             raise ChannelError(
                 f"channel {self.name!r} carries {self._names()}, not {type(msg).__name__}"
             )
-        buf = io.BytesIO()
-        torch.save(msg, buf)
-        data = buf.getvalue()
+        try:
+            data = codec.encode(msg, self._schema)
+        except codec.CodecError as e:
+            raise ChannelError(f"channel {self.name!r}: cannot send {e}") from None
         with self._lock:
+            seq = next(self._seq)
+            stamp = self._writer + seq.to_bytes(_SEQ, "big")
+            head = secret.sign(self._key, self._scope + stamp + data) + stamp
             if len(data) <= CHUNK:
-                self.store.queue_push(self.name, _INLINE + data)
+                self.store.queue_push(self.name, _INLINE + head + data)
                 return
-            blob = f"{self.name}/blob/{os.getpid()}-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
+            blob = f"{self.name}/blob/{os.getpid()}-{self._writer.hex()}-{seq}"
             keys = [f"{blob}/{i}" for i in range(0, len(data), CHUNK)]
             for key, i in zip(keys, range(0, len(data), CHUNK), strict=True):
                 # Store.set takes bytes too (torch's stub says str only).
                 self.store.set(key, data[i : i + CHUNK])  # type: ignore[arg-type]
-            self.store.queue_push(self.name, _BLOB + json.dumps(keys).encode())
+            self.store.queue_push(self.name, _BLOB + head + json.dumps(keys).encode())
 
     def get(self, timeout: float | None = None) -> object:
-        """The next message (blocks up to ``timeout``, default the channel's): one of the
-        channel's types, which the caller tells apart (or :meth:`expect` one)."""
+        """The next authentic message (blocks up to ``timeout``, default the channel's):
+        one of the channel's types, which the caller tells apart (or :meth:`expect` one).
+        Anything else popped meanwhile is dropped and counted, and the wait goes on."""
         wait = self.timeout if timeout is None else timeout
+        deadline = time.monotonic() + wait
         with self._lock:
-            self.store.set_timeout(timedelta(seconds=wait))
-            try:
-                raw = self.store.queue_pop(self.name)
-                if raw[:1] == _BLOB:
-                    keys = json.loads(raw[1:])
-                    data = b"".join(self.store.multi_get(keys))
-                    for key in keys:
-                        self.store.delete_key(key)
-                else:
-                    data = raw[1:]
-            except _store_error() as e:
-                if "timeout" in str(e).lower():
-                    raise ChannelTimeout(
-                        f"no message on channel {self.name!r} within {wait:.0f}s"
-                    ) from None
-                raise
-        msg = torch.load(io.BytesIO(data), weights_only=False)
+            while True:
+                raw = self._pop(deadline - time.monotonic(), wait)
+                try:
+                    msg = self._open(raw)
+                    break
+                except _Rejected as e:
+                    self._reject(str(e))
         if isinstance(msg, Failed):
             raise RemoteError(f"{msg.role} rank {msg.rank} failed:\n{msg.error}")
-        if not isinstance(msg, self.types):
-            raise ChannelError(
-                f"channel {self.name!r} expected {self._names()}, got {type(msg).__name__}"
-            )
         return msg
+
+    def _pop(self, left: float, wait: float) -> bytes:
+        timed_out = ChannelTimeout(f"no message on channel {self.name!r} within {wait:.0f}s")
+        if left <= 0:
+            raise timed_out
+        self.store.set_timeout(timedelta(seconds=left))
+        try:
+            return self.store.queue_pop(self.name)
+        except _store_error() as e:
+            if "timeout" in str(e).lower():
+                raise timed_out from None
+            raise
+
+    def _open(self, raw: bytes) -> object:
+        """The message in one popped value, or :class:`_Rejected` saying why not."""
+        t = 1 + secret.TAG_BYTES
+        kind, tag, stamp, body = raw[:1], raw[1:t], raw[t:_PREFIX], raw[_PREFIX:]
+        if len(raw) < _PREFIX or kind not in (_INLINE, _BLOB):
+            raise _Rejected(f"{len(raw)}-byte value of kind {kind!r} is not a channel message")
+        data = body if kind == _INLINE else self._chunks(body)
+        if not secret.verify(self._key, self._scope + stamp + data, tag):
+            raise _Rejected("bad tag (not signed with the job's key for this channel)")
+        writer, seq = stamp[:_WRITER], int.from_bytes(stamp[_WRITER:], "big")
+        if seq <= self._last.get(writer, 0):
+            raise _Rejected(f"replayed message (writer {writer.hex()[:8]} sequence {seq})")
+        self._last[writer] = seq
+        try:
+            return codec.decode(data, self._schema)
+        except codec.CodecError as e:
+            raise _Rejected(f"undecodable: {e}") from None
+
+    def _chunks(self, body: bytes) -> bytes:
+        """A chunked message, reassembled from the keys its descriptor lists (which must be
+        this channel's chunk keys, all present: a forged list must not block the reader)."""
+        try:
+            keys = json.loads(body)
+        except ValueError:
+            raise _Rejected("chunk descriptor is not JSON") from None
+        prefix = f"{self.name}/blob/"
+        if not (
+            isinstance(keys, list)
+            and 0 < len(keys) <= _MAX_CHUNKS
+            and all(isinstance(k, str) and k.startswith(prefix) for k in keys)
+        ):
+            raise _Rejected(f"chunk descriptor is not a list of {prefix}* keys")
+        if not self.store.check(keys):
+            raise _Rejected("chunk descriptor names keys that do not exist")
+        data = b"".join(self.store.multi_get(keys))
+        for key in keys:
+            self.store.delete_key(key)
+        return data
+
+    def _reject(self, why: str) -> None:
+        global _rejected_total
+        self.rejected += 1
+        with _rejected_lock:
+            _rejected_total += 1
+        why = why.replace("\n", " ")  # one line, whatever a peer's error held
+        log.warning("channel %r: dropped a message: %s", self.name, why[:400])
 
     def wait(self) -> object:
         """The next message, however long it takes: for an executor's inbox, where no

@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import TYPE_CHECKING
 
@@ -38,10 +38,12 @@ class Job:
     roles: RoleMap
     store: Store  # the job's store, shared by every rank (the channels' queues)
     timeout: float
+    # The job's key (rl.dist.secret), which signs every channel message; kept out of repr.
+    secret: bytes = field(repr=False)
 
     def channel(self, name: str, *types: type) -> Channel:
         """A new endpoint (own connection) of channel ``name`` carrying ``types``."""
-        return Channel(self.store, name, types, self.timeout)
+        return Channel(self.store, name, types, self.timeout, self.secret)
 
     def role_size(self, role: str | None = None) -> int:
         return len(self.roles.ranks(role or self.role))
@@ -86,6 +88,9 @@ def join(cfg: RootConfig, device: str = "cpu") -> Job:
     import torch
     import torch.distributed as dist
 
+    from rl.dist import secret
+
+    key = secret.load()  # first: a rank without the job's key must not join
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     roles = RoleMap.from_config(cfg)
     roles.check_world(world)
@@ -103,4 +108,4 @@ def join(cfg: RootConfig, device: str = "cpu") -> Job:
         world_size=len(roles.ranks(role)),
         timeout=timedelta(seconds=timeout),
     )
-    return Job(rank, world, role, role_rank, roles, store, timeout)
+    return Job(rank, world, role, role_rank, roles, store, timeout, key)

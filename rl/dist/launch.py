@@ -4,6 +4,19 @@ Why our own spawner: configs are validated in the parent *before* any rank exist
 rank must apply the Megatron CPU patches before importing Megatron, and a rank that dies
 must fail the whole run with its traceback instead of leaving the others hung in a
 collective. Under torchrun (RANK/WORLD_SIZE set) the same worker function runs in place.
+
+How a run ends, in every case, with one message and no process left behind:
+
+* a rank raises, exits without a result, is killed, or one of its threads dies: the
+  launcher names it (``names``: e.g. "trainer rank 1"), shows its last lines and kills
+  every process of the job (rl/dist/tree.py finds them, orphans included);
+* SIGTERM or SIGINT to the launcher: the same sweep, then :class:`Stopped`, whose
+  message says what was stopped (and, through ``saved``, what is on disk);
+* success: each rank's result, then a short wait for the ranks to exit and a sweep of
+  whatever they left (a ``torch_shm_manager``, a Manager).
+
+Each rank leads a process group of its own, so a terminal's Ctrl-C reaches the launcher
+only, and each rank's output passes through the launcher (rl/dist/rank_output.py).
 """
 
 from __future__ import annotations
@@ -12,6 +25,9 @@ import contextlib
 import io
 import logging
 import os
+import signal
+import sys
+import threading
 import time
 import traceback
 import warnings
@@ -23,10 +39,15 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from rl.dist import tree
 from rl.dist.net import free_port
+from rl.dist.rank_output import RankOutput, redirect_into
+from rl.dist.supervise import RankFailed, Supervisor
 
 if TYPE_CHECKING:
+    from multiprocessing.connection import Connection
     from multiprocessing.queues import Queue
+    from types import FrameType
 
 R = TypeVar("R")
 
@@ -85,6 +106,49 @@ def under_launcher() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
+class Stopped(RuntimeError):
+    """SIGTERM or SIGINT reached the launcher; every process of the job is gone."""
+
+    def __init__(self, signum: int, message: str):
+        super().__init__(message)
+        self.signum = signum
+
+    @property
+    def exit_code(self) -> int:
+        """The shell's convention for a process ended by this signal (130, 143)."""
+        return 128 + self.signum
+
+
+class _Signalled(BaseException):
+    """Raised by the launcher's handler in its main thread, wherever that thread is."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+def install_thread_hook(report: Callable[[str], None] | None = None) -> None:
+    """End this rank when any of its threads dies of an exception, after ``report`` (by
+    default: print to stderr). Why: a dead reply or listener thread otherwise leaves the
+    job waiting for an answer that never comes, silently, until some timeout."""
+
+    def hook(a: threading.ExceptHookArgs) -> None:
+        if a.exc_type is SystemExit:
+            return
+        name = a.thread.name if a.thread is not None else "?"
+        text = "".join(traceback.format_exception(a.exc_type, a.exc_value, a.exc_traceback))
+        try:
+            (report or _print_error)(f"thread {name!r} died:\n{text}")
+        finally:
+            os._exit(1)
+
+    threading.excepthook = hook
+
+
+def _print_error(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
+
+
 def _child(
     rank: int,
     world_size: int,
@@ -96,8 +160,22 @@ def _child(
     results: Queue[tuple[int, bool, bytes | str]],  # (rank, ok, its result or traceback)
     setup: bool = True,
     parent: int = 0,
+    out_w: Connection | None = None,
+    err_w: Connection | None = None,
 ) -> None:
+    # A group of its own: a terminal's Ctrl-C goes to the launcher alone, which then ends
+    # every rank at once instead of each rank printing its own KeyboardInterrupt.
+    os.setpgid(0, 0)
     die_with_parent(parent)
+    if out_w is not None and err_w is not None:
+        redirect_into(out_w, err_w)
+
+    def report(text: str) -> None:
+        results.put((rank, False, text))
+        results.close()
+        results.join_thread()  # delivered before the rank ends
+
+    install_thread_hook(report)
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -115,12 +193,23 @@ def _child(
         buf = io.BytesIO()
         torch.save(out, buf)
         results.put((rank, True, buf.getvalue()))
+        code = 0
     except BaseException:
+        # The launcher prints this once, under the rank's name: no second copy from here.
         results.put((rank, False, traceback.format_exc()))
-        raise
+        code = 1
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+    # Leave at once: the interpreter's and multiprocessing's exit work (finalizers, a
+    # Manager's shutdown, freeing a GB of tensors and modules) took 3-5 s per rank after
+    # its result was in, and whatever a rank leaves running the launcher sweeps anyway.
+    results.close()
+    results.join_thread()  # the result is delivered first
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):
+            stream.flush()
+    os._exit(code)
 
 
 def spawn(
@@ -131,72 +220,87 @@ def spawn(
     threads: int = 1,
     timeout_s: float = 900.0,
     setup: bool = True,
+    names: Callable[[int], str] | None = None,
+    saved: Callable[[], str] | None = None,
 ) -> list[R]:
     """Run ``fn(*args)`` on ``world_size`` fresh local ranks; return each rank's result.
 
-    ``fn`` must be importable (module level). If any rank raises, the others are killed and
-    a RuntimeError carries the first failing rank's traceback. With ``setup`` every rank
-    joins one default process group over all ranks first; without, ``fn`` sets up its own
-    (e.g. one group per executor role).
+    ``fn`` must be importable (module level). If any rank raises, dies or loses a thread,
+    every process of the job is killed and :class:`RankFailed` names the rank
+    (``names(rank)``, default "rank N") with its error and last lines. SIGTERM/SIGINT
+    kill them as well and raise :class:`Stopped`, whose message ends with ``saved()``.
+    With ``setup`` every rank joins one default process group over all ranks first;
+    without, ``fn`` sets up its own (e.g. one group per executor role).
     """
+    name = names or (lambda r: f"rank {r}")
+    _quiet_resource_tracker()
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
+    tree.become_subreaper()
+    outputs = [RankOutput(ctx) for _ in range(world_size)]
+    common = (world_size, port, device, threads, fn, args, results, setup, os.getpid())
     procs = [
-        ctx.Process(
-            target=_child,
-            args=(r, world_size, port, device, threads, fn, args, results, setup, os.getpid()),
-            daemon=False,
-        )
+        ctx.Process(target=_child, args=(r, *common, *outputs[r].write_ends), daemon=False)
         for r in range(world_size)
     ]
-    for p in procs:
-        p.start()
-    out: dict[int, R] = {}
-    deadline = time.monotonic() + timeout_s
-    try:
-        while len(out) < world_size:
-            try:
-                rank, ok, payload = results.get(timeout=1.0)
-            except Exception:  # queue.Empty: check for ranks that died without a word
-                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
-                if dead and not any(r in out for r in dead):
-                    raise RuntimeError(
-                        f"rank {dead[0]} exited with code {procs[dead[0]].exitcode} "
-                        "without reporting a result"
-                    ) from None
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"ranks did not finish within {timeout_s:.0f}s") from None
-                continue
-            if not ok:
-                raise RuntimeError(f"rank {rank} failed:\n{payload}")
-            out[rank] = torch.load(io.BytesIO(payload), weights_only=False)
-        # Poll the exit status (waitpid) instead of join(), which waits for EOF on the
-        # rank's sentinel pipe: a daemon the rank started (torch_shm_manager, kept alive
-        # while a server still maps the rank's shared memory) inherits that pipe and held
-        # join() for its full 60 s after the rank had exited.
-        end = time.monotonic() + 60
-        for p in procs:
-            while p.exitcode is None and time.monotonic() < end:
-                time.sleep(0.05)
-    finally:
-        for p in procs:
-            if p.pid is not None and p.is_alive():
-                _kill_tree(p.pid)
-                p.join()
-    return [out[r] for r in range(world_size)]
+    sup = Supervisor(procs, outputs, results, name)
+    with _stop_signals() as stopping:
+        try:
+            for p, o in zip(procs, outputs, strict=True):
+                p.start()
+                o.start()
+            payloads = sup.gather(timeout_s)
+            sup.finish()
+        except _Signalled as sig:
+            stopping.set()
+            t0 = time.monotonic()
+            what = sup.kill_everything()
+            sig_name = signal.Signals(sig.signum).name
+            done = f"stopped by {sig_name} in {time.monotonic() - t0:.1f}s: {what}"
+            raise Stopped(sig.signum, f"{done}; {saved()}" if saved else done) from None
+        except RankFailed as e:
+            stopping.set()
+            sup.kill_everything()
+            raise RankFailed(f"{e}\n(every rank stopped; {saved()})" if saved else str(e)) from None
+        except BaseException:
+            stopping.set()
+            sup.kill_everything()
+            raise
+        finally:
+            tree.become_subreaper(False)
+    return [torch.load(io.BytesIO(payloads[r]), weights_only=False) for r in range(world_size)]
 
 
-def _kill_tree(pid: int) -> None:
-    """Kill a rank and whatever it started (e.g. the multiprocessing Manager that Megatron's
-    checkpoint saving starts), which would otherwise outlive it as an orphan."""
-    import psutil
+def _quiet_resource_tracker() -> None:
+    """The ranks share this process's multiprocessing resource tracker, which unlinks what
+    a rank killed on purpose left registered (its queues' semaphores) and then warns about
+    each "leak" after the job's last line. It takes its warning filters from this
+    process's -W options when it starts (with the first queue), so give it one."""
+    quiet = "ignore:resource_tracker:UserWarning"
+    if quiet not in sys.warnoptions:
+        sys.warnoptions.append(quiet)
 
-    try:
-        rank = psutil.Process(pid)
-        family = [*rank.children(recursive=True), rank]
-    except psutil.NoSuchProcess:
+
+@contextlib.contextmanager
+def _stop_signals() -> Any:
+    """SIGTERM/SIGINT raise :class:`_Signalled` in the launcher's main thread until the
+    yielded event is set (then they are ignored: the sweep under way must not be cut);
+    the previous handlers come back on exit. Installed here, in the launching process
+    only, and only while it supervises ranks."""
+    stopping = threading.Event()
+    if threading.current_thread() is not threading.main_thread():
+        yield stopping
         return
-    for proc in family:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            proc.kill()
+
+    def handler(signum: int, frame: FrameType | None) -> None:
+        if not stopping.is_set():
+            stopping.set()
+            raise _Signalled(signum)
+
+    previous = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield stopping
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)

@@ -17,8 +17,9 @@ import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from rl.dist import ckpt_files
+
 STATE = "rl_state.json"
-RL_PHASES = ("rl", "rl_eval")
 
 
 @dataclass(frozen=True)
@@ -27,56 +28,78 @@ class ResumePoint:
     checkpoint: str
     start_accuracy: float  # held-out accuracy of the warm-up checkpoint (the baseline)
     warmup_accuracy: float | None
+    # The controller's rollout state saved with the checkpoint (rl/controller/rollout_state.py),
+    # relative to the run dir; None in states written before it was saved.
+    rollouts: str | None = None
 
 
 class ResumeError(ValueError):
     """A resume state that cannot be used (corrupt, or its checkpoint is gone)."""
 
 
-def read(out_dir: str | os.PathLike) -> ResumePoint | None:
-    """The point to resume from, or None for a fresh run."""
+MODES = ("auto", "never")
+
+
+def read(out_dir: str | os.PathLike, mode: str = "auto") -> ResumePoint | None:
+    """The point to resume from, or None for a fresh run. ``mode`` is ``rl.resume``:
+    ``never`` refuses a run dir that holds a resume point rather than overwrite its
+    checkpoints and records with a fresh run's."""
+    if mode not in MODES:
+        raise ResumeError(f"rl.resume={mode!r} must be one of {', '.join(MODES)}")
     path = Path(out_dir) / STATE
     if not path.exists():
         return None
+    if mode == "never":
+        raise ResumeError(
+            f"rl.resume=never but {path} holds a resume point: give a new run.output_dir, "
+            "or rl.resume=auto to continue that run"
+        )
     try:
         point = ResumePoint(**json.loads(path.read_text()))
     except (json.JSONDecodeError, TypeError) as e:
         raise ResumeError(f"{path}: unreadable resume state ({e}); delete it to start over") from e
-    if not Path(point.checkpoint).is_dir():
+    try:  # a kill mid-save leaves the recorded checkpoint under .old, or a .tmp behind
+        for what in ckpt_files.recover(point.checkpoint, point.step):
+            print(f"resume: {what}", flush=True)
+    except FileNotFoundError:
         raise ResumeError(
-            f"{path}: step {point.step}'s checkpoint {point.checkpoint!r} is missing; "
+            f"{path}: step {point.step}'s checkpoint {point.checkpoint!r} is missing or "
+            "incomplete; delete the state file to start over"
+        ) from None
+    if point.rollouts is not None and not (Path(out_dir) / point.rollouts).is_file():
+        raise ResumeError(
+            f"{path}: step {point.step}'s rollout state {point.rollouts!r} is missing; "
             "delete the state file to start over"
         )
     return point
 
 
 def write(out_dir: str | os.PathLike, point: ResumePoint) -> None:
-    """Record ``point`` atomically (after its checkpoint is complete on disk)."""
+    """Record ``point`` atomically (after its checkpoint is complete on disk); then the
+    checkpoint it replaces (``<checkpoint>.old``) goes."""
+    ckpt_files.mark(point.checkpoint, point.step)  # first: read() tells the two apart
     path = Path(out_dir) / STATE
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(asdict(point), indent=1) + "\n")
     os.replace(tmp, path)
+    ckpt_files.drop_previous(point.checkpoint)
 
 
-def truncate_metrics(metrics: str | os.PathLike, step: int) -> int:
-    """Drop the RL records after ``step`` (logged by an attempt that died before its next
-    checkpoint); return how many were dropped."""
-    path = Path(metrics)
-    if not path.exists():
-        return 0
-    keep, dropped = [], 0
-    for line in path.read_text().splitlines():
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError:  # a line cut short by the kill
-            dropped += 1
-            continue
-        if rec.get("phase") in RL_PHASES and rec.get("step", 0) > step:
-            dropped += 1
-        else:
-            keep.append(line)
-    if dropped:
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text("".join(x + "\n" for x in keep))
-        os.replace(tmp, path)
-    return dropped
+def describe(out_dir: str | os.PathLike) -> str:
+    """What a stopped run leaves to resume from, in words (never raises)."""
+    out = Path(out_dir)
+    try:
+        point = json.loads((out / STATE).read_text())
+        step, ckpt = int(point["step"]), str(point["checkpoint"])
+    except (OSError, ValueError, KeyError, TypeError):
+        step, ckpt = -1, ""
+    if step >= 0:
+        try:  # a save cut short by the stop is sorted out now, not at the next start
+            ckpt_files.recover(ckpt, step)
+            return f"saved: RL step {step} in {ckpt} (a restart resumes there)"
+        except OSError:
+            pass
+    for name in ("warmup", "checkpoint"):
+        if ckpt_files.complete(out / name):
+            return f"saved: the warm-up checkpoint {out / name} (no RL step yet)"
+    return f"saved: no checkpoint yet in {out}"

@@ -12,6 +12,12 @@ Weight updates follow SGLang's protocol: pause (``retract`` keeps requests queue
 server and resumes them under the new weights, with per-token version spans), begin, load
 the buckets, end, flush the prefix cache (stale KV from old weights must not be reused),
 check the server reports the new version, continue.
+
+Lost servers: a request whose server stops answering is re-queued on another live server
+(the rollout keeps every token it had, with their versions; what the lost server was
+generating is gone and sampled again), and that server gets nothing more until
+:meth:`revive`. With ``wait_for_server`` > 0 a request that finds no server ready waits
+that long for one (its generator rank restarts it) instead of failing at once.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import concurrent.futures as cf
 import contextlib
 import itertools
 import threading
+import time
 from collections.abc import Coroutine, Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar, cast
@@ -38,6 +45,7 @@ if TYPE_CHECKING:
     from rl.config.schema import RolloutConfig
 
 _seq = itertools.count()
+_LOST = object()  # what _all records for a server that did not answer
 T = TypeVar("T")
 
 
@@ -49,16 +57,22 @@ class RolloutFuture(cf.Future[Rollout]):
         self.rollout = rollout
 
 
+class ServerLost(ServerError):
+    """A server that stopped answering: marked dead; its requests are re-queued."""
+
+
 class GeneratorClient:
     def __init__(
         self,
         urls: list[str],
         limits: ModelLimits,
         *,
+        keys: api.ServerKeys,  # the servers' keys (launcher.keys, or api.job_keys())
         max_in_flight: int = 64,
         request_timeout: float = 600.0,
         launcher: ServerLauncher | None = None,
         tp: int = 1,
+        wait_for_server: float = 0.0,
     ):
         if not urls:
             raise ServerError("generator client needs at least one server URL")
@@ -67,6 +81,7 @@ class GeneratorClient:
         use_file_system_sharing()
         self.urls = list(urls)
         self.limits = limits
+        self.keys = keys
         self.launcher = launcher
         self.tp = tp  # TP ranks per server: weight payloads carry one entry per rank
         self._timeout = aiohttp.ClientTimeout(total=request_timeout)
@@ -78,12 +93,22 @@ class GeneratorClient:
         self._stale: set[int] = set()
         self._active: dict[str, tuple[int, str]] = {}  # rollout rid -> (server, SGLang rid)
         self._user_aborted: set[str] = set()
+        self.wait_for_server = wait_for_server
+        self.requeued = 0  # rollouts re-sent after their server was lost
+        self.requeued_rids: list[str] = []  # their ids, for the run's rollout ledger
+        self.no_server_s = 0.0  # seconds with requests waiting and no server ready
+        self._no_server_since: float | None = None
+        self._failure_error: BaseException | None = None
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
         self._thread.start()
         self._session: aiohttp.ClientSession = self._call(self._make_session())
         self._slots = [self._call(self._make_slots()) for _ in urls]
+        self._ready_event: asyncio.Event = self._call(self._make_event())
         versions = self.weight_versions()
+        if not versions:
+            self.close()
+            raise ServerError(f"no generator server answers at {urls}")
         if len(set(versions)) != 1:
             self.close()
             raise ServerError(f"generator servers serve different weight versions: {versions}")
@@ -95,16 +120,22 @@ class GeneratorClient:
     ) -> GeneratorClient:
         cfg = launcher.config
         limits = ModelLimits.from_model_dir(Path(cfg.model_path), cfg.context_length)
-        return cls(launcher.urls, limits, max_in_flight=max_in_flight,
+        return cls(launcher.urls, limits, keys=launcher.keys, max_in_flight=max_in_flight,
                    request_timeout=request_timeout, launcher=launcher, tp=cfg.tp)  # fmt: skip
 
     @classmethod
-    def for_urls(cls, urls: list[str], model_path: str, rollout: RolloutConfig) -> GeneratorClient:
+    def for_urls(
+        cls, urls: list[str], model_path: str, rollout: RolloutConfig, keys: api.ServerKeys
+    ) -> GeneratorClient:
         """A client for servers started elsewhere (the generator ranks of an RL job) from
-        ``model_path``, with a ``rollout`` config's limits."""
+        ``model_path`` and requiring ``keys``, with a ``rollout`` config's limits. A request
+        that finds no server ready waits for a restart (the server's start-up deadline and
+        a weight sync)."""
         limits = ModelLimits.from_model_dir(Path(model_path), rollout.context_length)
-        return cls(urls, limits, max_in_flight=rollout.max_in_flight,
-                   request_timeout=rollout.request_timeout, tp=rollout.tp)  # fmt: skip
+        wait = rollout.startup_timeout + rollout.weight_sync.timeout
+        return cls(urls, limits, keys=keys, max_in_flight=rollout.max_in_flight,
+                   request_timeout=rollout.request_timeout, tp=rollout.tp,
+                   wait_for_server=wait)  # fmt: skip
 
     async def _make_session(self) -> aiohttp.ClientSession:
         conn = aiohttp.TCPConnector(limit=0)
@@ -112,6 +143,9 @@ class GeneratorClient:
 
     async def _make_slots(self) -> asyncio.Semaphore:
         return asyncio.Semaphore(self._max_in_flight)
+
+    async def _make_event(self) -> asyncio.Event:
+        return asyncio.Event()
 
     def _call(self, coro: Coroutine[Any, Any, T]) -> T:
         """Run a coroutine on the client's loop and wait for it (from any other thread)."""
@@ -206,8 +240,20 @@ class GeneratorClient:
 
     async def _request(self, rollouts: list[Rollout], segment_tokens: int | None) -> list:
         """One /generate request for the rollouts still wanted; their results (None for a
-        rollout aborted before it was sent)."""
-        server = self._pick()
+        rollout aborted before it was sent). Re-sent elsewhere if its server is lost."""
+        while True:
+            server = await self._ready_server()
+            try:
+                return await self._request_on(server, rollouts, segment_tokens)
+            except ServerLost as e:
+                self.requeued += len(rollouts)
+                self.requeued_rids.extend(r.rid for r in rollouts)
+                print(f"[generator] {str(e).splitlines()[0]}; re-queued {len(rollouts)} "
+                      f"rollout(s)", flush=True)  # fmt: skip
+
+    async def _request_on(
+        self, server: int, rollouts: list[Rollout], segment_tokens: int | None
+    ) -> list:
         self._in_flight[server] += len(rollouts)  # queued requests count: routing sees them
         try:
             async with self._slots[server]:
@@ -235,15 +281,74 @@ class GeneratorClient:
         """Ids of the rollouts whose request is on a server right now."""
         return set(self._active)
 
-    def _pick(self) -> int:
-        """The least-loaded server that is alive and serves the current version."""
-        ready = [i for i in self._live() if i not in self._stale]
-        if not ready:
-            raise ServerError(
+    async def _ready_server(self) -> int:
+        """The least-loaded server that is alive and serves the current version; if there
+        is none, wait up to ``wait_for_server`` for one (then fail)."""
+        deadline = time.monotonic() + self.wait_for_server
+        while True:
+            if self._failure_error is not None:
+                raise self._failure_error
+            ready = [i for i in self._live() if i not in self._stale]
+            if ready:
+                return min(ready, key=lambda i: self._in_flight[i])
+            why = (
                 f"no generator server is alive at weight version {self.version} "
                 f"(dead: {sorted(self._dead)}, behind: {sorted(self._stale)})"
             )
-        return min(ready, key=lambda i: self._in_flight[i])
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise ServerError(why)
+            if self._no_server_since is None:
+                self._no_server_since = time.monotonic()
+                print(f"[generator] {why}: rollouts wait for a restart", flush=True)
+            self._ready_event.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._ready_event.wait(), timeout=min(left, 1.0))
+
+    def _routable(self) -> None:
+        """Routing changed (a server revived, a version adopted): wake waiting requests."""
+        if self._no_server_since is not None and len(self._live()) > len(self._stale):
+            self.no_server_s += time.monotonic() - self._no_server_since
+            self._no_server_since = None
+        self._loop.call_soon_threadsafe(self._ready_event.set)
+
+    def fail(self, error: BaseException) -> None:
+        """Fail every request that waits for a server, and every later one, with ``error``
+        (e.g. the generator rank that restarts servers gave up)."""
+        self._failure_error = error
+        self._loop.call_soon_threadsafe(self._ready_event.set)
+
+    def dead(self) -> set[int]:
+        """Servers that stopped answering or are being restarted."""
+        return set(self._dead)
+
+    def mark_dead(self, server: int) -> None:
+        """Route nothing to ``server`` (its rank reported a restart: its weights are old)."""
+        self._dead.add(server)
+
+    def revive(self, server: int) -> None:
+        """Route to ``server`` again once it reports the current version (a restarted
+        server that was given the current weights)."""
+        got = self._call(self._version_of(server))
+        self._dead.discard(server)
+        if got == self.version:
+            self._stale.discard(server)
+        else:
+            self._stale.add(server)
+        self._routable()
+
+    def take_requeued(self) -> list[str]:
+        """Ids of the rollouts re-queued since the last call."""
+        ids = self.requeued_rids  # the client's thread appends: take, then cut
+        taken = ids[: len(ids)]
+        del ids[: len(taken)]
+        return taken
+
+    def stats(self) -> dict[str, float]:
+        """Fault counters since the client started."""
+        waiting = time.monotonic() - self._no_server_since if self._no_server_since else 0.0
+        return {"requeued_rollouts": float(self.requeued),
+                "no_server_s": self.no_server_s + waiting}  # fmt: skip
 
     def _live(self) -> list[int]:
         return [i for i in range(len(self.urls)) if i not in self._dead]
@@ -251,20 +356,20 @@ class GeneratorClient:
     async def _post(self, server: int, call: api.Call) -> Any:  # a JSON value
         """Make ``call`` on ``server``; a server that does not answer is marked dead."""
         try:
-            return await api.acall(self._session, self.urls[server], call)
+            return await api.acall(self._session, self.urls[server], call, self.keys)
         except api.CallError as e:
             if e.answered:
                 raise ServerError(str(e)) from e
             self._dead.add(server)
             raise self._failure(server, e) from e
 
-    def _failure(self, server: int, err: api.CallError) -> ServerError:
+    def _failure(self, server: int, err: api.CallError) -> ServerLost:
         if self.launcher is not None:
             s = self.launcher.servers[server]
             if not s.alive():
-                return s.error(f"died (exit code {s.exit_code})")
+                return ServerLost(str(s.error(f"died (exit code {s.exit_code})")))
         where = f"generator server {server} ({self.urls[server]})"
-        return ServerError(f"{where} unreachable: {err.detail}")
+        return ServerLost(f"{where} unreachable: {err.detail}")
 
     def restart_server(self, server: int) -> int:
         """Restart a server through the launcher; return the weight version it came back
@@ -273,17 +378,25 @@ class GeneratorClient:
         if self.launcher is None:
             raise ServerError("restart_server needs the client to own a ServerLauncher")
         self.launcher.restart(server)
-        self._dead.discard(server)
         version = self._call(self._version_of(server))
-        if version != self.version:
-            self._stale.add(server)
+        self.revive(server)
         return version
 
     # ---- control ----------------------------------------------------------------------
 
     def _all(self, call: api.Call) -> list[Any]:
+        """``call`` on every live server; the answers of those that answered (a lost
+        server is marked dead and left out)."""
+
+        async def one(i: int) -> Any:
+            try:
+                return await self._post(i, call)
+            except ServerLost:
+                return _LOST
+
         async def run() -> list[Any]:
-            return list(await asyncio.gather(*(self._post(i, call) for i in self._live())))
+            got = await asyncio.gather(*(one(i) for i in self._live()))
+            return [x for x in got if x is not _LOST]
 
         return self._call(run())
 
@@ -318,11 +431,14 @@ class GeneratorClient:
 
     def weight_versions(self) -> list[int]:
         """The weight version every live server reports (in server order)."""
+        return list(self._versions().values())
 
-        async def run() -> list[int]:
-            return list(await asyncio.gather(*(self._version_of(i) for i in self._live())))
-
-        return self._call(run())
+    def _versions(self) -> dict[int, int]:
+        """{server: the version it reports}, for the live servers that answer."""
+        live = self._live()
+        got = self._all(api.model_info()) if live else []
+        answered = [i for i in live if i not in self._dead]
+        return dict(zip(answered, map(api.weight_version, got), strict=True))
 
     def update_weights(
         self,
@@ -377,10 +493,10 @@ class GeneratorClient:
         """Route by ``version`` once weights reached the servers another way (DDMA: trainer
         ranks push and :class:`rl.generator.ddma_target.SGLangTarget` commits on each server).
         A server that does not report ``version`` gets no rollouts until it does."""
-        live = self._live()
-        got = self.weight_versions()
+        got = self._versions()
         self.version = version
-        self._stale = {i for i, v in zip(live, got, strict=True) if v != version}
+        self._stale = {i for i, v in got.items() if v != version}
+        self._routable()
 
     @staticmethod
     def _check_all(results: list[dict[str, Any]], what: str) -> None:
@@ -389,10 +505,19 @@ class GeneratorClient:
                 raise ServerError(f"weight {what} failed on a server: {why}")
 
     def close(self) -> None:
+        """Stop: requests still running are cancelled (their futures raise), so no task
+        outlives the loop."""
         if self._loop.is_running():
-            self._call(self._session.close())
+            self._call(self._shutdown())
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(timeout=10)
+
+    async def _shutdown(self) -> None:
+        tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await self._session.close()
 
     def __enter__(self) -> GeneratorClient:
         return self

@@ -18,13 +18,17 @@ generic sender (rl/ddma/sender.py, which gets this class injected); the controll
 process, rl/controller/weight_sync.py) brackets the transfer with :meth:`begin` and
 :meth:`commit` / :meth:`abort`: generation is paused only for that window, and a failed
 version is discarded whole.
+
+Every call carries the server's admin key: the target's own (tests, benchmarks: the
+launcher's), else the job's (:func:`rl.generator.server_api.job_keys`), which trainer
+ranks and the controller derive from the job's secret, so the generic sender
+(rl/ddma/sender.py) never handles keys.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import tempfile
 import time
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -41,22 +45,42 @@ from rl.ddma.plan import Bucket, Plan
 from rl.generator import server_api as api
 from rl.generator.weight_payload import serialize, use_file_system_sharing
 
+# The weight version a server reports while its weights are being written in place
+# (rollout.weight_sync.staging=none) and after such a version failed: it matches no real
+# version, so clients route it nothing until a complete version is committed.
+NOT_READY = -1
+
 
 class SyncError(RuntimeError):
-    """The server refused or lost a version; it keeps serving the previous one."""
+    """The server refused or lost a version; it keeps serving the previous one (with
+    staging none and weights written in part: it stays paused, reporting NOT_READY)."""
 
 
 class SGLangTarget:
-    """One SGLang server (``plan.dst.tp`` ranks) at ``url``, fed under ``plan``."""
+    """One SGLang server (``plan.dst.tp`` ranks) at ``url``, fed under ``plan``; ``keys``:
+    the server's (None: the job's)."""
 
-    def __init__(self, url: str, plan: Plan, dtype: torch.dtype, timeout: float = 120.0) -> None:
+    def __init__(
+        self,
+        url: str,
+        plan: Plan,
+        dtype: torch.dtype,
+        timeout: float = 120.0,
+        staging: str = "device",
+        keys: api.ServerKeys | None = None,
+    ) -> None:
         self.url, self.plan, self.dtype, self.timeout = url.rstrip("/"), plan, dtype, timeout
+        self.keys = keys or api.job_keys()
+        self.staging = staging  # rollout.weight_sync.staging: sent with every begin
+        self._previous: int | None = None  # staging none: the version before begin
+        # Each rank's receiver as its last commit or discard reported it: staging, the
+        # bytes it holds for staging, and whether its weights are torn (staging none).
+        self.receivers: list[dict] = []
         self.spec = rx.plan_spec(plan, dtype)
         use_file_system_sharing()  # else SGLang's scheduler dies unpickling any tensor
         self._pool = ThreadPoolExecutor(2, thread_name_prefix="ddma-control")
         self._slots: list[list[torch.Tensor]] | None = None
-        self.status_dir = Path(tempfile.gettempdir(), "ddma-status")
-        self.status_dir.mkdir(exist_ok=True)
+        self.status_dir = rx.status_dir()  # the only place the server writes statuses
 
     # ------------------------------------------------------------------ one request
     def _request(self, entries: list[tuple[dict, torch.Tensor]]) -> list[dict]:
@@ -71,14 +95,17 @@ class SGLangTarget:
         for rank in range(len(entries)):
             path = Path(status.format(rank=rank))
             if not path.exists():
-                raise SyncError(f"{self.url} rank {rank} wrote no status ({path})")
+                raise SyncError(
+                    f"{self.url} rank {rank} wrote no status ({path}; a server writes them "
+                    f"only in its {rx.STATUS_DIR_ENV}, and logs why it did not)"
+                )
             out.append(json.loads(path.read_text()))
             path.unlink()
         return out
 
     def _call(self, call: api.Call) -> Any:  # a JSON value
         try:
-            return api.call(self.url, call, self.timeout)
+            return api.call(self.url, call, self.keys, self.timeout)
         except api.CallError as e:
             if e.answered:
                 raise SyncError(str(e)) from e
@@ -168,17 +195,22 @@ class SGLangTarget:
         return self._pool.submit(self._control, "recv", version, group=name)
 
     def begin(self, version: int) -> None:
-        """Pause generation (requests go back to the queue) and open a weight update."""
+        """Pause generation (requests go back to the queue) and open a weight update. With
+        staging none the server reports NOT_READY from here until a version commits."""
         self._call(api.pause_generation("retract"))
+        if self.staging == "none":
+            self._previous = api.weight_version(self._call(api.model_info()))
+            self._call(api.update_weight_version(NOT_READY))
         self._call(api.begin_weight_update())
-        self._control("discard", version)  # leftovers of a version that never committed
+        # Drops the leftovers of a version that never committed; sets this one's staging.
+        self._control("discard", version, staging=self.staging)
 
     def commit(self, version: int) -> None:
         """Swap the staged version in on every rank (only if all of them hold all of it),
         set the server's version, drop the KV cache and resume generation."""
         try:
             self._control("prepare", version)
-            self._control("commit", version)
+            self.receivers = self._control("commit", version)
         except BaseException:
             self.abort(version)
             raise
@@ -188,9 +220,15 @@ class SGLangTarget:
         self._call(api.continue_generation())
 
     def abort(self, version: int) -> None:
-        """Drop the staged version; the server resumes on its previous weights."""
+        """Drop the staged version; the server resumes on its previous weights, unless they
+        were written in part (staging none): then it stays paused and NOT_READY."""
+        torn = self.staging == "none"  # unless every rank says otherwise
         try:
-            self._control("discard", version)
+            self.receivers = self._control("discard", version, staging=self.staging)
+            torn = any(s.get("torn") for s in self.receivers)
         finally:
             self._call(api.end_weight_update())
-            self._call(api.continue_generation())
+            if not torn:
+                if self._previous is not None:
+                    self._call(api.update_weight_version(self._previous))
+                self._call(api.continue_generation())

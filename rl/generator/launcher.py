@@ -10,6 +10,11 @@ Orphan safety: each server runs behind ``server_guard.py``, the leader of the se
 process group, which stops the whole group when asked, when SGLang exits, or when the
 thread that started it dies (even by SIGKILL); ``atexit`` and a SIGTERM handler stop every
 live launcher; and ``stop`` SIGKILLs whatever is left of each group after a grace period.
+
+Keys: every server requires an API key and an admin key (rl/generator/server_api.py). They
+never appear on a command line (``ps`` shows every user's): SGLang takes them only as
+flags, so the launcher writes them to a 0600 YAML file that SGLang reads through
+``--config`` and deletes it once the server answers. The logs are 0600 as well.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ import tempfile
 import threading
 import time
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING
@@ -34,6 +39,7 @@ from rl.config.sglang import layout_problem
 from rl.dist.net import free_port
 from rl.generator import server_api
 from rl.generator.cpu_shim import server_env
+from rl.generator.server_api import ServerKeys
 
 if TYPE_CHECKING:
     from rl.config.schema import RolloutConfig
@@ -71,6 +77,9 @@ class ServerConfig:
     threads: int | None = None
     extra_args: tuple[str, ...] = ()
     env: dict[str, str] = field(default_factory=dict)
+    # The keys the server requires (server_api.job_keys() in an RL job); None: the launcher
+    # makes random ones.
+    keys: ServerKeys | None = None
 
     def validate(self) -> None:
         """Reject what can never start, before any process is spawned."""
@@ -107,9 +116,20 @@ class ServerConfig:
     def url(self, port: int) -> str:
         return f"http://{self.advertise or self.host}:{port}"
 
-    def argv(self, port: int) -> list[str]:
-        """The SGLang server command (the launcher runs it behind ``server_guard.py``)."""
+    def key_config(self) -> str:
+        """The YAML that ``--config`` hands SGLang: both keys, quoted (a hex key of digits
+        and one ``e`` would otherwise read as a float)."""
+        if self.keys is None:
+            raise ServerError("server.keys=None: a server never starts without keys")
+        k = self.keys
+        return f"api-key: {json.dumps(k.api)}\nadmin-api-key: {json.dumps(k.admin)}\n"
+
+    def argv(self, port: int, key_file: str | os.PathLike[str] | None = None) -> list[str]:
+        """The SGLang server command (the launcher runs it behind ``server_guard.py``);
+        ``key_file``: where the launcher wrote :meth:`key_config`."""
         args = [sys.executable, "-m", "sglang.launch_server", "--model-path", self.model_path]
+        if key_file is not None:
+            args += ["--config", str(key_file)]
         args += ["--host", self.host, "--port", str(port), "--device", self.device]
         args += ["--dtype", self.dtype, "--tp-size", str(self.tp)]
         args += ["--weight-version", str(self.weight_version), "--skip-tokenizer-init"]
@@ -141,13 +161,22 @@ class Server:
     log_path: Path
     proc: subprocess.Popen | None = None
     log_start: int = 0  # where this start's lines begin in the (appended) log
+    # SGLang logs its arguments, keys included: errors quote the log without them.
+    redact: tuple[str, ...] = field(default=(), repr=False)
+
+    @property
+    def key_file(self) -> Path:
+        return self.log_path.with_suffix(".keys.yaml")
 
     def log_tail(self, n: int = LOG_TAIL_LINES) -> str:
         try:
             lines = self.log_path.read_text(errors="replace").splitlines()
         except OSError:
             return "(no log)"
-        return "\n".join(lines[-n:])
+        tail = "\n".join(lines[-n:])
+        for secret in self.redact:
+            tail = tail.replace(secret, "<redacted>")
+        return tail
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
@@ -211,20 +240,30 @@ class ServerLauncher:
     def __init__(self, config: ServerConfig, n: int = 1, log_dir: str | Path | None = None):
         if n < 1:
             raise ServerError(f"generator.num_servers={n} must be >= 1")
+        # Outside an RL job (tests, benchmarks): keys of this launcher's own.
+        keys = config.keys or ServerKeys.random()
+        config = replace(config, keys=keys)
         config.validate()
         self.config = config
         self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix="sglang-logs-"))
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self._shim = self.log_dir / "cpu_shim"
         self.servers: list[Server] = []
+        hide = (keys.api, keys.admin)
         for i in range(n):
             port = free_port(config.host)
-            url = config.url(port)
-            self.servers.append(Server(i, url, port, self.log_dir / f"server{i}.log"))
+            log = self.log_dir / f"server{i}.log"
+            self.servers.append(Server(i, config.url(port), port, log, redact=hide))
 
     @property
     def urls(self) -> list[str]:
         return [s.url for s in self.servers]
+
+    @property
+    def keys(self) -> ServerKeys:
+        """The keys every server of this launcher requires (clients and DDMA targets)."""
+        assert self.config.keys is not None  # set in __init__
+        return self.config.keys
 
     def __enter__(self) -> ServerLauncher:
         return self.start()
@@ -264,10 +303,12 @@ class ServerLauncher:
         # -I: the guard imports nothing from here (its own folder would shadow "types").
         guard = [sys.executable, "-I", str(GUARD), "--owner", str(os.getpid())]
         guard += ["--grace", str(STOP_GRACE_S), "--"]
-        with open(s.log_path, "ab") as log:
+        _write_private(s.key_file, self.config.key_config())
+        with open(s.log_path, "ab", opener=_private) as log:
+            os.fchmod(log.fileno(), 0o600)  # a log from before may have a wider mode
             s.log_start = log.tell()
             s.proc = subprocess.Popen(
-                guard + self.config.argv(s.port),
+                guard + self.config.argv(s.port, s.key_file),
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
@@ -281,7 +322,8 @@ class ServerLauncher:
         while time.monotonic() < deadline:
             if not s.alive():
                 raise s.error(f"exited with code {s.exit_code} during startup")
-            if s.healthy():
+            if s.healthy():  # it parsed its arguments long ago
+                s.key_file.unlink(missing_ok=True)
                 return
             time.sleep(delay)
             delay = min(delay * 1.5, 2.0)
@@ -297,18 +339,18 @@ class ServerLauncher:
         return s
 
     @staticmethod
-    def _kill(servers: list[Server]) -> None:
+    def _kill(servers: list[Server], grace: float = STOP_GRACE_S) -> None:
         """SIGTERM each server's guard (SGLang then drains and stops its scheduler and
         detokenizer in order; signalling the whole group instead makes it run crash
         diagnostics), wait for all of them together, then SIGKILL whatever is left of
-        each process group."""
+        each process group. ``grace=0``: SIGKILL at once (nothing left to drain)."""
         procs = [s.proc for s in servers if s.proc is not None]
-        for proc in procs:
+        for proc in procs if grace > 0 else ():
             if proc.poll() is None:
                 with contextlib.suppress(ProcessLookupError):
                     proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + STOP_GRACE_S + 5.0
-        for proc in procs:
+        deadline = time.monotonic() + grace + 5.0
+        for proc in procs if grace > 0 else ():
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=max(deadline - time.monotonic(), 0.1))
         for proc in procs:
@@ -316,7 +358,25 @@ class ServerLauncher:
                 os.killpg(proc.pid, signal.SIGKILL)
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=5.0)
+        for s in servers:  # a server that never came up leaves its key file behind
+            s.key_file.unlink(missing_ok=True)
 
-    def stop(self) -> None:
-        self._kill(self.servers)
+    def stop(self, grace: float = STOP_GRACE_S) -> None:
+        """Stop every server; ``grace=0`` when nothing is in flight (the end of a run): a
+        graceful SGLang stop takes 7-10 s on CPU and saves nothing then."""
+        self._kill(self.servers, grace)
         _live.discard(self)
+
+
+def _private(path: str, flags: int) -> int:
+    """``open`` opener: create the file readable by this user only."""
+    return os.open(path, flags, 0o600)
+
+
+def _write_private(path: Path, text: str) -> None:
+    """Write ``text`` to a new 0600 file at ``path`` (never into an existing file, whose
+    mode or owner might be wider)."""
+    path.unlink(missing_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)

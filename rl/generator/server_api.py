@@ -7,11 +7,18 @@ benchmarks all talk to the same servers. Each route below is a function that ret
 :func:`acall` makes one on an asyncio loop. Both raise :class:`CallError`, which names the
 server and the route and tells a refusal (the server answered with an error status) from
 a server that never answered.
+
+Every server requires keys (:class:`ServerKeys`): SGLang's admin routes (weight updates,
+pause/abort, flush; :data:`ADMIN_ROUTES`) take only the admin key, every other route but
+``/health`` only the API key, each as ``Authorization: Bearer <key>``. In an RL job both
+derive from the job's secret (:func:`job_keys`); a launcher started on its own makes
+random ones.
 """
 
 from __future__ import annotations
 
 import json
+import secrets
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
@@ -26,6 +33,63 @@ from rl.generator.types import parse_version
 DDMA_LOAD_FORMAT = "rl.ddma.sglang_receiver.load"
 # How much of a refusal's body goes into the error.
 DETAIL_CHARS = 500
+# The routes SGLang 0.5.23 marks ``AuthLevel.ADMIN_OPTIONAL`` that this project calls (or
+# tests): with an admin key configured they accept it alone, and refuse the API key.
+ADMIN_ROUTES = frozenset(
+    {
+        "/abort_request",
+        "/pause_generation",
+        "/continue_generation",
+        "/flush_cache",
+        "/begin_weight_update",
+        "/end_weight_update",
+        "/update_weights_from_tensor",
+        "/update_weights_from_disk",
+        "/update_weights_from_distributed",
+        "/update_weight_version",
+        "/init_weights_update_group",
+        "/destroy_weights_update_group",
+        "/get_weights_by_name",
+    }
+)
+
+
+@dataclass(frozen=True)
+class ServerKeys:
+    """The two keys every server starts with: ``api`` for rollouts and state, ``admin``
+    for what changes the served weights or stops requests. Never printed (``repr``)."""
+
+    api: str = field(repr=False)
+    admin: str = field(repr=False)
+
+    def __post_init__(self) -> None:
+        for name in ("api", "admin"):
+            value = getattr(self, name)
+            # Sent in a header and written to a YAML file: no spaces, quotes or newlines.
+            ok = isinstance(value, str) and value.isascii() and value.isalnum()
+            if not ok or len(value) < 16:
+                raise ValueError(f"server key {name!r} must be >= 16 letters or digits")
+        if self.api == self.admin:
+            raise ValueError("server keys 'api' and 'admin' must differ")
+
+    @classmethod
+    def random(cls) -> ServerKeys:
+        return cls(secrets.token_hex(32), secrets.token_hex(32))
+
+    def for_route(self, route: str) -> str:
+        return self.admin if route in ADMIN_ROUTES else self.api
+
+    def headers(self, route: str) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.for_route(route)}"}
+
+
+def job_keys() -> ServerKeys:
+    """The servers' keys in this RL job, derived from the job's secret
+    (``MSRL_SECRET_FILE``, set for every rank), the same on every rank."""
+    from rl.dist import secret
+
+    key = secret.load()
+    return ServerKeys(secret.derive(key, "sglang-api"), secret.derive(key, "sglang-admin"))
 
 
 class CallError(RuntimeError):
@@ -169,10 +233,13 @@ def _decode(text: str) -> Any:  # a JSON value
         return {"text": text}
 
 
-def call(url: str, c: Call, timeout: float = 30.0) -> Any:  # a JSON value
-    """Make ``c`` on the server at ``url`` and return its decoded JSON reply."""
+def call(url: str, c: Call, keys: ServerKeys | None, timeout: float = 30.0) -> Any:  # JSON
+    """Make ``c`` on the server at ``url`` with the key its route needs (``keys`` None:
+    none, which only ``/health`` accepts) and return its decoded JSON reply."""
     data = json.dumps(c.body).encode() if c.method == "POST" else None
     headers = {"Content-Type": "application/json"}
+    if keys is not None:
+        headers.update(keys.headers(c.route))
     req = urllib.request.Request(url + c.route, data=data, headers=headers, method=c.method)
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
@@ -185,11 +252,14 @@ def call(url: str, c: Call, timeout: float = 30.0) -> Any:  # a JSON value
     return _decode(raw.decode(errors="replace"))
 
 
-async def acall(session: aiohttp.ClientSession, url: str, c: Call) -> Any:  # a JSON value
+async def acall(
+    session: aiohttp.ClientSession, url: str, c: Call, keys: ServerKeys | None
+) -> Any:  # a JSON value
     """:func:`call` on an asyncio loop (``session`` sets the timeout)."""
     body = c.body if c.method == "POST" else None
+    headers = keys.headers(c.route) if keys is not None else None
     try:
-        async with session.request(c.method, url + c.route, json=body) as resp:
+        async with session.request(c.method, url + c.route, json=body, headers=headers) as resp:
             text = await resp.text()
     except (TimeoutError, aiohttp.ClientConnectionError) as e:
         raise CallError(url, c.route, None, f"{type(e).__name__}: {e}") from e
@@ -199,9 +269,9 @@ async def acall(session: aiohttp.ClientSession, url: str, c: Call) -> Any:  # a 
 
 
 def healthy(url: str, timeout: float = 5.0) -> bool:
-    """Does the server at ``url`` answer ``/health``?"""
+    """Does the server at ``url`` answer ``/health``? (SGLang asks no key for it.)"""
     try:
-        call(url, health(), timeout)
+        call(url, health(), None, timeout)
     except CallError:
         return False
     return True

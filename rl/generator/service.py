@@ -5,7 +5,10 @@ one launcher, which health-checks them against a deadline), tells the controller
 URLs, and then watches them until told to stop. Rollouts do not pass through these ranks:
 the controller's client talks to the servers directly (token ids in, tokens with
 log-probs and versions out), and trainer ranks push weights to them directly (DDMA).
-A server that dies fails the job with the end of its own log.
+A server that dies or stops answering is restarted on the same port
+(:mod:`rl.generator.watchdog`) and reported as :class:`Restarted`; the controller brings
+it to the current weights before routing to it again. One that cannot stay up fails the
+job with the end of its own log.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from rl.dist.channel import Channel, Failed
+from rl.dist.channel import Channel, ChannelTimeout, Failed
 from rl.dist.net import host_address
 
 if TYPE_CHECKING:
@@ -29,6 +32,29 @@ class Up:
     rank: int
     urls: list[str]
     model_path: str  # the HF directory the servers started from (limits, EOS ids)
+
+
+@dataclass
+class Down:
+    """Server ``index`` (in the job's URL order) was found dead or unresponsive and is
+    being restarted: route nothing to it and push no weights into it."""
+
+    rank: int
+    index: int
+    url: str
+    why: str
+
+
+@dataclass
+class Restarted:
+    """Server ``index`` (in the job's URL order) was restarted: it serves its start-up
+    weights until the controller pushes the current version into it."""
+
+    rank: int
+    index: int
+    url: str
+    why: str
+    seconds: float
 
 
 @dataclass
@@ -55,30 +81,46 @@ def _model_path(cfg: RootConfig, out: Path) -> str:
 
 def serve(cfg: RootConfig, job: Job) -> None:
     from rl.generator.launcher import ServerConfig, ServerLauncher
+    from rl.generator.server_api import job_keys
+    from rl.generator.watchdog import Watchdog
 
     inbox = job.channel(f"generator/in/{job.role_rank}", Stop)
-    reply = job.channel("generator/out", Up)
+    reply = job.channel("generator/out", Up, Down, Restarted)
     try:
         out = Path(cfg.run.output_dir) / "generator" / f"rank{job.role_rank}"
         path = _model_path(cfg, out)
         n = cfg.rollout.servers // job.role_size()
         server = ServerConfig.from_rollout(cfg.rollout, path)
-        if cfg.cluster.nodes > 1:  # the controller and the trainer may be on other nodes
-            server = replace(server, host="0.0.0.0", advertise=host_address())
+        # The servers' clients are the controller and the trainer's ranks. On one node they
+        # reach 127.0.0.1. With cluster.nodes > 1 the nodes are always split between
+        # training (the controller on node 0) and generation (rl/plan/placement.py), so
+        # every client is remote: listen on the one address they are given, not on all.
+        host = host_address() if cfg.cluster.nodes > 1 else "127.0.0.1"
+        server = replace(server, host=host, keys=job_keys())
         with ServerLauncher(server, n=n, log_dir=out / "logs") as launcher:
             reply.put(Up(job.role_rank, launcher.urls, path))
             stop = threading.Event()
             lost: list[BaseException] = []
             listen = threading.Thread(target=_listen, args=(inbox, stop, lost), daemon=True)
             listen.start()
+            r = cfg.rollout
+
+            def down(i: int, why: str) -> None:
+                index = job.role_rank * n + i  # wait_up's URL order
+                reply.put(Down(job.role_rank, index, launcher.servers[i].url, why))
+
+            watch = Watchdog(launcher, r.max_restarts, r.restart_window_s, r.health_timeout_s,
+                             r.health_failures, on_down=down)  # fmt: skip
             # The main thread waits on an Event, not on the store, so a SIGTERM (e.g. the
             # launcher died) runs the launcher's handler, which stops the servers.
             while not stop.wait(WATCH_S):
-                for s in launcher.servers:
-                    if not s.alive():
-                        raise s.error(f"died (exit code {s.exit_code})")
+                for done in watch.check():
+                    s = launcher.servers[done.index]
+                    index = job.role_rank * n + done.index  # wait_up's URL order
+                    reply.put(Restarted(job.role_rank, index, s.url, done.why, done.seconds))
             if lost:  # the controller's channel broke: stop the servers and say why
                 raise lost[0]
+            launcher.stop(grace=0)  # told to stop: the run is over, nothing to drain
     except BaseException:
         reply.put(Failed("generator", job.role_rank, traceback.format_exc()))
         raise
@@ -102,12 +144,23 @@ class GeneratorHandle:
     def __init__(self, job: Job):
         n = job.role_size("generator")
         self._to = [job.channel(f"generator/in/{r}", Stop) for r in range(n)]
-        self._from = job.channel("generator/out", Up)
+        self._from = job.channel("generator/out", Up, Down, Restarted)
 
     def wait_up(self) -> tuple[list[str], str]:
         """URLs of every server (in generator rank order) and the model path."""
         ups = sorted((self._from.expect(Up) for _ in self._to), key=lambda u: u.rank)
         return [u for up in ups for u in up.urls], ups[0].model_path
+
+    def next_event(self, wait: float) -> Down | Restarted | None:
+        """The next server loss or restart, if one is reported within ``wait`` seconds
+        (raises if a generator rank failed)."""
+        try:
+            msg = self._from.get(timeout=wait)
+        except ChannelTimeout:
+            return None
+        if not isinstance(msg, (Down, Restarted)):
+            raise RuntimeError(f"generator rank sent {type(msg).__name__} after start-up")
+        return msg
 
     def stop(self) -> None:
         for ch in self._to:

@@ -28,6 +28,7 @@ from rl.plan.memory import (
     trainer_gpu,
 )
 from rl.plan.placement import Placement, PlanRefused, check_cpus, place, refuse
+from rl.plan.suggest import trainer_hint
 from rl.plan.transfer import Transfer, ddma_plan, transfer
 
 if TYPE_CHECKING:
@@ -47,6 +48,8 @@ class ClusterPlan:
     busy_cpus: dict[int, int]
     sequence: int  # tokens per sample the memory is sized for
     problems: list[str] = field(default_factory=list)
+    # Host memory of the busiest node's staging copies (rollout.weight_sync.staging=host).
+    host_staging: int = 0
 
     @property
     def fits(self) -> bool:
@@ -67,20 +70,7 @@ def _gb(n: float) -> str:
 def _trainer_problem(cfg: RootConfig, g: TrainerGPU, budget: int) -> str | None:
     if g.total <= budget:
         return None
-    t, r, gpus = cfg.trainer, cfg.rollout, cfg.cluster.gpus_per_node
-    tp_ok = 2 * t.tp <= gpus  # a larger TP group would still fit in a node
-    if g.activations + g.logits > g.static:
-        ctx = (
-            f"lower rollout.context_length={r.context_length}"
-            if r.context_length
-            else f"set rollout.context_length (null: model.max_position_embeddings="
-            f"{cfg.model.max_position_embeddings})"
-        )
-        hint = f"{ctx} or trainer.micro_batch_size={t.micro_batch_size}"
-        hint += f", or raise trainer.tp={t.tp}" if tp_ok else ""
-    else:
-        hint = f"raise trainer.pp={t.pp}" + (f" or trainer.tp={t.tp}" if tp_ok else "")
-        hint += f" (or trainer.dp={t.dp}: the distributed optimizer shards Adam over DP)"
+    hint = trainer_hint(cfg, activations_dominate=g.activations + g.logits > g.static)
     return (
         f"trainer GPU (pipeline stage {g.stage}) needs {_gb(g.total)} > "
         f"cluster.gpu_memory_gb={cfg.cluster.gpu_memory_gb:g}: {hint}"
@@ -89,12 +79,15 @@ def _trainer_problem(cfg: RootConfig, g: TrainerGPU, budget: int) -> str | None:
 
 def _generator_problem(cfg: RootConfig, g: GeneratorGPU, budget: int, seq: int) -> str | None:
     r = cfg.rollout
-    fp8 = "" if r.weight_sync.fp8_block else " or set rollout.weight_sync.fp8_block=128"
-    if g.weights + g.reserved > budget:
+    more = "" if r.weight_sync.fp8_block else " or set rollout.weight_sync.fp8_block=128"
+    if g.staged:  # the device copy is the first thing to give up
+        more = f" or set rollout.weight_sync.staging=host or none{more}"
+    if g.weights + g.staged + g.reserved > budget:
+        copy = f" + {_gb(g.staged)} staging copy (rollout.weight_sync.staging=device)"
         return (
-            f"generator GPU needs {_gb(g.weights)} of weights + {_gb(g.reserved)} SGLang "
-            f"reserve > cluster.gpu_memory_gb={cfg.cluster.gpu_memory_gb:g}: raise "
-            f"rollout.tp={r.tp}{fp8}"
+            f"generator GPU needs {_gb(g.weights)} of weights{copy if g.staged else ''} + "
+            f"{_gb(g.reserved)} SGLang reserve > cluster.gpu_memory_gb="
+            f"{cfg.cluster.gpu_memory_gb:g}: raise rollout.tp={r.tp}{more}"
         )
     assert g.kv_capacity is not None
     if r.max_total_tokens is not None and r.max_total_tokens > g.kv_capacity:
@@ -102,14 +95,56 @@ def _generator_problem(cfg: RootConfig, g: GeneratorGPU, budget: int, seq: int) 
             f"rollout.max_total_tokens={r.max_total_tokens} needs "
             f"{_gb(r.max_total_tokens * g.kv_bytes_per_token)} of KV cache per GPU but "
             f"{_gb(g.kv_capacity * g.kv_bytes_per_token)} is free: lower it (null: what "
-            f"fits) or raise rollout.tp={r.tp}"
+            f"fits) or raise rollout.tp={r.tp}{more}"
         )
     if g.kv_tokens < seq:
         return (
             f"generator KV cache holds {g.kv_tokens} tokens < one {seq}-token sequence "
-            f"(rollout.context_length={r.context_length}): raise rollout.tp={r.tp}{fp8}"
+            f"(rollout.context_length={r.context_length}): raise rollout.tp={r.tp}{more}"
         )
     return None
+
+
+def _host_staging(cfg: RootConfig, placement: Placement, per_gpu: int) -> int:
+    """Host bytes of the busiest node's staging copies (one per server GPU on it)."""
+    per_node: dict[int, int] = {}
+    for s in placement.servers:
+        per_node[s.node] = per_node.get(s.node, 0) + cfg.rollout.tp * per_gpu
+    return max(per_node.values(), default=0)
+
+
+# The rule the presets' rollout.weight_sync.staging follows (tests/presets check it): a
+# device copy only where it costs at most this share of the KV cache (the cache bounds the
+# batch, so generation throughput), else a host copy where a node's copies take at most
+# this share of its host memory (pinned: the OS can neither page nor reuse it), else none.
+DEVICE_STAGING_KV_SHARE = 0.10
+HOST_STAGING_SHARE = 0.25
+
+
+def suggested_staging(cfg: RootConfig, plan: ClusterPlan) -> str:
+    """The staging :data:`DEVICE_STAGING_KV_SHARE` and :data:`HOST_STAGING_SHARE` pick for
+    ``plan`` (on CPU, or without servers, ``device``: nothing is sized from memory)."""
+    if plan.gpu_bytes is None or plan.transfer is None:
+        return "device"
+    weights = plan.transfer.server_weight_bytes
+    g = generator_gpu(cfg, weights, plan.gpu_bytes, "none")
+    assert g.kv_capacity is not None
+    if weights <= DEVICE_STAGING_KV_SHARE * g.kv_capacity * g.kv_bytes_per_token:
+        return "device"
+    host = cfg.cluster.host_memory_gb
+    per_node = _host_staging(cfg, plan.placement, weights)
+    return "host" if host is not None and per_node <= HOST_STAGING_SHARE * host * GIB else "none"
+
+
+def _host_problem(cfg: RootConfig, host_bytes: int) -> str | None:
+    c = cfg.cluster
+    if c.host_memory_gb is None or host_bytes <= c.host_memory_gb * GIB:
+        return None
+    return (
+        f"a generation node needs {_gb(host_bytes)} of host memory for its servers' staging "
+        f"copies (rollout.weight_sync.staging=host) > cluster.host_memory_gb="
+        f"{c.host_memory_gb:g}: set rollout.weight_sync.staging=none or raise rollout.tp"
+    )
 
 
 def plan_cluster(cfg: RootConfig, strict: bool = True) -> ClusterPlan:
@@ -125,6 +160,7 @@ def plan_cluster(cfg: RootConfig, strict: bool = True) -> ClusterPlan:
     seq = sequence_length(cfg)
     sync: Transfer | None = None
     gen: GeneratorGPU | None = None
+    host_staging = 0
     if cfg.rl.steps > 0:
         w = cfg.rollout.weight_sync
         refuse(
@@ -135,6 +171,7 @@ def plan_cluster(cfg: RootConfig, strict: bool = True) -> ClusterPlan:
         )
         sync = transfer(cfg, ddma_plan(cfg), placement.split)
         gen = generator_gpu(cfg, sync.server_weight_bytes, budget)
+        host_staging = _host_staging(cfg, placement, gen.host_staged)
     plan = ClusterPlan(
         run=cfg.run.name,
         model=cfg.model.name,
@@ -146,11 +183,13 @@ def plan_cluster(cfg: RootConfig, strict: bool = True) -> ClusterPlan:
         gpu_bytes=budget,
         busy_cpus=busy,
         sequence=seq,
+        host_staging=host_staging,
     )
     if budget is not None:
         for problem in (
             _trainer_problem(cfg, plan.busiest_trainer, budget),
             _generator_problem(cfg, gen, budget, seq) if gen else None,
+            _host_problem(cfg, host_staging),
         ):
             if problem:
                 plan.problems.append(problem)
@@ -159,4 +198,4 @@ def plan_cluster(cfg: RootConfig, strict: bool = True) -> ClusterPlan:
     return plan
 
 
-__all__ = ["ClusterPlan", "PlanRefused", "plan_cluster"]
+__all__ = ["ClusterPlan", "PlanRefused", "plan_cluster", "suggested_staging"]

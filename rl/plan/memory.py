@@ -32,9 +32,11 @@ Trainer GPU of pipeline stage p (P = its parameters, on this TP rank):
   and a fixed 4 GiB for the CUDA context, NCCL buffers and allocator fragmentation.
 
 Generator GPU (one SGLang TP rank): its weight shards in ``rollout.dtype`` (linear weights
-1 byte plus a float32 scale per 128x128 block with ``weight_sync.fp8_block``), SGLang's
-own reserve for activations and CUDA graphs, and the KV cache in what is left:
-``2 * layers * kv_heads_per_rank * head_dim * w`` bytes per token.
+1 byte plus a float32 scale per 128x128 block with ``weight_sync.fp8_block``), the DDMA
+receiver's staging of an incoming version (``weight_sync.staging``: ``device`` a second
+copy of those shards on the GPU, ``host`` the copy in the node's host memory instead,
+``none`` nothing), SGLang's own reserve for activations and CUDA graphs, and the KV cache
+in what is left: ``2 * layers * kv_heads_per_rank * head_dim * w`` bytes per token.
 GB in this package means GiB (2**30 bytes), as ``nvidia-smi`` reports. Pure logic.
 """
 
@@ -94,10 +96,14 @@ class GeneratorGPU:
     kv_bytes_per_token: int
     kv_tokens: int  # the KV pool: rollout.max_total_tokens, or what the free memory holds
     kv_capacity: int | None  # tokens the free memory could hold (None on CPU: not checked)
+    staging: str = "device"  # rollout.weight_sync.staging
+    staged: int = 0  # on the GPU: the device copy of the weights (staging=device)
+    host_staged: int = 0  # in the node's host memory for this GPU (staging=host)
 
     @property
     def total(self) -> int:
-        return self.weights + self.reserved + self.kv_tokens * self.kv_bytes_per_token
+        kv = self.kv_tokens * self.kv_bytes_per_token
+        return self.weights + self.staged + self.reserved + kv
 
 
 def sequence_length(cfg: RootConfig) -> int:
@@ -192,14 +198,21 @@ def kv_bytes_per_token(m: ModelConfig, tp: int, itemsize: int) -> int:
     return 2 * m.num_layers * heads * kv_channels(m) * itemsize
 
 
-def generator_gpu(cfg: RootConfig, weight_bytes: int, gpu_bytes: int | None) -> GeneratorGPU:
+def generator_gpu(
+    cfg: RootConfig, weight_bytes: int, gpu_bytes: int | None, staging: str | None = None
+) -> GeneratorGPU:
     """``weight_bytes``: one TP rank's weights (from the DDMA plan's destination shapes);
-    ``gpu_bytes``: the GPU's memory (None on CPU, where nothing is sized from it)."""
+    ``gpu_bytes``: the GPU's memory (None on CPU, where nothing is sized from it);
+    ``staging``: instead of ``rollout.weight_sync.staging``."""
     r = cfg.rollout
     per_token = kv_bytes_per_token(cfg.model, r.tp, dtypes.itemsize(r.dtype))
+    staging = staging or r.weight_sync.staging
+    # The receiver stages exactly the tensors it writes: the rank's whole weight shard.
+    device, host = (weight_bytes if staging == s else 0 for s in ("device", "host"))
     if gpu_bytes is None:
-        return GeneratorGPU(weight_bytes, 0, per_token, r.max_total_tokens or 0, None)
+        pool = r.max_total_tokens or 0
+        return GeneratorGPU(weight_bytes, 0, per_token, pool, None, staging, device, host)
     reserved = sglang_reserved(gpu_bytes, r.tp)
-    capacity = max(0, (gpu_bytes - reserved - weight_bytes) // per_token)
+    capacity = max(0, (gpu_bytes - reserved - weight_bytes - device) // per_token)
     pool = r.max_total_tokens if r.max_total_tokens is not None else capacity
-    return GeneratorGPU(weight_bytes, reserved, per_token, pool, capacity)
+    return GeneratorGPU(weight_bytes, reserved, per_token, pool, capacity, staging, device, host)

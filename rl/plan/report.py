@@ -148,12 +148,21 @@ def render(plan: ClusterPlan, cfg: RootConfig) -> str:
     if plan.generator is not None:
         k = plan.generator
         seqs = k.kv_tokens // plan.sequence
+        staged = {
+            "device": f"staging copy {fmt_bytes(k.staged)}",
+            "host": "staging in host memory",
+            "none": "no staging (written in place)",
+        }.get(k.staging, k.staging)
         out += [
             f"memory per generator{budget}",
-            f"  weights {fmt_bytes(k.weights)} + SGLang reserve {fmt_bytes(k.reserved)} + KV "
-            f"cache {fmt_bytes(k.kv_tokens * k.kv_bytes_per_token)} = {fmt_bytes(k.total)}: "
-            f"{k.kv_tokens:,} tokens per server ({seqs:,} sequences of {plan.sequence})",
+            f"  weights {fmt_bytes(k.weights)} + {staged} + SGLang reserve "
+            f"{fmt_bytes(k.reserved)} + KV cache {fmt_bytes(k.kv_tokens * k.kv_bytes_per_token)}"
+            f" = {fmt_bytes(k.total)}: {k.kv_tokens:,} tokens per server ({seqs:,} sequences "
+            f"of {plan.sequence})",
         ]
+        if plan.host_staging:
+            host = fmt_bytes(plan.host_staging)
+            out.append(f"  host memory per generation node: staging copies {host}")
     if plan.gpu_bytes is None:
         out.append("fits: not checked (CPU only: ranks share the host's memory)")
     else:
@@ -215,6 +224,7 @@ def to_json(plan: ClusterPlan) -> dict[str, Any]:
                 else None
             ),
         },
+        "host_staging_per_node": plan.host_staging,
         "fits": plan.fits,
         "problems": plan.problems,
     }

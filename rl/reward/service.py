@@ -14,13 +14,14 @@ encoding that handles those can carry them.
 from __future__ import annotations
 
 import itertools
+import queue
 import threading
 import traceback
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, cast
 
-from rl.dist.channel import Failed
+from rl.dist.channel import ChannelError, ChannelTimeout, Failed
 from rl.tasks.scoring import ScoreItem, ScoreResult
 
 if TYPE_CHECKING:
@@ -54,41 +55,58 @@ def serve(cfg: RootConfig, job: Job) -> None:
 
     inbox = job.channel(f"reward/in/{job.role_rank}", Score, Stop)
     reply = job.channel("reward/out", Scored)
-    lock = threading.Lock()  # answers come from the executor's dispatch thread
+    scored: queue.SimpleQueue[tuple[int, list[Future[ScoreResult]]]] = queue.SimpleQueue()
     r = cfg.reward
     try:
         with RewardExecutor(r.fn, r.workers, r.timeout_s) as ex:
+            # Answers go out from a thread of their own, not from the executor's callbacks:
+            # an error in a future's callback is only logged, so a reply that failed there
+            # left its group unanswered and the job waiting forever. This thread dying
+            # ends the rank instead (rl/dist/launch.py install_thread_hook).
+            out = job.channel("reward/out", Scored)  # this thread's own connection
+            answers = threading.Thread(target=_answer, args=(scored, ex, out),
+                                       name="reward-answers", daemon=True)  # fmt: skip
+            answers.start()
             while isinstance(msg := inbox.wait(), Score):
                 futures = [ex.submit(item) for item in msg.items]
-                _answer_when_done(msg.request, futures, ex, reply, lock)
+                _when_all_done(msg.request, futures, scored)
     except BaseException:
         reply.put(Failed("reward", job.role_rank, traceback.format_exc()))
         raise
 
 
-def _answer_when_done(
+def _when_all_done(
     request: int,
     futures: list[Future[ScoreResult]],
-    ex: RewardExecutor,
-    reply: Channel,
-    lock: threading.Lock,
+    scored: queue.SimpleQueue[tuple[int, list[Future[ScoreResult]]]],
 ) -> None:
+    """Queue ``request`` for its answer once every one of its futures is done."""
     left = [len(futures)]
+    lock = threading.Lock()
     if not futures:  # no callback would ever answer an empty request
-        with lock:
-            reply.put(Scored(request, [], ex.stats.failures, ex.stats.timeouts))
+        scored.put((request, futures))
         return
 
     def one_done(_: Future) -> None:
         with lock:
             left[0] -= 1
-            if left[0] == 0:
-                st = ex.stats
-                results = [f.result() for f in futures]
-                reply.put(Scored(request, results, st.failures, st.timeouts))
+            last = left[0] == 0
+        if last:
+            scored.put((request, futures))
 
     for f in futures:
         f.add_done_callback(one_done)
+
+
+def _answer(
+    scored: queue.SimpleQueue[tuple[int, list[Future[ScoreResult]]]],
+    ex: RewardExecutor,
+    reply: Channel,
+) -> None:
+    while True:
+        request, futures = scored.get()
+        st = ex.stats
+        reply.put(Scored(request, [f.result() for f in futures], st.failures, st.timeouts))
 
 
 class RewardHandle:
@@ -105,33 +123,49 @@ class RewardHandle:
         self._pending: dict[int, tuple[Future[list[ScoreResult]], int]] = {}
         self._lock = threading.Lock()
         self._per_rank: dict[int, tuple[int, int]] = {}
+        self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._receive, name="reward-replies", daemon=True)
         self._thread.start()
 
     def score(self, items: list[ScoreItem]) -> Future[list[ScoreResult]]:
         fut: Future[list[ScoreResult]] = Future()
         with self._lock:
+            if self._error is not None:  # the reply thread is gone: nothing would answer
+                fut.set_exception(self._error)
+                return fut
             request, rank = next(self._ids), next(self._next)
             self._pending[request] = (fut, rank)
             self._to[rank].put(Score(request, list(items)))
         return fut
 
     def _receive(self) -> None:
+        """Hand each answer to its future. Any error (a reward rank failed, a message
+        that is not an answer to a pending request) fails every future waiting and every
+        later ``score``, then ends this thread by raising, which ends the controller's
+        rank (rl/dist/launch.py install_thread_hook): once this thread is gone nothing
+        answers, so returning quietly left the job waiting forever."""
         while True:
             try:
-                msg = cast(Scored, self._from.get())  # the one type the channel carries
-            except BaseException as e:  # a reward rank failed: fail everything waiting
+                try:
+                    msg = cast(Scored, self._from.get())  # the one type the channel carries
+                except ChannelTimeout:  # no group to score for a while (a long evaluation)
+                    continue
+                if msg.request < 0:  # stop() woke us
+                    return
                 with self._lock:
+                    if msg.request not in self._pending:
+                        raise ChannelError(f"reward/out: an answer to request {msg.request}, "
+                                           "which is not pending")  # fmt: skip
+                    fut, rank = self._pending.pop(msg.request)
+                self._per_rank[rank] = (msg.failures, msg.timeouts)
+                fut.set_result(msg.results)
+            except BaseException as e:
+                with self._lock:
+                    self._error = e
                     waiting, self._pending = list(self._pending.values()), {}
                 for f, _ in waiting:
                     f.set_exception(e)
-                return
-            if msg.request < 0:  # stop() woke us
-                return
-            with self._lock:
-                fut, rank = self._pending.pop(msg.request)
-            self._per_rank[rank] = (msg.failures, msg.timeouts)
-            fut.set_result(msg.results)
+                raise
 
     @property
     def failures(self) -> int:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from rl.tasks.common import Codec, Example, Task, TaskError, sft_batch
+from rl.tasks.common import Codec, Example, PromptStream, Task, TaskError, sft_batch
 
 if TYPE_CHECKING:
     from rl.config.schema import RootConfig
@@ -19,6 +19,7 @@ __all__ = [
     "TASKS",
     "Codec",
     "Example",
+    "PromptStream",
     "Task",
     "TaskError",
     "build_task",

@@ -10,13 +10,13 @@ generalisation, not memory. Pure logic: no torch.distributed, no Megatron.
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from rl.tasks.common import Example, TaskError
+from rl.tasks.common import Example, TaskError, resume_position
 
 if TYPE_CHECKING:
     from rl.config.schema import RootConfig
@@ -79,7 +79,7 @@ class AdditionTask:
         self.eval_set = sorted(held, key=lambda p: (p.a, p.b))
         self._held = held
         self.seed = seed
-        self._rng = random.Random(seed + 1)  # ArithmeticTask.train_stream(0) draws the same
+        self._rng = random.Random(seed + 1)  # ArithmeticTask.train_stream() draws the same
         # Fresh training problems for decisions made during training (when to end the
         # warm-up), so the held-out set only ever measures.
         self.validation_set = self._draw(random.Random(seed + 2), eval_size)
@@ -110,12 +110,6 @@ class AdditionTask:
     def sample(self, count: int) -> list[Problem]:
         """Training problems drawn uniformly, never from the held-out set."""
         return self._draw(self._rng, count)
-
-    def reseed(self, stream: int) -> None:
-        """Switch :meth:`sample` to the training stream ``stream`` (reproducible, and apart
-        from the default one): a job resumed at a step must not replay the problems its
-        lost attempt already trained on."""
-        self._rng = random.Random(f"{self.seed}/{stream}")
 
     def _draw(self, rng: random.Random, count: int) -> list[Problem]:
         n = 10**self.digits
@@ -199,13 +193,8 @@ class ArithmeticTask:
             target_ids=tuple(p.answer(d)),
         )
 
-    def train_stream(self, stream: int = 0) -> Iterator[Example]:
-        """Problems drawn one at a time from :meth:`AdditionTask.sample`'s stream: the
-        same sequence as drawing a batch at once, so the warm-up is what it always was."""
-        p = self.problems
-        rng = random.Random(p.seed + 1) if stream == 0 else random.Random(f"{p.seed}/{stream}")
-        while True:
-            yield self.example(p._draw(rng, 1)[0])
+    def train_stream(self, start: Mapping[str, Any] | None = None) -> ArithmeticStream:
+        return ArithmeticStream(self, start)
 
     @property
     def answer_tokens(self) -> int:
@@ -221,3 +210,34 @@ class ArithmeticTask:
             f"task arithmetic: {p.digits}-digit addition, {len(p.eval_set)} held-out problems "
             f"(seed {p.seed})"
         )
+
+
+class ArithmeticStream:
+    """Problems drawn one at a time from :meth:`AdditionTask.sample`'s stream (the same
+    sequence as drawing a batch at once, so the warm-up is what it always was). Its
+    position is the number drawn: a resumed stream replays that many draws of the seeded
+    generator (about a microsecond each) and continues the same sequence."""
+
+    def __init__(self, task: ArithmeticTask, start: Mapping[str, Any] | None = None):
+        p = task.problems
+        self.task, self._rng, self.drawn = task, random.Random(p.seed + 1), 0
+        if start is not None:
+            (drawn,) = resume_position(start, self._fixed(), ("drawn",))
+            for _ in range(drawn):
+                p._draw(self._rng, 1)
+            self.drawn = drawn
+
+    def _fixed(self) -> dict[str, Any]:
+        p = self.task.problems
+        return {"task": "arithmetic", "seed": p.seed, "digits": p.digits,
+                "eval_size": len(p.eval_set)}  # fmt: skip
+
+    def position(self) -> dict[str, Any]:
+        return {**self._fixed(), "drawn": self.drawn}
+
+    def __iter__(self) -> ArithmeticStream:
+        return self
+
+    def __next__(self) -> Example:
+        self.drawn += 1
+        return self.task.example(self.task.problems._draw(self._rng, 1)[0])

@@ -55,6 +55,40 @@ class Codec(Protocol):
         ...
 
 
+class PromptStream(Protocol):
+    """A task's training prompts, one at a time, and where the next one comes from."""
+
+    def __iter__(self) -> Iterator[Example]: ...
+
+    def __next__(self) -> Example: ...
+
+    def position(self) -> dict[str, Any]:
+        """JSON-like: the task's identity (seed, size...) and the stream's counters, so
+        ``task.train_stream(position)`` yields exactly what this stream yields next."""
+        ...
+
+
+def resume_position(
+    start: Mapping[str, Any], fixed: Mapping[str, Any], counters: Sequence[str]
+) -> list[int]:
+    """The ``counters`` of a saved stream position, after checking it was taken from the
+    same stream (``fixed``: what must match, e.g. the task and its seed); one-line
+    :class:`TaskError` otherwise."""
+    for key, want in fixed.items():
+        if start.get(key) != want:
+            raise TaskError(
+                f"the saved prompt stream has {key}={start.get(key)!r} but this task has "
+                f"{want!r}: resume with the task config the run started with"
+            )
+    out = []
+    for key in counters:
+        v = start.get(key)
+        if not (isinstance(v, int) and not isinstance(v, bool) and v >= 0):
+            raise TaskError(f"the saved prompt stream's {key}={v!r} is not a count >= 0")
+        out.append(v)
+    return out
+
+
 class Task(Protocol):
     """What the loop reads of a task. The members are read-only (the loop never sets
     them), so a task may hold them as attributes or compute them as properties."""
@@ -86,9 +120,10 @@ class Task(Protocol):
         """The longest prompt of any split, in tokens."""
         ...
 
-    def train_stream(self, stream: int = 0) -> Iterator[Example]:
-        """Training prompts in order. ``stream`` > 0 is a different, reproducible order
-        (a resumed job draws from one of its own, not a replay of the lost attempt's)."""
+    def train_stream(self, start: Mapping[str, Any] | None = None) -> PromptStream:
+        """Training prompts in order, from the beginning or from ``start`` (a position
+        an earlier stream of the same task reported): a resumed job continues the very
+        sequence its lost attempt drew from, so no prompt is used twice or skipped."""
         ...
 
     def describe(self) -> str:

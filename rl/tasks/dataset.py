@@ -17,11 +17,11 @@ import glob
 import json
 import os
 import random
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from rl.tasks.common import Example, TaskError
+from rl.tasks.common import Example, TaskError, resume_position
 from rl.tasks.tokenizer import HFCodec
 
 if TYPE_CHECKING:
@@ -201,18 +201,8 @@ class DatasetTask:
             target_ids=target,
         )
 
-    def train_stream(self, stream: int = 0) -> Iterator[Example]:
-        epoch, n = 0, len(self.train)
-        while self.cfg.epochs is None or epoch < self.cfg.epochs:
-            order = list(range(n))
-            if self.cfg.shuffle:
-                random.Random(f"{self.cfg.seed}/{stream}/{epoch}").shuffle(order)
-            for i in order:
-                yield self.train[i]
-            epoch += 1
-        raise TaskError(
-            f"task.epochs={self.cfg.epochs}: the training prompts ran out ({n} per pass)"
-        )
+    def train_stream(self, start: Mapping[str, Any] | None = None) -> DatasetStream:
+        return DatasetStream(self, start)
 
     def describe(self) -> str:
         c = self.cfg
@@ -224,3 +214,45 @@ class DatasetTask:
             f"{' (held out of the training files)' if not c.eval_files else ''}; prompts up "
             f"to {self.max_prompt_len} tokens"
         )
+
+
+class DatasetStream:
+    """The training prompts epoch after epoch, each epoch in its own order (seeded by
+    ``task.seed`` and the epoch): every prompt once per epoch. Its position is the epoch
+    and the offset within it, so a resumed job continues the same epoch's order."""
+
+    def __init__(self, task: DatasetTask, start: Mapping[str, Any] | None = None):
+        self.task = task
+        self.epoch = self.offset = 0
+        if start is not None:
+            self.epoch, self.offset = resume_position(start, self._fixed(), ("epoch", "offset"))
+            if self.offset > len(task.train):
+                raise TaskError(
+                    f"the saved prompt stream's offset={self.offset} is past the epoch's "
+                    f"{len(task.train)} prompts"
+                )
+        self._order: list[int] | None = None
+
+    def _fixed(self) -> dict[str, Any]:
+        c = self.task.cfg
+        return {"task": "dataset", "seed": c.seed, "shuffle": c.shuffle,
+                "size": len(self.task.train)}  # fmt: skip
+
+    def position(self) -> dict[str, Any]:
+        return {**self._fixed(), "epoch": self.epoch, "offset": self.offset}
+
+    def __iter__(self) -> DatasetStream:
+        return self
+
+    def __next__(self) -> Example:
+        c, n = self.task.cfg, len(self.task.train)
+        if self.offset == n:
+            self.epoch, self.offset, self._order = self.epoch + 1, 0, None
+        if c.epochs is not None and self.epoch >= c.epochs:
+            raise TaskError(f"task.epochs={c.epochs}: the training prompts ran out ({n} per pass)")
+        if self._order is None:
+            self._order = list(range(n))
+            if c.shuffle:  # "/0/": the orders runs have always had
+                random.Random(f"{c.seed}/0/{self.epoch}").shuffle(self._order)
+        self.offset += 1
+        return self.task.train[self._order[self.offset - 1]]

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from omegaconf import DictConfig
 
+from rl.weights.dist_ckpt import load as load_state
 from rl.weights.dist_ckpt import model_state, read_common, write
 
 if TYPE_CHECKING:
@@ -87,8 +88,12 @@ def save(
     optimizer: MegatronOptimizer | None,
     scheduler: OptimizerParamScheduler | None,
     state: TrainState,
+    keep_previous: bool = False,
 ) -> None:
-    """Collective save of the model and, once a step was taken, the training state."""
+    """Collective save of the model and, once a step was taken, the training state, to a
+    temporary sibling renamed into place once every rank has written (a kill mid-save
+    leaves the previous checkpoint whole). ``keep_previous``: the replaced checkpoint
+    stays at ``<path>.old`` until the resume state names the new one (RL checkpoints)."""
     from megatron_patches import cuda_to_cpu
 
     # Before the first step Adam has no state to save: such a checkpoint is weights only.
@@ -96,7 +101,7 @@ def save(
     with cuda_to_cpu():
         saved = state if state.step > 0 else None
         sd = _state(model, model_cfg, optimizer, scheduler, saved, is_loading=False)
-    write(sd, path)
+    write(sd, path, keep_previous)
 
 
 def load(
@@ -109,8 +114,6 @@ def load(
 ) -> TrainState | None:
     """Load the weights into ``model`` and, if asked and saved, the optimizer and scheduler
     state in place; returns the saved train state then (None for weights only)."""
-    from megatron.core import dist_checkpointing
-
     from megatron_patches import cuda_to_cpu
 
     common = read_common(path, model_cfg)
@@ -118,7 +121,7 @@ def load(
     if not (load_optimizer and common.get("has_optimizer")):
         with cuda_to_cpu():
             sd = _state(model, model_cfg, None, None, None, is_loading=True)
-            model.load_state_dict(dist_checkpointing.load(sd, path)["model"])
+            model.load_state_dict(load_state(sd, path)["model"])
             if optimizer is not None and hasattr(optimizer, "reload_model_params"):
                 # Master copies (bf16 training, distributed optimizer) must follow the weights.
                 optimizer.reload_model_params()
@@ -127,7 +130,7 @@ def load(
     with cuda_to_cpu():
         _materialize_optimizer_state(optimizer)
         sd = _state(model, model_cfg, optimizer, scheduler, TrainState(), is_loading=True)
-        loaded = dist_checkpointing.load(sd, path)
+        loaded = load_state(sd, path)
         model.load_state_dict(loaded["model"])
         optimizer.load_state_dict(loaded["optimizer"])
         scheduler.load_state_dict(loaded["scheduler"])

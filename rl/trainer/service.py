@@ -16,6 +16,7 @@ from __future__ import annotations
 import copy
 import gc
 import os
+import threading
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -50,15 +51,25 @@ class Connect:
 @dataclass
 class Join:
     """p2p: join the servers' DDMA groups at ``address``/``ports`` (the controller has
-    asked the servers to join them too)."""
+    asked the servers to join them too): every server, or only ``servers`` (restarted
+    ones, whose old group died with them), one port each."""
 
     address: str
     ports: list[int]
+    servers: list[int] | None = None
+
+
+@dataclass
+class Reserve:
+    """p2p: pick ``n`` free ports on trainer rank 0's host for new DDMA groups."""
+
+    n: int
 
 
 @dataclass
 class Push:
     version: int
+    servers: list[int] | None = None  # None: every server
 
 
 @dataclass
@@ -94,7 +105,7 @@ class Done:
     result: dict[str, Any] = field(default_factory=dict)
 
 
-COMMANDS = (Train, Connect, Join, Push, Save, Stop)
+COMMANDS = (Train, Connect, Join, Reserve, Push, Save, Stop)
 REPLIES = (Log, Ready, Done)
 
 
@@ -227,20 +238,27 @@ def serve(cfg: RootConfig, job: Job, make_target: TargetFactory) -> None:
                 answer(Done({"address": _address(), "ports": _ports(len(msg.urls))}))
             elif isinstance(msg, Join):
                 assert sender is not None, "Join before Connect"
-                sender.join(msg.address, msg.ports)
+                sender.join(msg.address, msg.ports, msg.servers)
                 answer(Done())
+            elif isinstance(msg, Reserve):
+                answer(Done({"address": _address(), "ports": _ports(msg.n)}))
             elif isinstance(msg, Push):
                 assert sender is not None, "Push before Connect"
-                s = sender.push(msg.version)
+                s, lost = sender.push(msg.version, msg.servers)
                 # Sum over ranks; the all-reduce is also the barrier that makes every
-                # rank's buckets land before the controller commits.
-                v = torch.tensor(
-                    [s.payload_bytes, s.wire_bytes, s.buffer_bytes], dtype=torch.float64
-                )
+                # rank's buckets land before the controller commits. A server any rank
+                # lost is lost for the version.
+                v = torch.tensor([s.payload_bytes, s.wire_bytes], dtype=torch.float64)
                 dist.all_reduce(v)
-                answer(Done({"sync_bytes": v[0].item(), "sync_wire_bytes": v[1].item()}))
+                gone = torch.zeros(len(sender.targets), dtype=torch.float64)
+                gone[lost] = 1.0
+                dist.all_reduce(gone, op=dist.ReduceOp.MAX)
+                lost_all = [i for i, x in enumerate(gone.tolist()) if x > 0]
+                answer(Done({"sync_bytes": v[0].item(), "sync_wire_bytes": v[1].item(),
+                             "lost": lost_all}))  # fmt: skip
             elif isinstance(msg, Save):
-                tr.save(msg.path)
+                # The checkpoint it replaces stays until the resume state names this one.
+                tr.save(msg.path, keep_previous=True)
                 done = {"path": msg.path}
                 if msg.export_hf and lead:
                     done["hf"] = _export_hf(cfg, msg.path, msg.step)
@@ -272,11 +290,13 @@ class TrainerHandle:
         n = job.role_size("trainer")
         self._to = [job.channel(f"trainer/in/{r}", *COMMANDS) for r in range(n)]
         self._from = job.channel("trainer/out", *REPLIES)
+        self._lock = threading.Lock()
 
-    def _call(self, msg: Train | Connect | Join | Push | Save) -> dict[str, Any]:
-        for ch in self._to:
-            ch.put(msg)
-        return self._from.expect(Done).result
+    def _call(self, msg: Train | Connect | Join | Reserve | Push | Save) -> dict[str, Any]:
+        with self._lock:  # one command and its answer at a time, from any thread
+            for ch in self._to:
+                ch.put(msg)
+            return self._from.expect(Done).result
 
     def wait_ready(self, log: MetricsLogger) -> Ready:
         """Wait for the trainer to be built (and warmed up), logging the warm-up's lines."""
@@ -292,11 +312,17 @@ class TrainerHandle:
     def connect(self, urls: list[str]) -> dict[str, Any]:
         return self._call(Connect(urls))
 
-    def join(self, address: str, ports: list[int]) -> None:
-        self._call(Join(address, ports))
+    def join(self, address: str, ports: list[int], servers: list[int] | None = None) -> None:
+        self._call(Join(address, ports, servers))
 
-    def push(self, version: int) -> dict[str, float]:
-        return self._call(Push(version))
+    def reserve(self, n: int) -> dict[str, Any]:
+        """``{"address", "ports"}``: where ``n`` new DDMA groups can rendezvous."""
+        return self._call(Reserve(n))
+
+    def push(self, version: int, servers: list[int] | None = None) -> dict[str, Any]:
+        """DDMA ``version`` into ``servers`` (default all); ``lost``: servers that did not
+        answer on some rank."""
+        return self._call(Push(version, servers))
 
     def save(self, path: str, export_hf: bool = False, step: int = 0) -> dict[str, Any]:
         """Checkpoint to ``path`` (and, with ``export_hf``, an HF directory of it)."""

@@ -59,7 +59,7 @@ def supervised_warmup(
     acc = evaluate(held) if held else None
     if acc is not None:
         log.log(0, {"eval_accuracy": acc}, phase="warmup_eval")
-    stream = task.train_stream(0)
+    stream = task.train_stream()
     for step in range(1, sft.steps + 1):
         m = trainer.train_step(sft_batch(take(stream, gbs), task.codec.pad_id), nll_loss)
         keep: tuple[str, ...] = ("loss", "grad_norm", "lr", "tokens_per_s", "step_seconds")

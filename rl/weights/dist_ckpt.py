@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import pickle
 import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -20,41 +21,16 @@ from typing import TYPE_CHECKING, Any
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
+from rl.config import ckpt_check
+from rl.config.ckpt_check import ARCH_FIELDS, FORMAT_VERSION, architecture_diffs
+from rl.dist import ckpt_files
+
 if TYPE_CHECKING:
     from megatron.core.transformer.module import MegatronModule
 
     from rl.config.schema import ModelConfig
 
-FORMAT_VERSION = 1
-# Fields that must agree between a checkpoint and the model loading it.
-ARCH_FIELDS = (
-    "architecture",
-    "num_layers",
-    "hidden_size",
-    "ffn_hidden_size",
-    "num_attention_heads",
-    "num_query_groups",
-    "vocab_size",
-    "make_vocab_size_divisible_by",
-    "qkv_bias",
-    "qk_norm",
-    "head_dim",
-    "tie_embeddings",
-    "num_experts",
-    "moe_ffn_hidden_size",
-    "shared_expert_ffn_hidden_size",
-    "shared_expert_gate",
-)
-# What a field absent from an older checkpoint meant (a Llama-family dense model).
-_ARCH_DEFAULTS = {
-    "architecture": "LlamaForCausalLM",
-    "qk_norm": False,
-    "head_dim": None,
-    "num_experts": 0,
-    "moe_ffn_hidden_size": None,
-    "shared_expert_ffn_hidden_size": 0,
-    "shared_expert_gate": False,
-}
+__all__ = ["ARCH_FIELDS", "FORMAT_VERSION", "CheckpointError", "check", "load", "read_common"]
 
 
 class CheckpointError(ValueError):
@@ -84,7 +60,9 @@ def model_state(
 
 
 def check(path: str | os.PathLike) -> Path:
-    """Raise CheckpointError unless ``path`` holds a complete torch_dist checkpoint."""
+    """Raise CheckpointError unless ``path`` holds a complete torch_dist checkpoint: its
+    metadata readable and every shard as long as the metadata says (a truncated shard is
+    named here, before torch's reader fails on it with a bare EOFError)."""
     from megatron.core import dist_checkpointing
 
     p = Path(path)
@@ -95,17 +73,45 @@ def check(path: str | os.PathLike) -> Path:
             f"checkpoint {str(p)!r} is not a Megatron torch_dist checkpoint "
             "(no metadata.json): incomplete or wrong format"
         )
+    problem = ckpt_check.problem(p)
+    if problem:
+        raise CheckpointError(f"checkpoint {str(p)!r} {problem}")
     return p
 
 
-def write(state: dict[str, Any], path: str) -> None:
-    """Collective save of ``state`` to ``path``, atomically (temp dir, then rename)."""
+def load(state: dict[str, Any], path: str | os.PathLike) -> dict[str, Any]:
+    """Megatron's ``dist_checkpointing.load`` of ``state`` from ``path``, with a failure
+    to read a file as one CheckpointError naming it (Megatron raises a
+    CheckpointException wrapping each rank's EOFError, which names no file)."""
+    from megatron.core import dist_checkpointing
+    from torch.distributed.checkpoint import CheckpointException
+
+    p = Path(path)
+    try:
+        return dist_checkpointing.load(state, str(p))
+    except (CheckpointException, EOFError, pickle.UnpicklingError, RuntimeError) as e:
+        try:
+            problem = ckpt_check.problem(p)
+        except OSError as err:
+            problem = f"cannot be read: {err}"
+        if problem is None and isinstance(e, RuntimeError):
+            raise  # the files look whole: not a damaged checkpoint, keep the traceback
+        if problem is None:  # CheckpointException: one failure per rank
+            first = next(iter((getattr(e, "failures", None) or {}).values()), e)
+            problem = f"cannot be read: {type(first).__name__} {first}".rstrip()
+        raise CheckpointError(f"checkpoint {str(p)!r} {problem}") from None
+
+
+def write(state: dict[str, Any], path: str, keep_previous: bool = False) -> None:
+    """Collective save of ``state`` to ``path``, atomically (temp dir, then rename).
+    ``keep_previous``: leave the checkpoint it replaces at ``<path>.old`` until the resume
+    state names the new one (rl/dist/ckpt_files.py)."""
     from megatron.core import dist_checkpointing
 
     from megatron_patches import cuda_to_cpu
 
     final = Path(path)
-    tmp = final.with_name(final.name + ".tmp")
+    tmp = ckpt_files.tmp_of(final)
     if dist.get_rank() == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
@@ -116,12 +122,13 @@ def write(state: dict[str, Any], path: str) -> None:
     if dist.get_rank() == 0:
         # Renames only: deleting the previous checkpoint file by file before the new one
         # is in place left a requeued job (SIGTERM mid-save) with neither.
-        prev = final.with_name(final.name + ".old")
+        prev = ckpt_files.old_of(final)
         shutil.rmtree(prev, ignore_errors=True)
         if final.exists():
             os.replace(final, prev)
         os.replace(tmp, final)
-        shutil.rmtree(prev, ignore_errors=True)
+        if not keep_previous:
+            shutil.rmtree(prev, ignore_errors=True)
     dist.barrier()
 
 
@@ -129,15 +136,7 @@ def check_architecture(
     common: dict[str, Any], model_cfg: ModelConfig | DictConfig, path: str
 ) -> None:
     """Refuse a checkpoint whose stored model shape differs from the model being built."""
-    stored = common.get("model_config")
-    if stored is None:
-        return
-    mine = model_config_dict(model_cfg)
-    diffs = [
-        f"{k}: checkpoint {stored.get(k, _ARCH_DEFAULTS.get(k))!r} vs config {mine.get(k)!r}"
-        for k in ARCH_FIELDS
-        if stored.get(k, _ARCH_DEFAULTS.get(k)) != mine.get(k)
-    ]
+    diffs = architecture_diffs(common.get("model_config"), model_config_dict(model_cfg))
     if diffs:
         raise CheckpointError(f"checkpoint {path!r} is for a different model: " + "; ".join(diffs))
 

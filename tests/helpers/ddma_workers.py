@@ -6,9 +6,13 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from rl.generator.server_api import ServerKeys
 
 
 def ddma_rank(
@@ -114,6 +118,7 @@ def train_then_sync(
     ep: int = 1,
     lr: float | None = None,
     hf_dir: str | None = None,
+    keys: ServerKeys | None = None,
 ) -> dict:
     """A Megatron trainer loads ``mcore_dir``, takes one optimizer step on ``batch``, saves,
     and DDMAs its own shards into the SGLang server at ``url`` as version 1 (rank 0
@@ -125,7 +130,8 @@ def train_then_sync(
     over ``ep`` of the DP ranks (MoE). ``lr``: the step's exact learning rate (no warm-up,
     constant); None: lr 0.05 under the default config's schedule (its warm-up starts the
     first step at lr / warmup_steps). ``hf_dir``: first convert that HF checkpoint into
-    ``mcore_dir`` on these same ranks (saves a second world's start-up)."""
+    ``mcore_dir`` on these same ranks (saves a second world's start-up). ``keys``: the
+    server's (handed over by pickle, as a job hands them over its secret file)."""
     from rl.algorithms.losses import nll_loss
     from rl.config import compose
     from rl.ddma.megatron_source import shard_getter, source_rank
@@ -158,7 +164,7 @@ def train_then_sync(
     src = SrcLayout(tp, 1, dp, ep=ep)
     plan = make_plan(Dims.of(m), src, DstLayout.sglang(1, "cpu"), 4, 1 << 16)
     rank = source_rank(tr.layout, plan.src)
-    target = SGLangTarget(url, plan, torch.float32)
+    target = SGLangTarget(url, plan, torch.float32, keys=keys)
     if rank == 0:
         target.begin(1)
     dist.barrier()
@@ -211,7 +217,9 @@ def baseline_rank(model_dir: str, tp: int, dst_tp: int) -> dict:
     return {"role": "generator", "rank": rank - tp, "tensors": out}
 
 
-def p2p_sync(url: str, port: int, glob: dict, model_dir: str, version: int) -> dict:
+def p2p_sync(
+    url: str, keys: ServerKeys, port: int, glob: dict, model_dir: str, version: int
+) -> dict:
     """Two trainer ranks DDMA ``glob`` (Megatron globals) into the SGLang server at ``url``
     point to point: they and the server's ranks join one gloo group; rank 0 also plays
     the controller (open the group, begin, have the server receive, commit)."""
@@ -223,7 +231,7 @@ def p2p_sync(url: str, port: int, glob: dict, model_dir: str, version: int) -> d
     rank = dist.get_rank()
     plan = make_plan(model_dims(Path(model_dir), 2), SrcLayout(2), DstLayout.sglang(1, "cpu"),
                      4, 1 << 14)  # fmt: skip
-    target = SGLangTarget(url, plan, torch.float32)
+    target = SGLangTarget(url, plan, torch.float32, keys=keys)
     name = f"ddma-test-{port}"
     opened = target.open_group(name, "127.0.0.1", port) if rank == 0 else None
     pg = group.join("127.0.0.1", port, plan.src.world + plan.dst.tp, rank, name, timeout_s=120)

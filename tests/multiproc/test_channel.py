@@ -1,18 +1,35 @@
 """The job's plumbing on real processes: one process group per executor role, typed
-channels over the job store (chunked past the store's 8 MB limit), remote failures."""
+channels over the job store (chunked past the store's 8 MB limit), remote failures, and
+a store that a process outside the job writes to."""
 
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
 
 import pytest
 
 from rl.config import compose
+from rl.dist import secret
 from rl.dist.launch import spawn
 from tests.helpers.channel_workers import role_rank
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
 def cfg():
     return compose(["rl.steps=0", "cluster.roles.generator=0", "cluster.roles.reward=0"])
+
+
+@pytest.fixture(autouse=True)
+def key(tmp_path, monkeypatch) -> bytes:
+    """The job's secret, as rl.train's main makes it: every spawned rank reads this file."""
+    monkeypatch.setenv(secret.ENV, str(tmp_path / secret.NAME))  # restored afterwards
+    return secret.load(secret.ensure(tmp_path))
 
 
 def test_roles_get_their_own_groups_and_channels_carry_big_messages(cfg):
@@ -34,7 +51,7 @@ def test_a_failed_executor_is_reported_with_its_traceback(cfg):
     assert "ValueError: boom on purpose" in ctrl["remote"]
 
 
-def test_wait_outlasts_the_channel_timeout_where_get_gives_up():
+def test_wait_outlasts_the_channel_timeout_where_get_gives_up(key):
     """An idle executor's inbox may stay quiet for longer than rl.channel_timeout (a
     generator rank waits for Stop during the whole run): ``wait`` keeps waiting, ``get``
     raises ChannelTimeout."""
@@ -50,13 +67,119 @@ def test_wait_outlasts_the_channel_timeout_where_get_gives_up():
 
     store = dist.TCPStore("127.0.0.1", free_port(), 1, is_master=True,
                           timeout=timedelta(seconds=5))  # fmt: skip
-    inbox = Channel(store, "idle/in", (Pong,), timeout=0.3)
+    inbox = Channel(store, "idle/in", (Pong,), timeout=0.3, key=key)
     with pytest.raises(ChannelTimeout, match="within 0s"):
         inbox.get()
-    sender = Channel(store, "idle/in", (Pong,), timeout=5)
+    sender = Channel(store, "idle/in", (Pong,), timeout=5, key=key)
     later = threading.Timer(1.2, lambda: sender.put(Pong(3, 1.0, 1)))
     later.start()
     t0 = time.monotonic()
     assert inbox.wait() == Pong(3, 1.0, 1)
     assert time.monotonic() - t0 > 1.0  # it outlasted several timeouts
     later.join()
+
+
+# Run by a process outside the job: it reaches the store's port but holds no key.
+OUTSIDER = textwrap.dedent(
+    """
+    import io, secrets, sys
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    from rl.dist import codec
+    from tests.helpers.channel_workers import Pong
+
+    port, name, target = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+
+    class Evil:  # unpickling it creates ``target``
+        def __reduce__(self):
+            return (open, (target, "w"))
+
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=30))
+    buf = io.BytesIO()
+    torch.save(Evil(), buf)  # what the old channel's torch.load would have run
+    store.queue_push(name, b"I" + buf.getvalue())
+    forged = codec.encode(Pong(66, 6.0, 6), (Pong,))  # well formed, but no valid tag
+    store.queue_push(name, b"I" + secrets.token_bytes(32 + 24) + forged)
+    """
+)
+
+
+def test_a_process_outside_the_job_cannot_make_a_reader_act(key, tmp_path):
+    """An outsider pushes the old exploit (a pickle that creates a file) and a forged
+    message onto a reader's queue; the reader drops both, counted, runs nothing, and gets
+    the legitimate message that follows."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from rl.dist.channel import Channel, rejected_total
+    from rl.dist.net import free_port
+    from tests.helpers.channel_workers import Pong
+
+    port, target = free_port(), tmp_path / "pwned"
+    store = dist.TCPStore("127.0.0.1", port, 1, is_master=True, timeout=timedelta(seconds=30),
+                          wait_for_workers=False)  # fmt: skip
+    reader = Channel(store, "victim/in", (Pong,), timeout=30, key=key)
+    before = rejected_total()
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop(secret.ENV)  # the outsider has no key
+    subprocess.run([sys.executable, "-c", OUTSIDER, str(port), "victim/in", str(target)],
+                   env=env, check=True, timeout=120)  # fmt: skip
+    Channel(store, "victim/in", (Pong,), timeout=30, key=key).put(Pong(1, 2.0, 3))
+    assert reader.get() == Pong(1, 2.0, 3)
+    assert not target.exists()
+    assert reader.rejected == 2 and rejected_total() - before == 2
+
+
+class _StoreJob:
+    """A job's channel endpoints over a real store (one reward rank), without its
+    process groups: the reward protocol's real messages through the real codec."""
+
+    role_rank = 0
+
+    def __init__(self, store, key: bytes):
+        self.store, self.key = store, key
+
+    def channel(self, name: str, *types: type):
+        from rl.dist.channel import Channel
+
+        return Channel(self.store, name, types, 30, self.key)
+
+    def role_size(self, role: str) -> int:
+        return 1
+
+
+def test_the_reward_protocol_runs_over_authenticated_channels(key):
+    import threading
+    from datetime import timedelta
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    from rl.dist.channel import rejected_total
+    from rl.dist.net import free_port
+    from rl.reward.service import RewardHandle, serve
+    from tests.helpers.reward_scorers import item
+
+    store = dist.TCPStore("127.0.0.1", free_port(), 1, is_master=True,
+                          timeout=timedelta(seconds=30))  # fmt: skip
+    job = _StoreJob(store, key)
+    cfg = SimpleNamespace(
+        reward=SimpleNamespace(fn="tests.helpers.reward_scorers:flaky", workers=1, timeout_s=5)
+    )
+    before = rejected_total()
+    rank = threading.Thread(target=serve, args=(cfg, job), daemon=True)
+    rank.start()
+    handle = RewardHandle(job)
+    try:
+        items = [item("4", "4", "2+2?", level=2, tags=["a"]), item("boom", {"x": [1, None]})]
+        results = handle.score(items).result(timeout=60)
+        assert [(r.score, r.failed) for r in results] == [(1.0, False), (0.0, True)]
+        assert handle.score([]).result(timeout=30) == [] and handle.failures == 1
+    finally:
+        handle.stop()
+        rank.join(timeout=15)
+    assert not rank.is_alive() and rejected_total() == before

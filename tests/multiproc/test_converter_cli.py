@@ -3,6 +3,8 @@ line and leaves nothing behind, and every flag is documented. They import Megatr
 
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -45,3 +47,59 @@ def test_every_flag_is_documented(tool):
     text = tool.parser().format_help()
     for a in actions:
         assert a.option_strings[0] in text
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "low"),
+    [
+        ("--tp", "0", 1),
+        ("--pp", "0", 1),
+        ("--ep", "-1", 1),
+        ("--vocab-multiple", "-1", 0),
+    ],
+)
+def test_a_bad_count_names_its_flag(tmp_path, llama, capsys, flag, value, low):
+    out = tmp_path / "out"
+    args = ["--hf-dir", str(llama), "--out", str(out), flag, value]
+    assert convert_hf_to_mcore.main(args) == 2
+    assert capsys.readouterr().err == f"error: {flag}={value} must be an integer >= {low}\n"
+    assert not out.exists()
+
+
+def _tool(name: str, *args: str) -> subprocess.CompletedProcess:
+    """A converter in a process of its own: Megatron's import-time warnings fire there."""
+    return subprocess.run(
+        [sys.executable, str(ROOT / "tools" / name), *args],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def _noise(stderr: str) -> list[str]:
+    """Lines of stderr other than the converters' own progress lines."""
+    return [x for x in stderr.splitlines() if x.strip() and not x.startswith("[convert] ")]
+
+
+def test_normal_runs_print_no_warnings_and_a_truncated_shard_is_named(tmp_path, llama, capsys):
+    mcore, hf = tmp_path / "mcore", tmp_path / "hf"
+    res = _tool("convert_hf_to_mcore.py", "--hf-dir", str(llama), "--out", str(mcore))
+    assert res.returncode == 0, res.stderr
+    assert _noise(res.stderr) == []
+    res = _tool("convert_mcore_to_hf.py", "--ckpt", str(mcore), "--out", str(hf))
+    assert res.returncode == 0, res.stderr
+    # Transformer Engine / Apex fallbacks, torch's "No CUDA runtime": none of them.
+    assert _noise(res.stderr) == []
+    shard = sorted(mcore.glob("*.distcp"))[-1]
+    size = shard.stat().st_size
+    with open(shard, "r+b") as f:
+        f.truncate(size // 2)
+    out = tmp_path / "hf2"
+    assert convert_mcore_to_hf.main(["--ckpt", str(mcore), "--out", str(out)]) == 2
+    assert capsys.readouterr().err == (
+        f"error: checkpoint {str(mcore)!r} shard {str(shard)!r} is truncated: {size // 2} of "
+        f"{size} bytes\n"
+    )
+    assert not out.exists()

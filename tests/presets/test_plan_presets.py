@@ -11,6 +11,7 @@ from rl.models.arch import Dims
 from rl.models.registry import active_count
 from rl.models.shapes import param_count
 from rl.plan import plan_cluster
+from rl.plan.cluster import suggested_staging
 from rl.plan.memory import stage_expert_params
 from tests.helpers.configs import config_of as _cfg
 from tests.helpers.configs import plan_of as _plan
@@ -105,3 +106,27 @@ def test_qwen3_235b_a22b_expert_shards_by_hand() -> None:
     assert plan.generator is not None
     assert plan.generator.kv_bytes_per_token == 2 * 94 * 1 * 128 * 2
     assert [s.layers for s in plan.placement.stages] == [(0, 46), (47, 93)]
+
+
+@pytest.mark.parametrize("name", PAPER + QWEN3 + DATASET_PRESETS)
+def test_presets_stage_where_the_rule_says(name: str) -> None:
+    """rollout.weight_sync.staging in each preset follows rl.plan.cluster's rule: a device
+    copy only where it costs <= 10% of the KV cache, else host copies where they take
+    <= 25% of a node's host memory, else none; what it would leave is counted."""
+    cfg = _cfg(f"experiment={name}")
+    plan = _plan(f"experiment={name}")
+    g = plan.generator
+    assert g is not None and plan.transfer is not None
+    staging = cfg.rollout.weight_sync.staging
+    assert staging == suggested_staging(cfg, plan)
+    assert g.staged == (g.weights if staging == "device" else 0)
+    assert plan.host_staging == (8 * g.weights if staging == "host" else 0)
+    assert plan.gpu_bytes is not None and g.total <= plan.gpu_bytes
+
+
+def test_405b_preset_does_not_fit_with_a_device_copy() -> None:
+    """The staging the 405B preset avoids: 2 x 47.8 GB of weights per 80 GB GPU."""
+    plan = plan_cluster(_cfg(f"experiment={PAPER[2]}", "rollout.weight_sync.staging=device"), False)
+    assert not plan.fits and "rollout.weight_sync.staging=device" in plan.problems[0]
+    g = _plan(f"experiment={PAPER[2]}").generator
+    assert g is not None and g.staging == "none"

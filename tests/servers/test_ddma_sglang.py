@@ -10,6 +10,8 @@ complete version. Tests run in file order on one server.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -17,11 +19,13 @@ from rl.config import compose
 from rl.config.sampling import SamplingParams
 from rl.ddma import wire
 from rl.ddma.plan import DstLayout, SrcLayout, make_plan
+from rl.dist import secret
 from rl.dist.launch import spawn
 from rl.generator.client import GeneratorClient
 from rl.generator.ddma_target import SGLangTarget, SyncError
 from rl.generator.hf_reference import HFReferenceGenerator
 from rl.generator.launcher import ServerConfig, ServerError, ServerLauncher
+from rl.generator.server_api import job_keys
 from rl.weights.convert import hf_to_mcore, mcore_to_hf, prepare_hf_to_mcore
 from tests.helpers.ddma_util import hf_state, megatron_globals, megatron_shards, model_dims
 from tests.helpers.ddma_workers import train_then_sync
@@ -39,14 +43,20 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def client(model_dir, tmp_path_factory):
+    """The server's keys derive from a job secret, as in an RL job: the trainer ranks that
+    ``synced`` spawns find it through MSRL_SECRET_FILE (inherited) and build their
+    targets without keys, as a job's trainer ranks do."""
     cfg = compose([])
-    server = ServerConfig.from_rollout(cfg.rollout, model_dir)
     logs = tmp_path_factory.mktemp("logs")
-    with (
-        ServerLauncher(server, n=1, log_dir=logs) as launcher,
-        GeneratorClient.for_launcher(launcher) as client,
-    ):
-        yield client
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv(secret.ENV, raising=False)  # restored after the module
+        secret.ensure(tmp_path_factory.mktemp("run"))  # sets MSRL_SECRET_FILE
+        server = replace(ServerConfig.from_rollout(cfg.rollout, model_dir), keys=job_keys())
+        with (
+            ServerLauncher(server, n=1, log_dir=logs) as launcher,
+            GeneratorClient.for_launcher(launcher) as client,
+        ):
+            yield client
 
 
 def _assert_serves(client: GeneratorClient, ref: HFReferenceGenerator, version: int) -> None:
@@ -113,7 +123,7 @@ def fresh(model_dir):
 def test_corrupt_bucket_keeps_previous_version(client, synced, fresh, monkeypatch):
     d, glob, _ = fresh
     plan = make_plan(d, SrcLayout(2), CPU_DST, 4, 1 << 14)
-    target = SGLangTarget(client.urls[0], plan, torch.float32)
+    target = SGLangTarget(client.urls[0], plan, torch.float32, keys=client.keys)
     original = wire.write_header
 
     def flip_one(buf, plan, bucket, version):
@@ -139,7 +149,7 @@ def test_architecture_mismatch_is_refused(client, synced, fresh):
     d, _, _ = fresh
     other = d.__class__(**{**d.__dict__, "ffn": d.ffn * 2})
     plan = make_plan(other, SrcLayout(1), CPU_DST, 4, 1 << 14)
-    target = SGLangTarget(client.urls[0], plan, torch.float32)
+    target = SGLangTarget(client.urls[0], plan, torch.float32, keys=client.keys)
     glob = {
         k: torch.zeros(s) for k, s in plan.src_shapes.items()
     }  # right shapes for the wrong model
@@ -153,7 +163,7 @@ def test_architecture_mismatch_is_refused(client, synced, fresh):
 def test_trainer_lost_mid_transfer_then_next_version_lands(client, synced, fresh, tmp_path):
     d, glob, hf = fresh
     plan = make_plan(d, SrcLayout(2), CPU_DST, 4, 1 << 14)
-    target = SGLangTarget(client.urls[0], plan, torch.float32)
+    target = SGLangTarget(client.urls[0], plan, torch.float32, keys=client.keys)
     target.begin(2)
     _stage_all(target, glob, 2, upto=1)  # trainer rank 1 never sends
     with pytest.raises(SyncError, match=r"buckets never arrived"):
@@ -177,7 +187,8 @@ def test_point_to_point_transport_into_live_server(client, fresh, model_dir, syn
 
     d, glob, hf = fresh
     version = client.weight_versions()[0] + 1
-    out = spawn(p2p_sync, 2, client.urls[0], free_port(), glob, str(model_dir), version)
+    out = spawn(p2p_sync, 2, client.urls[0], client.keys, free_port(), glob, str(model_dir),
+                version)  # fmt: skip
     plan = make_plan(d, SrcLayout(2), CPU_DST, 4, 1 << 14)
     assert sum(o["stats"].payload_bytes for o in out) == plan.dst_bytes()
     ref = synced["ref"]
@@ -188,7 +199,7 @@ def test_point_to_point_transport_into_live_server(client, fresh, model_dir, syn
 def test_trainers_disagreeing_on_the_version_fail_it(client, synced, fresh):
     d, glob, _ = fresh
     plan = make_plan(d, SrcLayout(2), CPU_DST, 4, 1 << 14)
-    target = SGLangTarget(client.urls[0], plan, torch.float32)
+    target = SGLangTarget(client.urls[0], plan, torch.float32, keys=client.keys)
     version = client.weight_versions()[0]
     target.begin(version + 1)
     shards = [megatron_shards(glob, plan, r) for r in range(2)]
@@ -198,3 +209,110 @@ def test_trainers_disagreeing_on_the_version_fail_it(client, synced, fresh):
     with pytest.raises(SyncError, match="already failed"):
         target.commit(version + 1)
     assert client.weight_versions() == [version]
+
+
+@pytest.fixture(scope="module")
+def served(model_dir):
+    """transformers on whatever the tests below last pushed (they push whole models, so
+    they need no earlier test: ``-k staging`` runs them on a fresh server)."""
+    return HFReferenceGenerator(model_dir)
+
+
+def _perturbed(model_dir, seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {n: t + 0.05 * torch.randn(t.shape, generator=g) for n, t in hf_state(model_dir).items()}
+
+
+@pytest.mark.parametrize("staging", ["device", "host", "none"])
+def test_every_staging_serves_the_trainers_weights(client, served, model_dir, staging):
+    """Each option pushes weights of its own (so each changes what is served); greedy
+    tokens and log-probs then equal transformers on those weights. device and host keep a
+    copy of the weights between versions, none holds nothing."""
+    d = model_dims(model_dir, 2)
+    hf = _perturbed(model_dir, 10 + ["device", "host", "none"].index(staging))
+    plan = make_plan(d, SrcLayout(2), CPU_DST, 4, 1 << 16)
+    target = SGLangTarget(client.urls[0], plan, torch.float32, staging=staging)
+    version = client.weight_versions()[0] + 1
+    target.begin(version)
+    _stage_all(target, megatron_globals(hf, d), version)
+    target.commit(version)
+    served.load_weights(hf.items())
+    _assert_serves(client, served, version)
+    (state,) = target.receivers  # as the commit reported it
+    assert (state["staging"], state["torn"]) == (staging, False)
+    assert state["staging_bytes"] == (0 if staging == "none" else plan.dst_bytes(real_only=False))
+    client.adopt_version(version)
+
+
+def test_staging_none_incomplete_version_keeps_the_server_out(client, served, fresh):
+    """staging none writes in place. A version refused before a byte is written (another
+    model) resumes the server on its version; one that loses a trainer rank midway leaves
+    it paused, torn, and reporting NOT_READY, so no client routes to it and a request sent
+    straight to it is not served; the next complete version resumes it."""
+    from rl.generator import server_api as api
+    from rl.generator.ddma_target import NOT_READY
+
+    d, glob, hf = fresh
+    url, ref = client.urls[0], served
+    version = client.weight_versions()[0]
+    other = make_plan(d.__class__(**{**d.__dict__, "ffn": d.ffn * 2}), SrcLayout(1), CPU_DST, 4,
+                      1 << 14)  # fmt: skip
+    wrong = SGLangTarget(url, other, torch.float32, staging="none")
+    wrong.begin(version + 1)
+    with pytest.raises(SyncError, match="architecture mismatch"):
+        _stage_all(wrong, {k: torch.zeros(s) for k, s in other.src_shapes.items()}, version + 1)
+    wrong.abort(version + 1)
+    _assert_serves(client, ref, version)  # untouched, back in service
+
+    plan = make_plan(d, SrcLayout(2), CPU_DST, 4, 1 << 14)
+    target = SGLangTarget(url, plan, torch.float32, staging="none")
+    target.begin(version + 1)
+    _stage_all(target, glob, version + 1, upto=1)  # trainer rank 1 never sends
+    with pytest.raises(SyncError, match="buckets never arrived"):
+        target.commit(version + 1)
+    assert client.weight_versions() == [NOT_READY]
+    assert target.receivers[0]["torn"]  # as the abort's discard reported it
+    client.adopt_version(version)  # what the controller last published
+    with pytest.raises(ServerError, match=rf"at weight version {version} .*behind: \[0\]"):
+        client.generate(PROMPTS[:1], GREEDY)
+    direct = api.generate([PROMPTS[0]], [{"temperature": 0, "max_new_tokens": 2}])
+    with pytest.raises(api.CallError) as paused:
+        api.call(url, direct, target.keys, timeout=3)
+    assert not paused.value.answered  # queued behind the pause, never run
+
+    target.begin(version + 2)
+    _stage_all(target, glob, version + 2)
+    target.commit(version + 2)
+    client.adopt_version(version + 2)  # what the controller does after a commit
+    ref.load_weights(hf.items())
+    _assert_serves(client, ref, version + 2)
+    assert not target.receivers[0]["torn"]
+
+
+def test_status_outside_the_servers_directory_is_refused(client, tmp_path):
+    """A status path the server did not start with is never written; the server logs why,
+    and its own status files (the target's) still work."""
+    import json
+
+    from rl.ddma import sglang_receiver as rx
+    from rl.generator import server_api as api
+    from rl.generator.weight_payload import serialize
+
+    url = client.urls[0]
+    plan = make_plan(model_dims(client.launcher.config.model_path, 2), SrcLayout(2), CPU_DST, 4,
+                     1 << 14)  # fmt: skip
+    target = SGLangTarget(url, plan, torch.float32)
+    version = client.weight_versions()[0]
+    target.begin(version + 1)  # SGLang takes DDMA requests only in a weight-update session
+    evil = tmp_path / "evil.rank{rank}.json"
+    entry = [(json.dumps({"op": "state", "status": str(evil)}), torch.zeros(1, dtype=torch.uint8))]
+    call = api.update_weights_from_tensor([serialize(entry)], api.DDMA_LOAD_FORMAT)
+    assert api.refusal(api.call(url, call, target.keys)) is None  # SGLang: Success
+    assert list(tmp_path.iterdir()) == []
+    log = client.launcher.servers[0].log_path.read_text(errors="replace")
+    assert f"DDMA status path {str(evil)!r} is outside the server's status directory" in log
+    assert rx.STATUS_DIR_ENV in log
+    target.abort(version + 1)
+    assert target.receivers[0]["ok"]
+    assert client.weight_versions() == [version]
+    assert len(client.generate(PROMPTS[:1], GREEDY)[0].output_ids) > 0

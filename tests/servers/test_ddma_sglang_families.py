@@ -22,7 +22,7 @@ import contextlib
 import shutil
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pytest
@@ -36,6 +36,7 @@ from rl.dist.launch import spawn
 from rl.generator.client import GeneratorClient
 from rl.generator.hf_reference import HFReferenceGenerator
 from rl.generator.launcher import ServerConfig, ServerLauncher
+from rl.generator.server_api import ServerKeys
 from rl.generator.types import Rollout
 from rl.weights.convert import mcore_to_hf, prepare_hf_to_mcore
 from rl.weights.keymap import Dims
@@ -82,7 +83,8 @@ def synced(request, tmp_path_factory):
     hf0 = make_model(kind, root / kind)
     m, dtype = prepare_hf_to_mcore(str(hf0), tp, 1, vocab_multiple=128, dtype=None, ep=ep)
     assert dtype == "float32"
-    server = ServerConfig.from_rollout(compose([]).rollout, str(hf0))
+    keys = ServerKeys.random()  # the trainer ranks start before the server: hand them over
+    server = replace(ServerConfig.from_rollout(compose([]).rollout, str(hf0)), keys=keys)
     assert (server.device, server.tp) == ("cpu", 1)  # the layout train_then_sync plans for
     g = torch.Generator().manual_seed(3)
     tokens = torch.randint(3, 99, (4, 16), generator=g)
@@ -92,7 +94,7 @@ def synced(request, tmp_path_factory):
     with ThreadPoolExecutor(1) as pool, contextlib.ExitStack() as stack:
         trainer = pool.submit(
             spawn, train_then_sync, tp * ep, str(root / "init"), m, str(url_file),
-            str(root / "step1"), batch, tp, ep, lr, str(hf0),
+            str(root / "step1"), batch, tp, ep, lr, str(hf0), keys,
         )  # fmt: skip
         url = ""
         try:

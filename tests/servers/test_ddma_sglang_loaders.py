@@ -90,3 +90,83 @@ def test_fp8_plan_sends_the_destinations_blocks(ckpts, src_tp, src_pp):
     # FP8 sends about a quarter of the fp32 bytes of the linear layers.
     full = make_plan(d, SrcLayout(src_tp, src_pp), DstLayout(1), 4, 4096)
     assert plan.sent_bytes() < 0.45 * full.sent_bytes()
+
+
+def _module_of(params: dict[str, torch.Tensor]) -> torch.nn.Module:
+    """A module whose named parameters are ``params`` (copies), as a server's model."""
+    root = torch.nn.Module()
+    for name, t in params.items():
+        mod = root
+        *path, leaf = name.split(".")
+        for part in path:
+            if part not in mod._modules:
+                mod.add_module(part, torch.nn.Module())
+            mod = mod._modules[part]  # type: ignore[assignment]
+        mod.register_parameter(leaf, torch.nn.Parameter(t.clone(), requires_grad=False))
+    return root
+
+
+def _receive_rank(plan, shards: dict, rank: int, staging: str, want: dict) -> None:
+    """Generator rank ``rank`` of a server holding 0.5 everywhere (the served version):
+    one version that misses its last bucket, then a complete one."""
+    from rl.ddma import sglang_receiver as rx
+    from rl.ddma import wire
+
+    spec, f32 = rx.plan_spec(plan, torch.float32), torch.float32
+    empty, buf = (
+        torch.zeros(1, dtype=torch.uint8),
+        torch.empty(plan.bucket_bytes, dtype=torch.uint8),
+    )
+    before = {n: torch.full_like(t, 0.5) for n, t in want.items()}
+    model, recv = _module_of(before), rx.Receiver()
+
+    def send(op: str, version: int, bucket=None) -> dict:
+        ctl = {"op": op, "plan": spec, "version": version, "staging": staging}
+        if bucket is None:
+            return recv.handle(model, ctl, empty, rank)
+        get = lambda k, i, s=shards[bucket.src]: s[(k, i)]  # noqa: E731
+        return recv.handle(model, ctl, wire.pack(buf, plan, bucket, get, f32, version), rank)
+
+    mine = plan.receives(rank)
+    assert len(mine) > 2
+    send("discard", 1)
+    for b in mine[:-1]:
+        send("stage", 1, b)
+    with pytest.raises(ValueError, match=r"1 of \d+ buckets never arrived"):
+        send("prepare", 1)
+    untouched = all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+    assert untouched == (staging != "none")
+    assert recv.state()["torn"] == (staging == "none")
+
+    send("discard", 2)
+    for b in mine:
+        send("stage", 2, b)
+    assert send("prepare", 2)["ok"]
+    state = send("commit", 2)
+    assert state["committed"] == 2 and not state["torn"]
+    held = sum(t.numel() * t.element_size() for t in want.values())
+    assert state["staging_bytes"] == (0 if staging == "none" else held)
+    got = dict(model.named_parameters())
+    assert set(got) == set(want)
+    for name, t in want.items():
+        torch.testing.assert_close(got[name], t, rtol=0, atol=0, msg=name)
+
+
+@pytest.mark.parametrize("staging", ["device", "host", "none"])
+@pytest.mark.parametrize(
+    "kind,src", [("llama", SrcLayout(2)), ("qwen3_moe", SrcLayout(1, dp=2, ep=2))]
+)
+def test_receiver_staging_matches_sglang_loaders(ckpts, kind, src, staging):
+    """The receiver as each SGLang TP rank runs it (rl.ddma.sglang_receiver), through each
+    staging option: a version missing its last bucket changes no parameter (device, host)
+    or leaves them torn (none); the complete version then leaves exactly what SGLang's
+    own loaders make of the checkpoint, bit for bit, fused expert slabs included."""
+    from tests.helpers.ddma_util import megatron_shards
+
+    path = ckpts[kind]
+    d = model_dims(path)
+    plan = make_plan(d, src, DstLayout(2), 4, 4096)
+    glob = megatron_globals(hf_state(path), d)
+    shards = {r: megatron_shards(glob, plan, r) for r in range(src.world)}
+    for rank in range(2):
+        _receive_rank(plan, shards, rank, staging, sglang_rank_params(path, 2, rank))

@@ -268,27 +268,46 @@ def test_update_while_requests_run_tags_every_token_with_its_version(client, ref
 
 
 # ---------------------------------------------------------------------------- failures (last)
-def test_killed_server_is_reported_then_restarted_and_brought_up_to_date(
-    client, launcher, ref, weights
+def test_no_ready_server_makes_requests_wait_not_fail(client, ref):
+    """With ``wait_for_server``, requests that find every server behind wait for one to be
+    routable again (as a restarted server is, once re-pushed), and the wait is counted."""
+    version, before = client.version, client.stats()["no_server_s"]
+    client.adopt_version(version + 100)  # no server serves it: none is routable
+    client.wait_for_server = 60.0
+    try:
+        futures = client.submit(PROMPTS[0], GREEDY)
+        time.sleep(2.0)
+        assert not any(f.done() for f in futures)
+        client.adopt_version(version)
+        _assert_matches_greedy(futures[0].result(timeout=60), ref)
+    finally:
+        client.wait_for_server = 0.0
+    assert client.stats()["no_server_s"] - before >= 2.0
+    client.adopt_version(version + 100)
+    with pytest.raises(ServerError, match=r"no generator server is alive at weight version"):
+        client.generate([PROMPTS[0]], GREEDY)  # no wait: fails at once
+    client.adopt_version(version)
+
+
+def test_killed_server_loses_no_rollout_then_is_restarted_and_brought_up_to_date(
+    client, launcher, ref, weights, capsys
 ):
     dead = launcher.servers[1]
     pgid = dead.proc.pid  # the server's guard leads its process group
     (sglang_main,) = psutil.Process(dead.proc.pid).children()
     sglang_main.kill()  # a crash: SIGKILL, no cleanup by SGLang itself
     assert dead.proc.wait(timeout=30) == -signal.SIGKILL
-    futures = [f for p in PROMPTS for f in client.submit(p, GREEDY)]
-    errors = []
-    for f in futures:
-        try:
-            f.result(timeout=60)
-        except ServerError as e:
-            errors.append(str(e))
-    assert errors, "no request noticed the dead server"
-    assert "generator server 1" in errors[0] and "died (exit code -9)" in errors[0]
-    assert str(dead.log_path) in errors[0]
+    requeued = client.stats()["requeued_rollouts"]
+    # Requests routed to the dead server are re-sent to the live one: none is lost.
+    futures = [f for p in PROMPTS * 2 for f in client.submit(p, GREEDY)]
+    rollouts = [f.result(timeout=120) for f in futures]
+    for r in rollouts:
+        _assert_matches_greedy(r, ref)
+    assert {r.server for r in rollouts} == {0}
+    assert client.stats()["requeued_rollouts"] > requeued
+    said = capsys.readouterr().out
+    assert "generator server 1" in said and "died (exit code -9)" in said and "re-queued" in said
     assert_group_gone(pgid)  # SGLang's scheduler and detokenizer went with it
-    # The live server keeps serving.
-    assert {r.server for r in client.generate(PROMPTS, GREEDY)} == {0}
 
     assert client.restart_server(1) == 0  # back with its checkpoint's weights: behind
     assert {r.server for r in client.generate(PROMPTS * 2, GREEDY)} == {0}

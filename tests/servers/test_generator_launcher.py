@@ -16,7 +16,7 @@ import pytest
 
 from rl.generator.launcher import ServerConfig, ServerError, ServerLauncher
 from tests.helpers.hf_models import make_model
-from tests.helpers.procs import assert_group_gone
+from tests.helpers.procs import assert_group_gone, group_listeners
 
 
 @pytest.fixture(scope="module")
@@ -91,4 +91,6 @@ def test_server_whose_port_was_taken_starts_on_another(model_dir, tmp_path):
         with launcher:
             s = launcher.servers[0]
             assert s.port != taken and s.url.endswith(f":{s.port}") and s.healthy()
+            listening = group_listeners(os.getpgid(s.proc.pid))
+            assert [ip for ip, port, _ in listening if port == s.port] == ["127.0.0.1"]
     assert "address already in use" in (tmp_path / "server0.log").read_text()

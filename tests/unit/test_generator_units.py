@@ -33,6 +33,7 @@ from rl.generator.weight_payload import (
 )
 
 LIMITS = ModelLimits(vocab_size=99, context_len=128, eos_ids=(2,))
+KEYS = api.ServerKeys.random()
 
 
 # ------------------------------------------------------------------ sampling and limits
@@ -309,20 +310,20 @@ def stand_in() -> Iterator[str]:
 
 
 def test_server_api_calls_and_errors_name_the_server_and_route(stand_in):
-    one = api.call(stand_in, api.generate([[1, 2]], [{"max_new_tokens": 1}], ["r0"]))
+    one = api.call(stand_in, api.generate([[1, 2]], [{"max_new_tokens": 1}], ["r0"]), KEYS)
     assert one == {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 1},
                    "return_logprob": True, "rid": "r0"}  # fmt: skip
-    two = api.call(stand_in, api.generate([[1], [2]], [{}, {}]))
+    two = api.call(stand_in, api.generate([[1], [2]], [{}, {}]), KEYS)
     assert two["input_ids"] == [[1], [2]] and "rid" not in two
     assert api.generate_results(one, 1) == [one]
-    assert api.weight_version(api.call(stand_in, api.model_info())) == 3
-    assert api.call(stand_in, api.flush_cache()) == {"text": "Cache flushed."}
+    assert api.weight_version(api.call(stand_in, api.model_info(), KEYS)) == 3
+    assert api.call(stand_in, api.flush_cache(), KEYS) == {"text": "Cache flushed."}
     assert api.healthy(stand_in)
     with pytest.raises(api.CallError, match=f"{stand_in}/refuse answered HTTP 400: no route"):
-        api.call(stand_in, api.Call("/refuse"))
+        api.call(stand_in, api.Call("/refuse"), KEYS)
     gone = f"http://127.0.0.1:{free_port()}"
     with pytest.raises(api.CallError, match=f"{gone}/continue_generation unreachable") as e:
-        api.call(gone, api.continue_generation())
+        api.call(gone, api.continue_generation(), KEYS)
     assert not e.value.answered and e.value.route == "/continue_generation"
     assert not api.healthy(gone)
     assert api.refusal({"success": False, "message": "no"}) == "no"
@@ -332,14 +333,14 @@ def test_server_api_calls_and_errors_name_the_server_and_route(stand_in):
 def test_server_api_async_calls_answer_and_fail_the_same(stand_in):
     async def run() -> None:
         async with aiohttp.ClientSession() as session:
-            got = await api.acall(session, stand_in, api.model_info())
+            got = await api.acall(session, stand_in, api.model_info(), KEYS)
             assert api.weight_version(got) == 3
             with pytest.raises(api.CallError, match="/refuse answered HTTP 400") as e:
-                await api.acall(session, stand_in, api.Call("/refuse"))
+                await api.acall(session, stand_in, api.Call("/refuse"), KEYS)
             assert e.value.answered and e.value.status == 400
             gone = f"http://127.0.0.1:{free_port()}"
             with pytest.raises(api.CallError, match="/abort_request unreachable") as e:
-                await api.acall(session, gone, api.abort_all())
+                await api.acall(session, gone, api.abort_all(), KEYS)
             assert not e.value.answered
 
     asyncio.run(run())

@@ -130,7 +130,7 @@ def test_unknown_model_type_in_config_json_is_named(models) -> None:
 _DEFAULTS = {  # the default family, named as a default value, is not a branch
     ("rl/config/schema.py", 'architecture: str = "LlamaForCausalLM"'),
     ("rl/models/arch.py", 'arch: str = "LlamaForCausalLM"'),
-    ("rl/weights/dist_ckpt.py", '"architecture": "LlamaForCausalLM",'),
+    ("rl/config/ckpt_check.py", '"architecture": "LlamaForCausalLM",'),
 }
 
 

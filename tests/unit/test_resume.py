@@ -8,6 +8,7 @@ import pytest
 
 from rl.dist import resume
 from rl.dist.resume import ResumeError, ResumePoint
+from rl.metrics import drop_jsonl_after
 
 
 def test_fresh_run_has_no_resume_point(tmp_path) -> None:
@@ -17,6 +18,7 @@ def test_fresh_run_has_no_resume_point(tmp_path) -> None:
 def test_write_then_read_round_trips_and_leaves_no_temp_file(tmp_path) -> None:
     ckpt = tmp_path / "checkpoint"
     ckpt.mkdir()
+    (ckpt / "metadata.json").write_text("{}")  # a finished torch_dist save
     point = ResumePoint(step=6, checkpoint=str(ckpt), start_accuracy=0.25, warmup_accuracy=0.3)
     resume.write(tmp_path, point)
     assert resume.read(tmp_path) == point
@@ -33,7 +35,7 @@ def test_corrupt_state_or_missing_checkpoint_is_a_clear_error(tmp_path) -> None:
         resume.read(tmp_path)
 
 
-def test_truncate_metrics_drops_only_rl_records_after_the_checkpoint(tmp_path) -> None:
+def test_dropping_jsonl_records_after_the_checkpoint_keeps_the_rest(tmp_path) -> None:
     recs = [
         {"phase": "warmup", "step": 50},
         {"phase": "rl_eval", "step": 0},
@@ -43,8 +45,8 @@ def test_truncate_metrics_drops_only_rl_records_after_the_checkpoint(tmp_path) -
     ]
     path = tmp_path / "metrics.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in recs) + '{"phase": "rl", "st')
-    assert resume.truncate_metrics(path, 4) == 3  # rl 5, rl_eval 5, the cut-off line
+    assert drop_jsonl_after(path, 4) == 3  # rl 5, rl_eval 5, the cut-off line
     kept = [json.loads(x) for x in path.read_text().splitlines()]
     assert kept == [r for r in recs if r["phase"] == "warmup" or r["step"] <= 4]
-    assert resume.truncate_metrics(path, 4) == 0
-    assert resume.truncate_metrics(tmp_path / "none.jsonl", 4) == 0
+    assert drop_jsonl_after(path, 4) == 0
+    assert drop_jsonl_after(tmp_path / "none.jsonl", 4) == 0

@@ -97,14 +97,39 @@ def test_stream_shuffles_per_epoch_reproducibly_and_holds_out_eval(tok_dir, tmp_
     task = build_task(cfg)
     assert len(task.train) == 20 and len(task.eval_sets["eval"]) == 10
     assert not {e.uid for e in task.train} & {e.uid for e in task.eval_sets["eval"]}
-    first = [e.uid for e in take(task.train_stream(0), 40)]
+    first = [e.uid for e in take(task.train_stream(), 40)]
     assert sorted(first[:20]) == sorted(first[20:]) == sorted(e.uid for e in task.train)
     assert first[:20] != first[20:]  # each epoch its own order
-    assert first == [e.uid for e in take(build_task(cfg).train_stream(0), 40)]
-    assert first != [e.uid for e in take(task.train_stream(7), 40)]  # a resumed stream
+    assert first == [e.uid for e in take(build_task(cfg).train_stream(), 40)]
     with pytest.raises(TaskError, match="ran out"):
-        take(task.train_stream(0), 41)
+        take(task.train_stream(), 41)
     assert {e.uid for e in task.validation_set} <= {e.uid for e in task.train}
+
+
+@pytest.mark.parametrize("drawn", [0, 7, 20, 33])
+def test_stream_resumes_at_its_epoch_and_offset(tok_dir, tmp_path, drawn):
+    """A new stream from a saved position yields exactly what the original would have
+    yielded next, across an epoch boundary too: each prompt once per epoch."""
+    f = _write(tmp_path / "d.jsonl", _rows(30))
+    cfg = _cfg(tok_dir, train_files=[str(f)], prompt_key="q", label_key="ans", eval_size=10,
+               epochs=3, seed=3)  # fmt: skip
+    task = build_task(cfg)
+    whole = [e.uid for e in take(task.train_stream(), 60)]
+    original = task.train_stream()
+    take(original, drawn)
+    pos = json.loads(json.dumps(original.position()))
+    epoch = (drawn - 1) // 20 if drawn else 0  # an epoch ends at offset 20, not at 0
+    assert (pos["epoch"], pos["offset"], pos["seed"]) == (epoch, drawn - 20 * epoch, 3)
+    resumed = build_task(cfg).train_stream(pos)
+    assert [e.uid for e in take(resumed, 60 - drawn)] == whole[drawn:]
+    with pytest.raises(TaskError, match="ran out"):
+        next(resumed)
+    other = build_task(_cfg(tok_dir, train_files=[str(f)], prompt_key="q", label_key="ans",
+                            eval_size=10, seed=4))  # fmt: skip
+    with pytest.raises(TaskError, match="saved prompt stream has seed=3 but this task has 4"):
+        other.train_stream(pos)
+    with pytest.raises(TaskError, match="offset=21 is past the epoch's 20 prompts"):
+        task.train_stream({**pos, "offset": 21})
 
 
 def test_long_prompts_are_dropped_and_counted(tok_dir, tmp_path):

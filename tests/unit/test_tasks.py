@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -136,13 +138,23 @@ def test_reward_executor_text_scoring_equals_the_task_reward():
     assert task.reward(p, right) == 1.0
 
 
-def test_reseed_gives_a_reproducible_stream_apart_from_the_default() -> None:
-    """A resumed job draws from stream <step>: the same on every attempt, not a replay."""
-    default = AdditionTask(2, seed=0).sample(64)
-    a, b = AdditionTask(2, seed=0), AdditionTask(2, seed=0)
-    a.reseed(5)
-    b.reseed(5)
-    resumed = a.sample(64)
-    assert resumed == b.sample(64)
-    assert resumed != default
-    assert not set(resumed) & a._held
+@pytest.mark.parametrize("drawn", [0, 1, 37])
+def test_a_stream_resumed_from_its_position_continues_the_same_sequence(drawn) -> None:
+    """A resumed job continues the prompt sequence its lost attempt drew from: a stream
+    built from the saved position yields exactly what the original would have yielded."""
+    from rl.tasks.arithmetic import ArithmeticTask
+    from rl.tasks.common import TaskError, take
+
+    task = ArithmeticTask(2, seed=3, eval_size=16)
+    whole = [e.uid for e in take(task.train_stream(), drawn + 20)]
+    original = task.train_stream()
+    take(original, drawn)
+    pos = json.loads(json.dumps(original.position()))  # as saved on disk
+    assert pos["drawn"] == drawn
+    resumed = ArithmeticTask(2, seed=3, eval_size=16).train_stream(pos)
+    assert [e.uid for e in take(resumed, 20)] == whole[drawn:]
+    assert [e.uid for e in take(original, 20)] == whole[drawn:]
+    with pytest.raises(TaskError, match="saved prompt stream has seed=3 but this task has 4"):
+        ArithmeticTask(2, seed=4, eval_size=16).train_stream(pos)
+    with pytest.raises(TaskError, match="drawn=-1 is not a count"):
+        task.train_stream({**pos, "drawn": -1})

@@ -9,16 +9,21 @@ from concurrent.futures import Future
 import pytest
 
 from rl.controller.weight_sync import WeightSync
+from rl.ddma.engine import TransferError
 
 
 class FakeTarget:
-    def __init__(self, log: list[str], name: str, fail: str | None = None) -> None:
-        self.log, self.name, self.fail = log, name, fail
+    def __init__(
+        self, log: list[str], name: str, fail: str | None = None, lost: str | None = None
+    ) -> None:
+        self.log, self.name, self.fail, self.lost = log, name, fail, lost
 
     def _do(self, op: str, version: int) -> None:
         self.log.append(f"{self.name}.{op}({version})")
         if op == self.fail:
             raise RuntimeError(f"{self.name} {op} failed")
+        if op == self.lost:
+            raise TransferError(f"{self.name} disconnected during {op}")
 
     def begin(self, version: int) -> None:
         self._do("begin", version)
@@ -43,19 +48,23 @@ class FakeTarget:
 
 
 class FakeTrainer:
-    def __init__(self, log: list[str]) -> None:
-        self.log = log
+    def __init__(self, log: list[str], lost: list[int] | None = None) -> None:
+        self.log, self.lost = log, lost or []
 
     def connect(self, urls: list[str]) -> dict:
         self.log.append(f"connect({len(urls)})")
         return {"address": "127.0.0.1", "ports": [7000 + i for i in range(len(urls))]}
 
-    def join(self, address: str, ports: list[int]) -> None:
-        self.log.append(f"join({ports})")
+    def join(self, address: str, ports: list[int], servers: list[int] | None = None) -> None:
+        self.log.append(f"join({ports}, {servers})")
 
-    def push(self, version: int) -> dict[str, float]:
-        self.log.append(f"push({version})")
-        return {"sync_bytes": 10.0}
+    def reserve(self, n: int) -> dict:
+        self.log.append(f"reserve({n})")
+        return {"address": "127.0.0.1", "ports": [8000 + i for i in range(n)]}
+
+    def push(self, version: int, servers: list[int] | None = None) -> dict:
+        self.log.append(f"push({version}, {servers})")
+        return {"sync_bytes": 10.0, "lost": [i for i in self.lost if i in (servers or [])]}
 
 
 def test_each_push_is_the_next_version_on_every_server():
@@ -64,7 +73,7 @@ def test_each_push_is_the_next_version_on_every_server():
     sync = WeightSync(FakeTrainer(log), targets, "ipc", weight_version=4)  # type: ignore[arg-type]
     stats = sync.push()
     assert sync.weight_version == 5 and stats["sync_bytes"] == 10.0 and stats["sync_s"] >= 0
-    assert log == ["s0.begin(5)", "s1.begin(5)", "push(5)", "s0.commit(5)", "s1.commit(5)"]
+    assert log == ["s0.begin(5)", "s1.begin(5)", "push(5, [0, 1])", "s0.commit(5)", "s1.commit(5)"]
     sync.push()
     assert sync.weight_version == 6
 
@@ -91,9 +100,39 @@ def test_p2p_opens_every_group_while_the_trainer_joins_then_servers_receive():
     assert sync.names == ["ddma-7000-0", "ddma-7000-1"]
     sync.push()
     assert log[-7:] == ["s0.begin(1)", "s1.begin(1)", "s0.receive(1)", "s1.receive(1)",
-                        "push(1)", "s0.commit(1)", "s1.commit(1)"]  # fmt: skip
+                        "push(1, [0, 1])", "s0.commit(1)", "s1.commit(1)"]  # fmt: skip
 
 
 def test_unknown_transport_is_refused():
     with pytest.raises(ValueError, match=r"transport='nccl' not in \('ipc', 'p2p'\)"):
         WeightSync(FakeTrainer([]), [], "nccl", weight_version=0)  # type: ignore[arg-type]
+
+
+def test_a_server_lost_during_a_push_is_left_out_and_the_others_get_the_version():
+    """A server that stops answering (it died) at begin, or on a trainer rank while the
+    bytes go, is reported lost; the version lands on every other server."""
+    log: list[str] = []
+    targets = [FakeTarget(log, "s0", lost="begin"), FakeTarget(log, "s1"), FakeTarget(log, "s2")]
+    sync = WeightSync(FakeTrainer(log, lost=[2]), targets, "ipc", weight_version=3)  # type: ignore[arg-type]
+    stats = sync.push()
+    assert sync.weight_version == 4 and stats["lost"] == [0, 2]
+    assert log == ["s0.begin(4)", "s1.begin(4)", "s2.begin(4)", "push(4, [1, 2])",
+                   "s1.commit(4)", "s2.abort(4)"]  # fmt: skip
+
+
+def test_a_restarted_server_gets_the_current_version_again():
+    log: list[str] = []
+    targets = [FakeTarget(log, "s0"), FakeTarget(log, "s1")]
+    sync = WeightSync(FakeTrainer(log), targets, "ipc", weight_version=7)  # type: ignore[arg-type]
+    stats = sync.repush([1])
+    assert sync.weight_version == 7 and stats["lost"] == []
+    assert log == ["s1.begin(7)", "push(7, [1])", "s1.commit(7)"]
+    # p2p: the restarted server's group died with it; it and the trainer ranks join a new
+    # one (a fresh port) before the bytes go.
+    log.clear()
+    p2p = WeightSync(FakeTrainer(log), targets, "p2p", weight_version=7)  # type: ignore[arg-type]
+    p2p.names = ["ddma-7000-0", "ddma-7000-1"]
+    p2p.repush([1])
+    assert p2p.names == ["ddma-7000-0", "ddma-8000-1"]
+    assert log == ["reserve(1)", "s1.open(ddma-8000-1)", "join([8000], [1])", "s1.begin(7)",
+                   "s1.receive(7)", "push(7, [1])", "s1.commit(7)"]  # fmt: skip

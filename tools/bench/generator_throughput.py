@@ -85,7 +85,8 @@ def main(argv: list[str] | None = None) -> dict:
                 t = time.perf_counter()
                 for i in range(n_base):
                     call = api.generate([prompts[i % len(prompts)]], [sp])
-                    out = api.call(launcher.urls[i % args.servers], call, timeout=600)
+                    url = launcher.urls[i % args.servers]
+                    out = api.call(url, call, launcher.keys, timeout=600)
                     tokens += len(out["output_ids"])
                 base_s = time.perf_counter() - t
                 base_tps = tokens / base_s

@@ -13,6 +13,8 @@ layout the converter tests check against Megatron's own checkpoints).
 2. Into a live SGLang server (TP=1, CPU): DDMA (rl.generator.ddma_target: each trainer rank
    stages its own buckets, then one commit) against the generator client's HF-named
    bucketed update fed by a gather to trainer rank 0. Both must serve the same tokens.
+   Then each rollout.weight_sync.staging option (device, host, none) against device:
+   the server's peak extra memory and the sync time (tools/bench/weight_sync_staging.py).
 
 Prints and writes (JSON) median times, their ratio, effective bandwidth against this
 machine's memcpy bandwidth measured in the same run, bytes sent against the
@@ -33,12 +35,14 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import weight_sync_staging
 from bench_util import peak_mb, reset_peak, rss_mb, tree_peak_rss_mb, tree_rss_mb, write_result
 
 from rl.ddma import baseline, engine
 from rl.ddma.plan import DstLayout, SrcLayout, make_plan
 from rl.dist.launch import spawn
 from rl.generator.ddma_target import SGLangTarget
+from rl.generator.server_api import ServerKeys
 from rl.weights import keymap as km
 from rl.weights.hf_config import model_config_from_hf
 
@@ -158,9 +162,12 @@ def world_rank(model_dir: str, tp: int, dst_tp: int, bucket_mb: int, reps: int) 
 
 
 # ---------------------------------------------------------------- part 2: live server
-def server_rank(model_dir: str, url: str, bucket_mb: int, reps: int, mode: str, port: int):
+def server_rank(
+    model_dir: str, url: str, keys: ServerKeys, bucket_mb: int, reps: int, mode: str, port: int
+):
     """mode: "ipc" (DDMA, shared-memory buckets), "p2p" (DDMA over a gloo group the server
-    joins) or "baseline" (gather to rank 0, HF-named buckets through the client)."""
+    joins) or "baseline" (gather to rank 0, HF-named buckets through the client). ``keys``:
+    the server's (handed over by pickle, never on a command line)."""
     from rl.config.sampling import SamplingParams
     from rl.ddma import group
     from rl.generator.client import GeneratorClient
@@ -172,8 +179,9 @@ def server_rank(model_dir: str, url: str, bucket_mb: int, reps: int, mode: str, 
     plan = make_plan(d, SrcLayout(tp), DstLayout.sglang(1, "cpu"), 4, bucket_mb * MB)
     shards = trainer_shards(path, d, tp, rank)
     get = lambda k, i: shards[(k, i)]  # noqa: E731
-    target = SGLangTarget(url, plan, torch.float32, timeout=600)
-    client = GeneratorClient([url], ModelLimits.from_model_dir(path)) if rank == 0 else None
+    target = SGLangTarget(url, plan, torch.float32, timeout=600, keys=keys)
+    limits = ModelLimits.from_model_dir(path)
+    client = GeneratorClient([url], limits, keys=keys) if rank == 0 else None
     version = [client.weight_versions()[0] if client else 0]
     dist.broadcast_object_list(version, src=0)  # every trainer rank sends the same version
     pg = None
@@ -275,8 +283,9 @@ def live_server(model: Path, d: km.Dims, args, memcpy: float, tmp: str) -> dict:
         for mode in ("baseline", "ipc", "p2p"):
             rss0 = tree_rss_mb(pid)
             reset_peak(pid)
-            ranks = spawn(server_rank, 2, str(model), launcher.urls[0], args.bucket_mb,
-                          args.reps, mode, free_port(), timeout_s=1800)  # fmt: skip
+            ranks = spawn(server_rank, 2, str(model), launcher.urls[0], launcher.keys,
+                          args.bucket_mb, args.reps, mode, free_port(),
+                          timeout_s=1800)  # fmt: skip
             secs = wall(ranks, "s")
             out["modes"][mode] = {
                 "s": round(secs, 4),
@@ -288,14 +297,18 @@ def live_server(model: Path, d: km.Dims, args, memcpy: float, tmp: str) -> dict:
             }
             tokens.append(ranks[0]["tokens"])
             print(f"live server, {mode}: {secs:.3f}s", flush=True)
+        # rollout.weight_sync.staging: each option's peak server memory and sync time.
+        out["staging"], served = weight_sync_staging.run(model, launcher, args.bucket_mb,
+                                                         args.reps)  # fmt: skip
+        tokens += served
     base = out["modes"]["baseline"]["s"]
     for mode in ("ipc", "p2p"):
         out["modes"][mode]["speedup"] = round(base / out["modes"][mode]["s"], 2)
         out["modes"][mode].update(bandwidth(plan, out["modes"][mode]["s"], memcpy))
     out["trainer_shard_mb"] = round(plan.sent_bytes() / 2 / MB, 1)
-    # The server keeps one staging copy of its weights from the first DDMA sync on (the
-    # price of never serving a half-updated model): it shows in the first DDMA mode's
-    # server_peak_extra_mb, with the mappings of the trainers' shared buckets for ipc.
+    # With staging device (the default) the server keeps one copy of its weights from the
+    # first DDMA sync on: it shows in the first DDMA mode's server_peak_extra_mb, with the
+    # mappings of the trainers' shared buckets for ipc; "staging" compares the options.
     out["server_staging_mb"] = round(plan.dst_bytes(real_only=False) / MB, 1)
     out["same_tokens"] = all(t == tokens[0] for t in tokens)
     return out

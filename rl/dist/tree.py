@@ -1,0 +1,98 @@
+"""Everything a launching process started, found and ended: ranks and whatever they started.
+
+Why: a rank starts processes of its own (Megatron's checkpoint saving starts a
+multiprocessing Manager; multiprocessing starts a resource tracker; torch starts
+``torch_shm_manager``; a generator rank starts SGLang servers, each in a session of its
+own behind a guard). When a rank dies, its children are reparented and become invisible
+to a ``children()`` walk from the launcher, so a killed trainer rank left a 700 MB
+Manager running with PPID 1. The launcher therefore makes itself a *child subreaper*
+(Linux PR_SET_CHILD_SUBREAPER): orphans of its descendants are reparented to it, so one
+recursive walk from it always finds every process of the job, whatever died first.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import signal
+import time
+
+import psutil
+
+PR_SET_CHILD_SUBREAPER = 36
+
+
+def become_subreaper(on: bool = True) -> bool:
+    """Make orphaned descendants of this process its children (best effort: Linux only);
+    ``on=False`` once the job is gone, so a longer-lived caller (a test session) does not
+    collect other orphans as zombies."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        return bool(libc.prctl(PR_SET_CHILD_SUBREAPER, int(on), 0, 0, 0) == 0)
+    except (OSError, AttributeError):
+        return False
+
+
+def descendants(keep: frozenset[int] = frozenset()) -> list[psutil.Process]:
+    """Live (non-zombie) descendants of this process, except the pids in ``keep``."""
+    try:
+        procs = psutil.Process().children(recursive=True)
+    except psutil.Error:
+        return []
+    out = []
+    for p in procs:
+        with contextlib.suppress(psutil.Error):
+            if p.pid not in keep and p.status() != psutil.STATUS_ZOMBIE:
+                out.append(p)
+    return out
+
+
+def signal_all(procs: list[psutil.Process], sig: int) -> None:
+    for p in procs:
+        with contextlib.suppress(psutil.Error):
+            p.send_signal(sig)
+
+
+def kill_all(
+    keep: frozenset[int] = frozenset(),
+    spare_reap: frozenset[int] = frozenset(),
+    timeout: float = 5.0,
+) -> int:
+    """SIGKILL every descendant (but ``keep``) until none is left or ``timeout`` passes;
+    returns how many were killed. A walk repeats because a process that is being killed
+    may have started another one in the meantime. ``spare_reap``: children whose exit
+    status someone else collects (multiprocessing, for the ranks)."""
+    killed: set[int] = set()
+    deadline = time.monotonic() + timeout
+    while True:
+        left = descendants(keep)
+        if not left or time.monotonic() > deadline:
+            break
+        signal_all(left, signal.SIGKILL)
+        killed.update(p.pid for p in left)
+        reap(keep | spare_reap)
+        time.sleep(0.05)
+    reap(keep | spare_reap)
+    return len(killed)
+
+
+def reap(keep: frozenset[int] = frozenset()) -> None:
+    """Collect the exit status of finished children that nobody else waits for (orphans
+    reparented to this subreaper), so they do not linger as zombies. The pids in ``keep``
+    (the ranks: multiprocessing waits for those itself) are left alone."""
+    with contextlib.suppress(psutil.Error):
+        for p in psutil.Process().children():
+            if p.pid in keep:
+                continue
+            with contextlib.suppress(psutil.Error, ChildProcessError):
+                if p.status() == psutil.STATUS_ZOMBIE:
+                    os.waitpid(p.pid, os.WNOHANG)
+
+
+def resource_tracker_pid() -> int | None:
+    """This process's multiprocessing resource tracker: it exits by itself once every
+    holder of its pipe is gone, and killing it early makes it warn about leaks."""
+    from multiprocessing import resource_tracker
+
+    return getattr(resource_tracker._resource_tracker, "_pid", None)

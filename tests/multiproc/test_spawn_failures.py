@@ -1,0 +1,107 @@
+"""How a spawned job ends when a rank dies, a thread in one dies, or the launcher is told to
+stop: within seconds, one error naming the rank, and no process of the job left behind."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from rl.dist import tree
+from rl.dist.launch import RankFailed, spawn
+from tests.helpers.spawn_workers import fail, finish_leaving_children
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _names(r: int) -> str:
+    return f"worker rank {r}"
+
+
+def _children(run_dir: Path) -> list[int]:
+    return [int(x) for f in run_dir.glob("children.*") for x in f.read_text().split()]
+
+
+def _assert_gone(pids: list[int], timeout: float = 3.0) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        alive = [p for p in pids if psutil.pid_exists(p)
+                 and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]  # fmt: skip
+        if not alive:
+            return
+        assert time.monotonic() < deadline, f"outlived the job: {alive}"
+        time.sleep(0.1)
+
+
+@pytest.mark.parametrize(
+    ("how", "message"),
+    [
+        ("sigkill", "worker rank 1 was killed by SIGKILL (exited with code -9)"),
+        ("exit", "worker rank 1 exited with code 3 without reporting a result"),
+        ("raise", "worker rank 1 failed:\nTraceback"),
+        ("thread", "worker rank 1: thread 'replies' died:\nTraceback"),
+    ],
+)
+def test_a_dying_rank_fails_the_job_in_seconds_with_its_name_and_last_lines(tmp_path, how, message):
+    with pytest.raises(RankFailed) as err:
+        spawn(fail, 3, str(tmp_path), 1, how, setup=False, names=_names)
+    took = time.time() - float((tmp_path / "died_at").read_text())
+    text = str(err.value)
+    assert text.startswith(message), text
+    assert "last lines of worker rank 1:" in text and f"last words before {how}" in text
+    assert "then also" not in text  # the others were waiting, not failing
+    if how == "raise":
+        assert "ValueError: a bad value in the victim" in text
+    if how == "thread":
+        assert "RuntimeError: the reply thread met a malformed message" in text
+    assert took < 5, took  # the other ranks would have waited 120 s
+    # The victim's Manager and grandchild (orphans once it died) went with it.
+    assert len(_children(tmp_path)) == 2
+    _assert_gone(_children(tmp_path))
+    assert not tree.descendants(frozenset({tree.resource_tracker_pid() or -1}))
+
+
+def test_a_finished_job_returns_at_once_and_leaves_nothing(tmp_path):
+    t0 = time.monotonic()
+    assert spawn(finish_leaving_children, 2, str(tmp_path), setup=False) == [0, 1]
+    assert time.monotonic() - t0 < 20
+    assert len(_children(tmp_path)) == 4
+    _assert_gone(_children(tmp_path))
+
+
+@pytest.mark.parametrize(("sig", "code"), [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+def test_a_signal_to_the_launcher_stops_every_rank_with_one_line(tmp_path, sig, code):
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tests.helpers.spawn_workers", str(tmp_path)],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    deadline = time.monotonic() + 60
+    while len(list(tmp_path.glob("ready.*"))) < 3:
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.1)
+    ranks = psutil.Process(proc.pid).children(recursive=True)
+    t0 = time.monotonic()
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=30)
+    took = time.monotonic() - t0
+    assert proc.returncode == code, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    name = signal.Signals(sig).name
+    assert lines[0].startswith(f"stopped by {name} in "), lines
+    assert lines[0].endswith(
+        "3 ranks, 0 SGLang servers, 9 processes in all; saved: nothing (a test)"
+    )
+    assert took < 5, took
+    _assert_gone([p.pid for p in ranks] + _children(tmp_path))

@@ -1,0 +1,166 @@
+"""A killed RL job resumed in its run dir keeps its rollouts and its prompt stream.
+
+The tiny default job (real SGLang, DDMA, reward ranks) with 1-token segments, so at any
+moment most samples are parked or on a server, and an RL checkpoint every 2 steps. It is
+SIGKILLed (the whole process group, as a node failure would) after step 3, one step past
+its checkpoint at step 2, and started again with the same arguments. The second attempt
+must resume the checkpoint's parked and in-flight samples from their saved tokens (same
+tokens, behaviour log-probs and versions; newer versions after), train on every prompt
+of the one prompt stream exactly once across both attempts, and log each step once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+
+ROOT = Path(__file__).resolve().parents[2]
+STEPS = 6
+ARGS = ["sft.steps=30", "sft.eval_every=30", "task.eval_size=32", "rl.prompts_per_step=8",
+        f"rl.steps={STEPS}", "rl.eval_every=0", "rl.save_interval=2",
+        "rollout.segment_tokens=1"]  # fmt: skip
+
+
+def _start(out: Path, log: Path) -> subprocess.Popen:
+    with log.open("w") as f:
+        return subprocess.Popen(
+            [sys.executable, "-m", "rl.train", *ARGS, f"run.output_dir={out}"],
+            cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=f,
+            stderr=subprocess.STDOUT, text=True, start_new_session=True,
+        )  # fmt: skip
+
+
+def _jsonl(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:  # a line being written
+            pass
+    return out
+
+
+def _kill_leftovers(out: Path) -> list[int]:
+    """The run's processes still alive after its group was killed (servers are in
+    sessions of their own): killed by their run dir, which is on their command line."""
+    deadline, left = time.monotonic() + 30, []
+    while time.monotonic() < deadline:
+        left = [p for p in psutil.process_iter(["cmdline"])
+                if str(out) in " ".join(p.info["cmdline"] or [])]  # fmt: skip
+        if not left:
+            return []
+        time.sleep(0.5)
+    for p in left:
+        p.kill()
+    return [p.pid for p in left]
+
+
+def test_a_killed_job_resumes_its_parked_rollouts_and_its_prompt_stream(tmp_path):
+    from rl.tasks.arithmetic import ArithmeticTask
+
+    out = tmp_path / "run"
+    first = _start(out, tmp_path / "attempt1.log")
+    try:  # kill one step past the checkpoint of step 2
+        deadline = time.monotonic() + 900
+        while not any(r.get("phase") == "rl" and r["step"] >= 3
+                      for r in _jsonl(out / "metrics.jsonl")):  # fmt: skip
+            assert first.poll() is None, (tmp_path / "attempt1.log").read_text()[-4000:]
+            assert time.monotonic() < deadline, "no RL step 3 in 15 minutes"
+            time.sleep(0.2)
+    finally:
+        os.killpg(first.pid, signal.SIGKILL)
+        first.wait()
+    assert _kill_leftovers(out) == [], "a SIGKILLed job left processes behind"
+    point = json.loads((out / "rl_state.json").read_text())
+    resumed_from = point["step"]
+    saved = json.loads((out / point["rollouts"]).read_text())
+    shutil.copy(out / point["rollouts"], tmp_path / "saved_state.json")
+    parked = {r["rid"]: r for g in saved["groups"] for r in g["rollouts"]
+              if r["finish_reason"] is None and r["output_ids"]}  # fmt: skip
+    assert parked, "the checkpoint holds no partial rollout to resume"
+
+    log2 = tmp_path / "attempt2.log"
+    second = _start(out, log2)
+    try:
+        assert second.wait(timeout=900) == 0, log2.read_text()[-4000:]
+    finally:
+        if second.poll() is None:
+            os.killpg(second.pid, signal.SIGKILL)
+        _kill_leftovers(out)
+    text = log2.read_text()
+    assert f"resuming from RL step {resumed_from}" in text
+
+    # Every step once; the first resumed step reports what the state carried over.
+    steps = [r for r in _jsonl(out / "metrics.jsonl") if r["phase"] == "rl"]
+    assert [r["step"] for r in steps] == list(range(1, STEPS + 1))
+    carried = steps[resumed_from]
+    assert carried["resume_rollouts"] >= 1 and carried["resume_dropped_groups"] == 0
+    assert carried["resume_groups"] == len(saved["groups"])
+
+    # The resumed samples kept their saved tokens, log-probs and versions; later tokens
+    # come from the resumed job's versions (its first is resumed_from + 1).
+    trained = _jsonl(out / "trained_prompts.jsonl")
+    assert [r["step"] for r in trained] == list(range(1, STEPS + 1))
+    finished = {
+        r["rid"].rsplit("@", 1)[0]: r
+        for rec in trained
+        for g in rec["groups"]
+        if g.get("restored_at") == resumed_from
+        for r in g["rollouts"]
+    }
+    checked = 0
+    for rid, s in parked.items():
+        if rid not in finished:
+            continue  # its group is not trained yet (still in the final state)
+        f, n = finished[rid], len(s["output_ids"])
+        assert f["output_ids"][:n] == s["output_ids"]
+        assert f["logprobs"][:n] == s["logprobs"]
+        assert f["versions"][:n] == [v for v, k in s["versions"] for _ in range(k)]
+        assert len(f["output_ids"]) > n and min(f["versions"][n:]) > resumed_from
+        checked += 1
+    assert checked >= 1
+    print(f"resumed from step {resumed_from}: {len(saved['groups'])} groups, "
+          f"{int(carried['resume_rollouts'])} samples resumed ({len(parked)} with tokens), "
+          f"{checked} of those trained with their prefixes")  # fmt: skip
+
+    # One prompt stream: every prompt drawn is trained on once, or waits in the final
+    # state; the order is the task's own, as if never interrupted.
+    final = json.loads(
+        (out / json.loads((out / "rl_state.json").read_text())["rollouts"]).read_text()
+    )
+    indices = [g["index"] for rec in trained for g in rec["groups"]]
+    waiting = [g["index"] for g in final["groups"]]
+    assert len(set(indices)) == len(indices), "a prompt was trained on twice"
+    assert sorted(indices + waiting) == list(range(final["drawn"])), "a prompt was skipped"
+    stream = ArithmeticTask(2, seed=0, eval_size=32).train_stream()
+    uids = [next(stream).uid for _ in range(final["drawn"])]
+    assert all(uids[g["index"]] == g["uid"] for rec in trained for g in rec["groups"])
+
+
+def test_resume_never_refuses_a_run_dir_that_holds_a_resume_point(tmp_path):
+    """rl.resume=never starts fresh; over a run that has a resume point it would destroy
+    that run's checkpoints and logs, so it refuses in one line before any rank starts."""
+    from rl.dist import resume
+
+    (tmp_path / "checkpoint").mkdir()
+    (tmp_path / "checkpoint" / "metadata.json").write_text("{}")
+    resume.write(tmp_path, resume.ResumePoint(2, str(tmp_path / "checkpoint"), 0.1, None))
+    res = subprocess.run(
+        [sys.executable, "-m", "rl.train", "rl.resume=never", f"run.output_dir={tmp_path}"],
+        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True,
+        text=True, timeout=120,
+    )  # fmt: skip
+    assert res.returncode != 0
+    last = res.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"resume error: rl.resume=never but {tmp_path}/rl_state.json holds")
+    assert "starting" not in res.stdout

@@ -1,0 +1,192 @@
+"""How the RL job (`python -m rl.train`, real SGLang) ends when it does not end by itself.
+
+Three runs of one job in one run directory, in order (each later run resumes from the
+checkpoint the one before saved, so only the first warms up):
+
+1. a trainer rank is SIGKILLed after a checkpoint save: the job fails within seconds with
+   one error naming "trainer rank 1" and its last lines;
+2. SIGTERM to the top process, and 3. SIGINT (Ctrl-C) to it: every rank and server ends
+   within seconds, one line says what was stopped and which RL step is saved, and the
+   exit code is 143 / 130.
+
+After each, no process started by the job is left (found by an environment tag every
+descendant inherits, whatever session or group it moved to). Between runs, the resumed
+run's metrics hold each RL step once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections import Counter
+from pathlib import Path
+
+import psutil
+import pytest
+
+from tests.helpers.procs import assert_tagged_gone
+
+ROOT = Path(__file__).resolve().parents[2]
+TAG = "MSRL_TEST_STOPS"
+ARGS = [
+    "sft.steps=20", "sft.eval_every=20", "task.eval_size=16", "rl.prompts_per_step=8",
+    "rl.steps=200", "rl.eval_every=0", "rl.save_interval=1",
+]  # fmt: skip
+STOP_S = 10.0  # "within seconds", with room for a machine busy with other tests
+
+
+class Job:
+    """One `python -m rl.train` in a session of its own; its output read as it comes."""
+
+    def __init__(self, out: Path):
+        self.tag = uuid.uuid4().hex
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "rl.train", *ARGS, f"run.output_dir={out}"],
+            cwd=ROOT,
+            env={**os.environ, "PYTHONPATH": str(ROOT), TAG: self.tag},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
+        self.out: list[str] = []
+        self.err: list[str] = []
+        self._readers = [
+            threading.Thread(target=self._read, args=(s, acc), daemon=True)
+            for s, acc in ((self.proc.stdout, self.out), (self.proc.stderr, self.err))
+        ]
+        for t in self._readers:
+            t.start()
+
+    @staticmethod
+    def _read(stream, acc: list[str]) -> None:
+        for line in stream:
+            acc.append(line.rstrip("\n"))
+
+    def wait_for(self, pred, what: str, timeout: float = 600) -> None:
+        deadline = time.monotonic() + timeout
+        while not pred():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.kill()
+                pytest.fail(f"{what}: not reached\n" + "\n".join(self.err[-40:]))
+            time.sleep(0.2)
+
+    def ended(self, timeout: float) -> float:
+        """Seconds until the top process exited (fails past ``timeout``)."""
+        t0 = time.monotonic()
+        try:
+            self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            pytest.fail(f"the job did not end within {timeout}s of the stop")
+        took = time.monotonic() - t0
+        for t in self._readers:
+            t.join(5)
+        return took
+
+    def kill(self) -> None:
+        for p in psutil.process_iter():
+            try:
+                if p.environ().get(TAG) == self.tag:
+                    p.kill()
+            except psutil.Error:
+                pass
+
+    def rank(self, title: str) -> psutil.Process:
+        for p in psutil.Process(self.proc.pid).children(recursive=True):
+            try:
+                if " ".join(p.cmdline()).startswith(title):
+                    return p
+            except psutil.Error:
+                continue
+        raise AssertionError(f"no process titled {title!r}")
+
+
+def _state_step(out: Path) -> int:
+    try:
+        return int(json.loads((out / "rl_state.json").read_text())["step"])
+    except (OSError, ValueError, KeyError):
+        return -1
+
+
+def _rl_steps(out: Path) -> list[int]:
+    recs = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x]
+    return [r["step"] for r in recs if r["phase"] == "rl"]
+
+
+def _tb_counts(out: Path) -> Counter:
+    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+
+    seen: Counter = Counter()
+    for f in (out / "tensorboard").glob("events.out.tfevents.*"):
+        for ev in EventFileLoader(str(f)).Load():
+            for v in ev.summary.value:
+                seen[(v.tag, ev.step)] += 1
+    return seen
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("stops") / "run"
+
+
+def test_1_a_killed_trainer_rank_fails_the_job_naming_it(run_dir):
+    job = Job(run_dir)
+    job.wait_for(lambda: _state_step(run_dir) >= 1, "a first RL checkpoint")
+    victim = job.rank("msrl:trainer:1")
+    t0 = time.monotonic()
+    victim.kill()
+    job.ended(STOP_S)
+    took = time.monotonic() - t0
+    assert job.proc.returncode == 1, "\n".join(job.err[-40:])
+    first = next(i for i, x in enumerate(job.err) if x.startswith("error: "))
+    assert job.err[first] == "error: trainer rank 1 was killed by SIGKILL (exited with code -9)"
+    assert job.err[first + 1] == "last lines of trainer rank 1:"
+    assert not any("Traceback" in x for x in job.err), "\n".join(job.err)
+    saved = f"(every rank stopped; saved: RL step {_state_step(run_dir)} in "
+    assert job.err[-1].startswith(saved), job.err[-1]
+    assert took < STOP_S
+    assert_tagged_gone(TAG, job.tag)  # its Manager and resource tracker included
+
+
+def test_2_sigterm_stops_every_rank_and_server_with_one_line(run_dir):
+    _stop_resumed_job(run_dir, signal.SIGTERM, 143)
+
+
+def test_3_ctrl_c_stops_every_rank_and_server_with_one_line(run_dir):
+    _stop_resumed_job(run_dir, signal.SIGINT, 130)
+
+
+def _stop_resumed_job(run_dir: Path, sig: int, code: int) -> None:
+    start = _state_step(run_dir)
+    assert start >= 1, "the first test leaves a checkpoint to resume from"
+    job = Job(run_dir)
+    job.wait_for(lambda: f"resuming from RL step {start} " in " ".join(job.out), "the resume")
+    job.wait_for(lambda: _state_step(run_dir) > start, "a checkpoint after the resume")
+    job.wait_for(lambda: any(x.startswith("[rl] step") for x in job.out), "a logged step")
+    quiet = len(job.err)
+    job.proc.send_signal(sig)
+    took = job.ended(STOP_S)
+    assert job.proc.returncode == code, "\n".join(job.err[-40:])
+    after = job.err[quiet:]
+    assert len(after) == 1, "\n".join(after)
+    saved = _state_step(run_dir)
+    name = signal.Signals(sig).name
+    assert after[0].startswith(f"stopped by {name} in "), after
+    assert "5 ranks, 1 SGLang server, " in after[0], after
+    assert after[0].endswith(f"saved: RL step {saved} in {run_dir / 'checkpoint'} "
+                             "(a restart resumes there)"), after  # fmt: skip
+    assert took < STOP_S, took
+    assert_tagged_gone(TAG, job.tag)
+    # Each RL step once, although this run logged again what the last one had after its
+    # checkpoint (the run stopped here may have logged past its own last checkpoint).
+    steps = _rl_steps(run_dir)
+    assert steps == sorted(set(steps)) and steps[0] == 1, steps
+    assert max(_tb_counts(run_dir).values()) == 1
+    assert not list(run_dir.glob("checkpoint.*")), list(run_dir.iterdir())

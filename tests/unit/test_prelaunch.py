@@ -1,0 +1,244 @@
+"""Pre-launch file checks (rl/config/prelaunch.py, rl/config/ckpt_check.py) and the
+context checks of validate.py: each bad input is one ConfigError naming field and value.
+
+The checkpoints here are built by hand in the torch_dist layout (a pickled index whose
+classes only have to carry the same fields, a zip holding ``data.pkl``), so no torch
+is needed; tests/multiproc/test_prelaunch_cli.py runs the checks on checkpoints torch wrote.
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+import zipfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from rl.config import ConfigError, ckpt_check
+from rl.config.prelaunch import (
+    OutputDirCheck,
+    check_checkpoint,
+    check_hf_dir,
+    check_output_dir,
+    prelaunch,
+)
+from rl.config.validate import check_context
+from tests.helpers.configs import composed
+
+
+def tiny() -> dict:
+    """The embedded default's model config as plain data, as a checkpoint stores it."""
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_container(composed().model)  # type: ignore[return-value]
+
+
+# Stand-ins with the fields of torch.distributed.checkpoint's classes: the reader never
+# imports the pickled classes, it keeps their state, so these make a valid index.
+@dataclass(frozen=True)
+class MetadataIndex:
+    fqn: str
+
+
+@dataclass
+class _StorageInfo:
+    relative_path: str
+    offset: int
+    length: int
+
+
+@dataclass
+class Metadata:
+    storage_data: dict = field(default_factory=dict)
+
+
+def make_checkpoint(path: Path, shards: dict[str, int], model: dict | None = None) -> Path:
+    """A torch_dist directory whose shards hold ``shards`` bytes each, in two chunks."""
+    path.mkdir(parents=True)
+    (path / "metadata.json").write_text(json.dumps({"sharded_backend": "torch_dist"}))
+    storage = {}
+    for name, size in shards.items():
+        half = size // 2
+        storage[MetadataIndex(f"{name}/a")] = _StorageInfo(name, 0, half)
+        storage[MetadataIndex(f"{name}/b")] = _StorageInfo(name, half, size - half)
+        (path / name).write_bytes(b"\0" * size)
+    (path / ".metadata").write_bytes(pickle.dumps(Metadata(storage)))
+    common = {"format_version": 1, "model_config": model or tiny()}
+    with zipfile.ZipFile(path / "common.pt", "w") as z:
+        z.writestr("common/data.pkl", pickle.dumps(common))
+    return path
+
+
+@pytest.fixture
+def ckpt(tmp_path: Path) -> Path:
+    return make_checkpoint(tmp_path / "ckpt", {"__0_0.distcp": 100, "__1_0.distcp": 60})
+
+
+def _message(fn, *args, **kwargs) -> str:
+    with pytest.raises(ConfigError) as e:
+        fn(*args, **kwargs)
+    msg = str(e.value)
+    assert "\n" not in msg
+    return msg
+
+
+# ------------------------------------------------------------------------- checkpoints
+def test_a_complete_checkpoint_passes(ckpt: Path) -> None:
+    assert ckpt_check.problem(ckpt) is None
+    assert ckpt_check.expected_shard_sizes(ckpt) == {"__0_0.distcp": 100, "__1_0.distcp": 60}
+    check_checkpoint(str(ckpt), "trainer.load_dir", {**tiny(), "name": "other"})
+
+
+def test_a_truncated_shard_is_named_with_its_sizes(ckpt: Path) -> None:
+    with open(ckpt / "__1_0.distcp", "r+b") as f:
+        f.truncate(7)
+    msg = _message(check_checkpoint, str(ckpt), "trainer.load_dir")
+    assert msg == (
+        f"trainer.load_dir={str(ckpt)!r} shard {str(ckpt / '__1_0.distcp')!r} is truncated: "
+        "7 of 60 bytes"
+    )
+
+
+def test_a_missing_shard_is_named(ckpt: Path) -> None:
+    (ckpt / "__0_0.distcp").unlink()
+    msg = _message(check_checkpoint, str(ckpt), "trainer.load_dir")
+    assert "__0_0.distcp' is missing (.metadata lists it)" in msg
+
+
+@pytest.mark.parametrize(
+    ("damage", "fragment"),
+    [
+        (lambda p: (p / "metadata.json").unlink(), "has no metadata.json"),
+        (lambda p: (p / "metadata.json").write_text("{"), "metadata.json is unreadable"),
+        (lambda p: (p / ".metadata").unlink(), "has no .metadata"),
+        (lambda p: (p / ".metadata").write_bytes(b"\x80\x04\x95"), ".metadata is unreadable"),
+        (lambda p: (p / "common.pt").unlink(), "has no common.pt"),
+        (lambda p: (p / "common.pt").write_bytes(b"PK\x03\x04"), "common.pt is unreadable"),
+        (
+            lambda p: (p / "metadata.json").write_text('{"sharded_backend": "zarr"}'),
+            "is a 'zarr' checkpoint",
+        ),
+    ],
+)
+def test_damaged_metadata_is_one_line(ckpt: Path, damage, fragment: str) -> None:
+    damage(ckpt)
+    msg = _message(check_checkpoint, str(ckpt), "trainer.load_dir")
+    assert msg.startswith(f"trainer.load_dir={str(ckpt)!r} ") and fragment in msg
+
+
+def test_missing_and_misplaced_checkpoints(tmp_path: Path, ckpt: Path) -> None:
+    missing = str(tmp_path / "nothing")
+    assert _message(check_checkpoint, missing, "trainer.load_dir") == (
+        f"trainer.load_dir={missing!r} does not exist"
+    )
+    # The run directory instead of one of its checkpoints.
+    msg = _message(check_checkpoint, str(tmp_path), "trainer.load_dir")
+    assert "holds no checkpoint itself" in msg and "subdirectories are checkpoints: ckpt" in msg
+    # A Megatron-LM training run's root, with its tracker file.
+    root = tmp_path / "mlm"
+    root.mkdir()
+    (root / ckpt_check.TRACKER).write_text("1200\n")
+    msg = _message(check_checkpoint, str(root), "trainer.load_dir")
+    assert "latest_checkpointed_iteration.txt says '1200'" in msg
+    assert repr(str(root / "iter_0001200")) in msg
+
+
+def test_a_checkpoint_of_another_model_is_refused(ckpt: Path) -> None:
+    msg = _message(check_checkpoint, str(ckpt), "trainer.load_dir", {**tiny(), "hidden_size": 64})
+    assert msg.endswith("is for a different model: hidden_size: checkpoint 192 vs config 64")
+
+
+def test_the_index_is_read_without_running_its_code(tmp_path: Path) -> None:
+    """A pickle that names os.system gets a stand-in, never the function."""
+    path = make_checkpoint(tmp_path / "c", {"__0_0.distcp": 10})
+
+    class Evil:
+        def __reduce__(self):
+            import os
+
+            return (os.system, ("touch " + str(tmp_path / "pwned"),))
+
+    (path / ".metadata").write_bytes(pickle.dumps(Evil()))
+    assert "is unreadable" in (ckpt_check.problem(path) or "")
+    assert not (tmp_path / "pwned").exists()
+
+
+# ------------------------------------------------------------------- output and models
+def test_output_dir_checks(tmp_path: Path) -> None:
+    check_output_dir(str(tmp_path / "new" / "run"))
+    assert (tmp_path / "new" / "run").is_dir() and not list((tmp_path / "new" / "run").iterdir())
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    assert _message(check_output_dir, str(afile)) == (
+        f"run.output_dir={str(afile)!r} is a file, not a directory"
+    )
+    assert _message(check_output_dir, str(afile / "run")) == (
+        f"run.output_dir={str(afile / 'run')!r} cannot be written: Not a directory"
+    )
+
+
+def test_the_hydra_callback_exits_in_one_line(tmp_path: Path) -> None:
+    from omegaconf import OmegaConf
+
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    cfg = OmegaConf.create({"run": {"output_dir": str(afile / "run")}})
+    with pytest.raises(SystemExit) as e:
+        OutputDirCheck().on_run_start(config=cfg)
+    assert str(e.value.code).startswith("config error: run.output_dir=")
+    OutputDirCheck().on_run_start(config=OmegaConf.create({"run": {"output_dir": str(tmp_path)}}))
+
+
+def test_model_dir_checks(tmp_path: Path) -> None:
+    d = tmp_path / "m"
+    assert _message(check_hf_dir, str(d), "rollout.model_path").endswith("does not exist")
+    d.mkdir()
+    assert _message(check_hf_dir, str(d), "rollout.model_path").endswith("has no config.json")
+    (d / "config.json").write_text("{oops")
+    assert "config.json is unreadable" in _message(check_hf_dir, str(d), "rollout.model_path")
+    (d / "config.json").write_text('{"max_position_embeddings": 32}')
+    assert "has no weights" in _message(check_hf_dir, str(d), "rollout.model_path")
+    (d / "model.safetensors").write_bytes(b"")
+    assert check_hf_dir(str(d), "rollout.model_path") == {"max_position_embeddings": 32}
+
+
+def test_prelaunch_on_a_whole_config(tmp_path: Path) -> None:
+    out = f"run.output_dir={tmp_path / 'run'}"
+    prelaunch(composed([out]))
+    m = tmp_path / "m"
+    m.mkdir()
+    (m / "model.safetensors").write_bytes(b"")
+    (m / "config.json").write_text('{"max_position_embeddings": 32}')
+    # The tiny model's context is 64 positions; this directory serves 32.
+    msg = _message(prelaunch, composed([out, f"rollout.model_path={m}"]))
+    assert msg.startswith(f"rollout.model_path={str(m)!r} has max_position_embeddings=32")
+    prelaunch(composed([out, f"rollout.model_path={m}", "rollout.context_length=32"]))
+    good = make_checkpoint(tmp_path / "good", {"__0_0.distcp": 8})
+    prelaunch(composed([out, f"trainer.load_dir={good}"]))
+    msg = _message(prelaunch, composed([out, f"trainer.load_dir={good}", "model.num_layers=2"]))
+    assert msg == (
+        f"trainer.load_dir={str(good)!r} is for a different model: num_layers: checkpoint 4 "
+        "vs config 2"
+    )
+
+
+# ---------------------------------------------------------------------------- context
+def test_context_length_beyond_the_model_is_refused() -> None:
+    msg = _message(check_context, composed(["rollout.context_length=65"]), 7)
+    assert msg.startswith("rollout.context_length=65 exceeds model.max_position_embeddings=64")
+    check_context(composed(["rollout.context_length=64"]), 7)
+
+
+def test_rollouts_must_fit_context_and_kv_cache() -> None:
+    cfg = composed(["rollout.sampling.max_new_tokens=57"])
+    check_context(cfg, 7)  # 7 + 57 = 64 positions
+    assert _message(check_context, cfg, 8).startswith(
+        "rollout.sampling.max_new_tokens=57 + the longest prompt (8 tokens) exceeds the "
+        "context of 64 tokens"
+    )
+    cfg = composed(["rollout.max_total_tokens=10"])
+    assert _message(check_context, cfg, 7).startswith(
+        "rollout.max_total_tokens=10 (a server's KV cache) cannot hold one rollout"
+    )

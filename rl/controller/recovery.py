@@ -59,6 +59,9 @@ class ServerRecovery:
                     continue
                 if isinstance(event, Down):  # no rollouts, no weight pushes until it is back
                     self.client.mark_dead(event.index)
+                    what = f"generator server {event.index} ({event.url}) lost ({event.why})"
+                    print(f"[controller] {what}: no rollouts or weights until it is back",
+                          flush=True)  # fmt: skip
                 else:
                     self._bring_back(event)
         except BaseException as e:  # a generator rank failed, or a re-push did

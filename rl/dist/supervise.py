@@ -156,6 +156,10 @@ class Supervisor:
         for before in self._before:
             with contextlib.suppress(Exception):
                 keep.update(c.pid for c in psutil.Process(before).children(recursive=True))
+        # torch's shared-memory manager: the launching process starts its own one when it
+        # hands tensors to the ranks, and killing it aborts that process the next time it
+        # shares a tensor. Each manager exits by itself once its last client is gone.
+        keep.update(p.pid for p in tree.descendants() if _name(p).startswith("torch_shm_man"))
         return frozenset(keep)
 
     def _sweep(self) -> None:
@@ -163,6 +167,12 @@ class Supervisor:
         for p in self.procs:
             if p.pid is not None:
                 p.join(timeout=2.0)
+
+
+def _name(p: Any) -> str:
+    with contextlib.suppress(Exception):
+        return str(p.name())
+    return ""
 
 
 def _is_server(p: Any) -> bool:

@@ -12,10 +12,16 @@ The SGLang process is SIGKILLed after the second RL step; what must hold afterwa
   server is trained on once (or was dropped as stale, which is counted);
 - the restarted server's greedy answers at the end are those of the trainer's final
   checkpoint (Megatron at TP=1, argmax of its logits), so it serves the current weights.
+
+On the way, the servers' HTTP ports listen on 127.0.0.1 only, and (one-server run) a
+process outside the job pushes a pickle that would create a file onto the queue the
+controller reads reward replies from: nothing runs, the message is counted as rejected,
+and the job goes on.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -23,6 +29,7 @@ import signal
 import subprocess
 import sys
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import psutil
@@ -53,6 +60,29 @@ def _sglang_of(out: Path) -> list[psutil.Process]:
     return found
 
 
+def _push_pickle(pid: int, channel: str, target: Path) -> None:
+    """What the channels once unpickled: a payload that creates ``target`` when loaded,
+    pushed onto the queue the controller reads reward replies from."""
+    import io
+
+    import torch.distributed as dist
+
+    port = None
+    for p in psutil.Process(pid).children(recursive=True):  # a server started by a rank
+        with contextlib.suppress(psutil.Error):  # has the rank's env:// variables
+            port = port or int(p.environ().get("MASTER_PORT", 0)) or None
+    assert port is not None, "no process of the job shows the store's port"
+
+    class Evil:
+        def __reduce__(self):
+            return (open, (str(target), "w"))
+
+    buf = io.BytesIO()
+    torch.save(Evil(), buf)
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=30))
+    store.queue_push(channel, b"I" + buf.getvalue())
+
+
 def _hold_controller_until_restarted(pid: int, log: Path) -> None:
     def title(p: psutil.Process) -> str:
         try:
@@ -62,6 +92,10 @@ def _hold_controller_until_restarted(pid: int, log: Path) -> None:
 
     ranks = psutil.Process(pid).children(recursive=True)
     (controller,) = [p for p in ranks if title(p).startswith("msrl:controller")]
+    deadline = time.monotonic() + 120
+    while "no rollouts or weights until it is back" not in log.read_text():
+        assert time.monotonic() < deadline, "the controller never marked the server lost"
+        time.sleep(0.1)
     controller.suspend()
     try:
         deadline = time.monotonic() + 600
@@ -77,7 +111,8 @@ def test_a_killed_server_is_restarted_with_current_weights_and_the_run_completes
     tmp_path, servers, transport
 ):
     out = tmp_path / "run"
-    args = [*SHORT, "rl.steps=5", "rl.eval_every=5", f"rollout.servers={servers}",
+    n = 5 if servers == 1 else 20  # steps left to notice the loss, and to use the server again
+    args = [*SHORT, f"rl.steps={n}", f"rl.eval_every={n}", f"rollout.servers={servers}",
             f"rollout.weight_sync.transport={transport}", "rollout.segment_tokens=2",
             f"run.output_dir={out}"]  # fmt: skip
     log = tmp_path / "job.log"
@@ -97,6 +132,13 @@ def test_a_killed_server_is_restarted_with_current_weights_and_the_run_completes
             time.sleep(0.2)
         victims = _sglang_of(out)
         assert len(victims) == servers, victims
+        for v in victims:  # each server's HTTP port listens on loopback only
+            cmd = v.cmdline()
+            port = int(cmd[cmd.index("--port") + 1])
+            bound = {c.laddr.ip for c in v.net_connections("tcp") if c.laddr.port == port}
+            assert bound == {"127.0.0.1"}, bound
+        if servers == 1:  # an outsider with the store's port but no key
+            _push_pickle(job.pid, "reward/out", tmp_path / "pwned")
         victims[0].kill()  # a crash: no cleanup by SGLang itself
         if servers > 1:
             # The other server keeps the run going, which would end within seconds, before
@@ -110,8 +152,9 @@ def test_a_killed_server_is_restarted_with_current_weights_and_the_run_completes
     said = log.read_text()
     assert job.returncode == 0, said[-4000:]
     steps = _rl_steps(out)
-    assert [r["step"] for r in steps] == [1, 2, 3, 4, 5]
+    assert [r["step"] for r in steps] == list(range(1, n + 1))
     assert steps[-1]["server_restarts"] == 1, said[-3000:]
+    assert said.count("routed to again") == 1
     (index,) = {int(i) for i in re.findall(r"\[controller\] generator server (\d+) ", said)}
 
     ledger = [json.loads(x) for x in (out / "trained_prompts.jsonl").read_text().splitlines()]
@@ -124,10 +167,12 @@ def test_a_killed_server_is_restarted_with_current_weights_and_the_run_completes
     assert len(untrained) <= steps[-1]["dropped_total"] * group, (len(untrained), len(requeued))
     if servers == 1:
         assert requeued and steps[-1]["no_server_s"] > 0  # the stream waited for the restart
+        assert not (tmp_path / "pwned").exists()  # nothing ran, the job went on
+        assert steps[-1]["channel_rejected"] >= 1
 
     # The restarted server serves the trainer's final weights: its greedy answers are the
     # argmax of the final checkpoint's logits at every position.
-    samples = [json.loads(x) for x in (out / "eval" / "eval_step_000005.jsonl").open()]
+    samples = [json.loads(x) for x in (out / "eval" / f"eval_step_{n:06d}.jsonl").open()]
     mine = [s for s in samples if s["server"] == index]
     assert mine, "no final evaluation request went to the restarted server"
     hf = str(out / "generator" / "rank0" / "hf_init")

@@ -42,7 +42,7 @@ import torch.multiprocessing as mp
 from rl.dist import tree
 from rl.dist.net import free_port
 from rl.dist.rank_output import RankOutput, redirect_into
-from rl.dist.supervise import RankFailed, Supervisor
+from rl.dist.supervise import MARK_ENV, RankFailed, Supervisor
 
 if TYPE_CHECKING:
     from multiprocessing.connection import Connection
@@ -162,6 +162,7 @@ def _child(
     parent: int = 0,
     out_w: Connection | None = None,
     err_w: Connection | None = None,
+    mark: str = "",
 ) -> None:
     # A group of its own: a terminal's Ctrl-C goes to the launcher alone, which then ends
     # every rank at once instead of each rank printing its own KeyboardInterrupt.
@@ -183,6 +184,7 @@ def _child(
         LOCAL_RANK=str(rank),
         WORLD_SIZE=str(world_size),
     )
+    os.environ[MARK_ENV] = mark  # what this rank starts is the job's (the final sweep)
     try:
         if setup:
             setup_rank(device, threads)
@@ -240,11 +242,14 @@ def spawn(
     tree.become_subreaper()
     outputs = [RankOutput(ctx) for _ in range(world_size)]
     common = (world_size, port, device, threads, fn, args, results, setup, os.getpid())
-    procs = [
-        ctx.Process(target=_child, args=(r, *common, *outputs[r].write_ends), daemon=False)
+    procs: list[Any] = []
+    sup = Supervisor(procs, outputs, results, name)
+    procs += [
+        ctx.Process(
+            target=_child, args=(r, *common, *outputs[r].write_ends, sup.mark), daemon=False
+        )  # fmt: skip
         for r in range(world_size)
     ]
-    sup = Supervisor(procs, outputs, results, name)
     with _stop_signals() as stopping:
         try:
             for p, o in zip(procs, outputs, strict=True):

@@ -14,6 +14,7 @@ import contextlib
 import queue
 import signal
 import time
+import uuid
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -40,6 +41,9 @@ _CONSEQUENCES = ("RemoteError", "DistNetworkError", "Connection closed by peer",
                  "Connection reset by peer", "Failed to recv")  # fmt: skip
 
 
+MARK_ENV = "MSRL_SPAWN_MARK"
+
+
 class Supervisor:
     """The launcher's side of a running job: results, deaths, the final sweep."""
 
@@ -51,9 +55,10 @@ class Supervisor:
         name: Callable[[int], str],
     ):
         self.procs, self.outputs, self.results, self.name = procs, outputs, results, name
-        # What the caller ran before the job (e.g. a test's SGLang server) is not the job's:
-        # the sweep spares it and whatever it starts.
-        self._before = frozenset(p.pid for p in tree.descendants())
+        # Every process of the job carries this in its environment (the ranks set it, and
+        # what they start inherits it); the sweep spares whatever lacks it: the caller's
+        # own processes, such as a test's SGLang server or torch's shared-memory manager.
+        self.mark = uuid.uuid4().hex
 
     def _pids(self) -> frozenset[int]:
         return frozenset(p.pid for p in self.procs if p.pid is not None)
@@ -151,15 +156,16 @@ class Supervisor:
                 f"{'s' * (servers != 1)}, {len(left)} processes in all")  # fmt: skip
 
     def _keep(self) -> frozenset[int]:
+        """Descendants that are not the job's (the ranks and what carries their mark are)."""
         pid = tree.resource_tracker_pid()
-        keep = set(self._before) | ({pid} if pid is not None else set())
-        for before in self._before:
-            with contextlib.suppress(Exception):
-                keep.update(c.pid for c in psutil.Process(before).children(recursive=True))
-        # torch's shared-memory manager: the launching process starts its own one when it
-        # hands tensors to the ranks, and killing it aborts that process the next time it
-        # shares a tensor. Each manager exits by itself once its last client is gone.
-        keep.update(p.pid for p in tree.descendants() if _name(p).startswith("torch_shm_man"))
+        keep = {pid} if pid is not None else set()
+        ranks = self._pids()
+        for p in tree.descendants():
+            if p.pid in ranks:
+                continue
+            with contextlib.suppress(psutil.Error):  # gone or a zombie: the sweep reaps it
+                if p.environ().get(MARK_ENV) != self.mark:
+                    keep.add(p.pid)
         return frozenset(keep)
 
     def _sweep(self) -> None:
@@ -167,12 +173,6 @@ class Supervisor:
         for p in self.procs:
             if p.pid is not None:
                 p.join(timeout=2.0)
-
-
-def _name(p: Any) -> str:
-    with contextlib.suppress(Exception):
-        return str(p.name())
-    return ""
 
 
 def _is_server(p: Any) -> bool:

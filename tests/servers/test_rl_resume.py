@@ -1,9 +1,9 @@
 """A killed RL job resumed in its run dir keeps its rollouts and its prompt stream.
 
-The tiny default job (real SGLang, DDMA, reward ranks) with 1-token segments, so at any
-moment most samples are parked or on a server, and an RL checkpoint every 2 steps. It is
-SIGKILLed (the whole process group, as a node failure would) after step 3, one step past
-its checkpoint at step 2, and started again with the same arguments. The second attempt
+The tiny default job (real SGLang, DDMA, reward ranks) with 1-token segments, so samples
+are often parked or on a server, and an RL checkpoint every step. It is SIGKILLed (the
+whole process group, as a node failure would) as soon as a checkpoint holds partial
+samples, and started again with the same arguments. The second attempt
 must resume the checkpoint's parked and in-flight samples from their saved tokens (same
 tokens, behaviour log-probs and versions; newer versions after), train on every prompt
 of the one prompt stream exactly once across both attempts, and log each step once.
@@ -23,10 +23,23 @@ from pathlib import Path
 import psutil
 
 ROOT = Path(__file__).resolve().parents[2]
-STEPS = 6
+STEPS = 12
 ARGS = ["sft.steps=30", "sft.eval_every=30", "task.eval_size=32", "rl.prompts_per_step=8",
-        f"rl.steps={STEPS}", "rl.eval_every=0", "rl.save_interval=2",
+        f"rl.steps={STEPS}", "rl.eval_every=0", "rl.save_interval=1",
         "rollout.segment_tokens=1"]  # fmt: skip
+
+
+def _parked_in_checkpoint(out: Path) -> bool:
+    """Does the newest RL checkpoint's rollout state hold a sample cut mid-response? The
+    generator may have finished every sample by the time a checkpoint is taken (it runs
+    at most one version ahead and then waits), so the test waits for one that did not."""
+    try:
+        point = json.loads((out / "rl_state.json").read_text())
+        state = json.loads((out / point["rollouts"]).read_text())
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+    return any(r["finish_reason"] is None and r["output_ids"]
+               for g in state["groups"] for r in g["rollouts"])  # fmt: skip
 
 
 def _start(out: Path, log: Path) -> subprocess.Popen:
@@ -70,13 +83,12 @@ def test_a_killed_job_resumes_its_parked_rollouts_and_its_prompt_stream(tmp_path
 
     out = tmp_path / "run"
     first = _start(out, tmp_path / "attempt1.log")
-    try:  # kill one step past the checkpoint of step 2
+    try:  # kill right after a checkpoint that holds partial samples
         deadline = time.monotonic() + 900
-        while not any(r.get("phase") == "rl" and r["step"] >= 3
-                      for r in _jsonl(out / "metrics.jsonl")):  # fmt: skip
+        while not _parked_in_checkpoint(out):
             assert first.poll() is None, (tmp_path / "attempt1.log").read_text()[-4000:]
-            assert time.monotonic() < deadline, "no RL step 3 in 15 minutes"
-            time.sleep(0.2)
+            assert time.monotonic() < deadline, "no checkpoint with partial samples"
+            time.sleep(0.05)
     finally:
         os.killpg(first.pid, signal.SIGKILL)
         first.wait()

@@ -23,7 +23,7 @@ import json
 import pickle
 import zipfile
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 FORMAT_VERSION = 1  # of our common state (rl/weights/dist_ckpt.py writes it)
 METADATA_JSON = "metadata.json"
@@ -76,25 +76,25 @@ class _Stub:
     """Whatever a pickle names (a torch class, a dtype, a rebuild function): it accepts
     any arguments and state and keeps the state as attributes."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: object, **kwargs: object) -> None:
         self.args = args
 
-    def __setstate__(self, state: Any) -> None:
+    def __setstate__(self, state: object) -> None:
         if isinstance(state, tuple) and len(state) == 2:  # (__dict__, __slots__ values)
             state = {**(state[0] or {}), **(state[1] or {})}
         if isinstance(state, dict):
             self.__dict__.update(state)
 
-    def __call__(self, *args: Any, **kwargs: Any) -> _Stub:
+    def __call__(self, *args: object, **kwargs: object) -> _Stub:
         return _Stub(*args)
 
 
 class _StubUnpickler(pickle.Unpickler):
-    def __init__(self, file: Any) -> None:
+    def __init__(self, file: BinaryIO) -> None:
         super().__init__(file)
         self.stubs: dict[tuple[str, str], type] = {}
 
-    def find_class(self, module: str, name: str) -> Any:
+    def find_class(self, module: str, name: str) -> object:
         if module == "builtins" and name in _SAFE_BUILTINS:
             return _SAFE_BUILTINS[name]
         if module == "collections" and name == "OrderedDict":
@@ -106,11 +106,11 @@ class _StubUnpickler(pickle.Unpickler):
             self.stubs[key] = type(name, (_Stub,), {"__module__": module})
         return self.stubs[key]
 
-    def persistent_load(self, pid: Any) -> Any:  # torch's tensor storages in common.pt
+    def persistent_load(self, pid: object) -> object:  # torch's tensor storages in common.pt
         return _Stub(pid)
 
 
-def _unpickle(data: bytes) -> Any:
+def _unpickle(data: bytes) -> Any:  # stand-ins with whatever attributes the file set
     import io
 
     return _StubUnpickler(io.BytesIO(data)).load()

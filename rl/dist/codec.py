@@ -64,6 +64,13 @@ _SEQUENCES = (list, cabc.Sequence, cabc.MutableSequence)
 _MAPPINGS = (dict, cabc.Mapping, cabc.MutableMapping)
 
 
+# A type hint as get_type_hints gives it (a class, or list[int], X | None, ...).
+Hint = object
+# A value of the JSON header (dict, list, str, int, float, bool or None): JSON has no
+# static type, so it stays Any, here only.
+Json = Any
+
+
 class CodecError(ValueError):
     """A message that cannot be encoded, or bytes that are not a message of the declared
     types (unknown type, wrong fields, wrong value types, bad dtype, sizes that disagree)."""
@@ -127,7 +134,7 @@ def _hints(cls: type) -> tuple[tuple[str, Any], ...]:
     return tuple((f.name, hints[f.name]) for f in dataclasses.fields(cls) if f.init)
 
 
-def _shape(hint: Any) -> tuple[Any, tuple[Any, ...]]:
+def _shape(hint: Hint) -> tuple[Hint, tuple[Hint, ...]]:
     """``(kind, args)`` of a hint: the one place that tells hints apart."""
     if hint is Any or hint is object:
         return "any", ()
@@ -155,12 +162,12 @@ def _shape(hint: Any) -> tuple[Any, tuple[Any, ...]]:
     raise CodecError(f"type {hint!r} cannot travel on a channel")
 
 
-def _check(hint: Any, where: str, seen: set[type]) -> None:
+def _check(hint: Hint, where: str, seen: set[type]) -> None:
     try:
         kind, args = _shape(hint)
     except CodecError as e:
         raise CodecError(f"{where}: {e}") from None
-    if kind == "dataclass":
+    if kind == "dataclass" and isinstance(hint, type):  # _shape says it is a class
         if hint in seen:
             return
         seen.add(hint)
@@ -176,7 +183,7 @@ def _enc_dataclass(obj: object, cls: type, where: str, segs: list[bytes]) -> dic
     return {n: _enc(getattr(obj, n), h, f"{where}.{n}", segs) for n, h in _hints(cls)}
 
 
-def _enc(v: Any, hint: Any, where: str, segs: list[bytes]) -> Any:
+def _enc(v: object, hint: Hint, where: str, segs: list[bytes]) -> Json:
     kind, args = _shape(hint)
     if kind == "any":
         return _enc_any(v, where, segs)
@@ -218,7 +225,7 @@ def _enc(v: Any, hint: Any, where: str, segs: list[bytes]) -> Any:
     raise CodecError(f"{where}: {type(v).__name__} value where {_name(hint)} is declared")
 
 
-def _enc_any(v: Any, where: str, segs: list[bytes]) -> Any:
+def _enc_any(v: object, where: str, segs: list[bytes]) -> Json:
     if v is None or isinstance(v, (bool, str)):
         return v
     if isinstance(v, numbers.Integral):
@@ -261,7 +268,7 @@ def _seg(segs: list[bytes], raw: bytes) -> int:
     return len(segs) - 1
 
 
-def _name(hint: Any) -> str:
+def _name(hint: Hint) -> str:
     return getattr(hint, "__qualname__", None) or str(hint).replace("typing.", "")
 
 
@@ -302,7 +309,7 @@ def _decode(data: memoryview, by_name: dict[str, type]) -> object:
     return _dec_dataclass(header["fields"], cls, type_name(cls), segs)
 
 
-def _dec_dataclass(v: Any, cls: type, where: str, segs: _Segments) -> object:
+def _dec_dataclass(v: Json, cls: type, where: str, segs: _Segments) -> object:
     hints = _hints(cls)
     if not isinstance(v, dict):
         raise CodecError(f"{where}: expected the fields of {cls.__qualname__}")
@@ -313,7 +320,7 @@ def _dec_dataclass(v: Any, cls: type, where: str, segs: _Segments) -> object:
     return cls(**{n: _dec(v[n], h, f"{where}.{n}", segs) for n, h in hints})
 
 
-def _dec(v: Any, hint: Any, where: str, segs: _Segments) -> Any:
+def _dec(v: Json, hint: Hint, where: str, segs: _Segments) -> Json:
     kind, args = _shape(hint)
     if kind == "any":
         return _dec_any(v, where, segs)
@@ -331,8 +338,8 @@ def _dec(v: Any, hint: Any, where: str, segs: _Segments) -> Any:
         return bytes(segs.get(v, where))
     if kind == "tensor":
         return _dec_tensor(v, where, segs)
-    if kind == "dataclass":
-        return _dec_dataclass(v, args[0], where, segs)
+    if kind == "dataclass" and isinstance(cls := args[0], type):
+        return _dec_dataclass(v, cls, where, segs)
     if kind == "literal" and any(v == a and type(v) is type(a) for a in args):
         return v
     if kind == "list" and isinstance(v, list):
@@ -352,7 +359,7 @@ def _dec(v: Any, hint: Any, where: str, segs: _Segments) -> Any:
     raise CodecError(f"{where}: {_describe(v)} where {_name(hint)} is declared")
 
 
-def _dec_any(v: Any, where: str, segs: _Segments) -> Any:
+def _dec_any(v: Json, where: str, segs: _Segments) -> Json:
     if v is None or isinstance(v, (bool, int, float, str)):
         return v
     if isinstance(v, list):
@@ -386,7 +393,7 @@ _PLAIN: dict[str, cabc.Callable[[str], Any]] = {
 }
 
 
-def _dec_tensor(v: Any, where: str, segs: _Segments) -> torch.Tensor:
+def _dec_tensor(v: Json, where: str, segs: _Segments) -> torch.Tensor:
     if not (isinstance(v, list) and len(v) == 3):
         raise CodecError(f"{where}: {_describe(v)} where a tensor is declared")
     name, shape, seg = v
@@ -413,13 +420,13 @@ def _is_pair(v: object) -> bool:
     return isinstance(v, list) and len(v) == 2
 
 
-def _key(k: Any, where: str) -> Any:
+def _key(k: object, where: str) -> Json:
     if not isinstance(k, cabc.Hashable):
         raise CodecError(f"{where}: a {type(k).__name__} cannot be a dict key")
     return k
 
 
-def _describe(v: Any) -> str:
+def _describe(v: object) -> str:
     """A received value, short: its JSON type, and the value itself if it is a scalar."""
     if v is None or isinstance(v, (bool, int, float, str)):
         return f"{type(v).__name__} {str(v)[:40]!r}"

@@ -19,6 +19,7 @@ __all__ = [
     "ConfigError",
     "check_task",
     "compose",
+    "composition_error",
     "register",
     "resolve_model",
     "validate",
@@ -37,3 +38,15 @@ def compose(overrides: list[str] | None = None, config_name: str = "config") -> 
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = hydra_compose(config_name=config_name, overrides=list(overrides or []))
     return cast(RootConfig, cfg)
+
+
+def composition_error(e: BaseException) -> str:
+    """Hydra's error and its causes, on one line (what the CLIs print for a bad override)."""
+    parts: list[str] = []
+    err: BaseException | None = e
+    while err is not None:
+        text = " ".join(str(err).split())
+        if text and text not in parts:
+            parts.append(text)
+        err = err.__cause__
+    return " | ".join(parts)

@@ -179,6 +179,16 @@ class WeightSyncConfig:
     # behaviour); host, a pinned host-memory copy; none, written in place while paused, and
     # a version that does not complete leaves the server paused and out of routing.
     staging: str = "device"
+    # p2p into several servers (rl/ddma/relay.py): the trainer ranks feed relay_roots servers
+    # and each other server gets every bucket, unchanged, from a parent server that forwards
+    # it while receiving the next. chain: the others hang below the roots in chains; tree:
+    # each server forwards to relay_fanout servers; none: the trainer feeds every server.
+    # rl.plan, rl.simulate and rl/ddma/engine.py run relays; the live servers' receiver
+    # takes each version from the trainer ranks, so a job refuses chain or tree at launch
+    # (plan with them to see what relaying would give).
+    relay: str = "none"
+    relay_roots: int = 0  # 0: as many as keep a trainer rank no busier than a server GPU
+    relay_fanout: int = 2  # tree only: servers each server forwards to
 
 
 @dataclass
@@ -292,6 +302,43 @@ class RolesConfig:
 
 
 @dataclass
+class ResponseLengthConfig:
+    """The response lengths the step-time simulator (``python -m rl.simulate``) samples:
+    lognormal, truncated at ``rollout.sampling.max_new_tokens``; relative to that cap so
+    one setting serves every preset."""
+
+    median_frac: float = 0.25  # median response / max_new_tokens
+    sigma: float = 0.8  # standard deviation of log(length)
+    prompt_frac: float = 0.5  # prompt tokens / (context_length - max_new_tokens)
+
+
+@dataclass
+class HardwareConfig:
+    """One GPU's public specs and the efficiency factors the step-time simulator assumes
+    (``python -m rl.simulate``; rl/simulate/hardware.py keeps each value's source). The
+    defaults: an H100 SXM node."""
+
+    name: str = "h100_sxm"
+    bf16_tflops: float = 989.0  # dense
+    fp8_tflops: float = 1979.0  # dense
+    hbm_gbps: float = 3350.0  # GB/s
+    nvlink_gbps: float = 450.0  # GB/s per direction (inter-node: interconnect_gbps)
+    pcie_gbps: float = 64.0  # GB/s per direction, host <-> GPU
+    train_mfu: float = 0.40  # trainer FLOP/s / peak
+    prefill_mfu: float = 0.50
+    decode_efficiency: float = 0.60  # HBM bandwidth a decode step reaches / peak
+    network_efficiency: float = 0.80  # NIC goodput / line rate (DDMA)
+    collective_latency_us: float = 15.0  # one small TP all-reduce inside a node
+    hop_latency_us: float = 30.0  # one pipeline-stage send between nodes
+    # Per layer and decode step of a decoder without CUDA graphs (the trainer's engine in
+    # the synchronous baseline): eager kernel launches. SGLang replays CUDA graphs.
+    eager_layer_us: float = 75.0
+    reward_s_per_sample: float = 0.01  # one reward worker (a CPU process)
+    step_overhead_s: float = 0.5  # controller per step: batch assembly, logging
+    responses: ResponseLengthConfig = field(default_factory=ResponseLengthConfig)
+
+
+@dataclass
 class ClusterConfig:
     """Where the job runs and how its ranks are split between executors.
 
@@ -312,6 +359,8 @@ class ClusterConfig:
     generation_nodes: int = 0
     # Network bandwidth per GPU (its NIC), for the planner's DDMA time estimate.
     interconnect_gbps: float = 400.0
+    # What the step-time simulator assumes of each GPU (python -m rl.simulate).
+    hardware: HardwareConfig = field(default_factory=HardwareConfig)
 
 
 @dataclass

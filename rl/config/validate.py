@@ -128,6 +128,14 @@ def validate_rollout(r: RolloutConfig) -> None:
     why = f"rollout.weight_sync.staging={w.staging!r} must be one of {WEIGHT_STAGINGS}"
     require(w.staging in WEIGHT_STAGINGS, why)
     require(w.timeout > 0, f"rollout.weight_sync.timeout={w.timeout} must be > 0 seconds")
+    from rl.ddma.relay import RELAYS
+
+    require(w.relay in RELAYS, f"rollout.weight_sync.relay={w.relay!r} must be one of {RELAYS}")
+    require(
+        w.relay_roots >= 0,
+        f"rollout.weight_sync.relay_roots={w.relay_roots} must be >= 0 (0: chosen per plan)",
+    )
+    require(w.relay_fanout >= 1, f"rollout.weight_sync.relay_fanout={w.relay_fanout} must be >= 1")
     fp8 = w.fp8_block
     require(
         fp8 is None or (fp8 >= 1 and r.device == "cuda"),

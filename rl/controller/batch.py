@@ -85,18 +85,20 @@ def build_batch(
     seq = need if seq_len is None else seq_len
     if seq < need:
         raise ValueError(f"seq_len={seq_len} is shorter than the longest sequence ({need})")
-    b = len(rows)
-    tokens = torch.full((b, seq), pad_id, dtype=torch.int64)
-    mask = torch.zeros(b, seq)
-    mu = torch.zeros(b, seq)
-    versions = torch.full((b, seq), -1, dtype=torch.int64)
-    for i, r in enumerate(rows):
+    # Rows as padded Python lists, then one tensor each: a few small tensors per row cost
+    # more than the whole batch (this runs once per step, on the controller).
+    tok_rows, mask_rows, mu_rows, ver_rows = [], [], [], []
+    for r in rows:
         p, n = len(r.prompt_ids), len(r.output_ids)
-        tokens[i, : p + n] = torch.tensor(list(r.prompt_ids) + list(r.output_ids))
-        span = slice(p - 1, p - 1 + n)
-        mask[i, span] = 1.0
-        mu[i, span] = torch.tensor(r.logprobs, dtype=torch.float32)
-        versions[i, span] = torch.tensor(r.versions, dtype=torch.int64)
+        before, after = p - 1, seq - (p - 1 + n)
+        tok_rows.append([*r.prompt_ids, *r.output_ids] + [pad_id] * (seq - p - n))
+        mask_rows.append([0.0] * before + [1.0] * n + [0.0] * after)
+        mu_rows.append([0.0] * before + [float(x) for x in r.logprobs] + [0.0] * after)
+        ver_rows.append([-1] * before + [int(v) for v in r.versions] + [-1] * after)
+    tokens = torch.tensor(tok_rows, dtype=torch.int64)
+    mask = torch.tensor(mask_rows, dtype=torch.float32)
+    mu = torch.tensor(mu_rows, dtype=torch.float32)
+    versions = torch.tensor(ver_rows, dtype=torch.int64)
     cut = torch.tensor([float(r.finish_reason == "length") for r in rows])
     reward = torch.tensor(
         [

@@ -2,9 +2,12 @@
 
 Each step takes the next scored groups from the rollout stream (generated up to
 ``algorithm.max_policy_lag`` versions ahead in async mode), builds the trainer's batch,
-trains, pushes the new weights into every server (DDMA) and logs. Everything the loop
-touches is a handle to an executor (trainer, generator, reward) or the task protocol; it
-knows no concrete task, model or transport.
+trains, pushes the new weights into every server (DDMA) and logs. Only training and the
+push sit on the critical path: the next batch is taken and built while the trainer
+trains, and a step's records are written while the next one runs
+(rl/controller/prefetch.py). Everything the loop touches is a handle to an executor
+(trainer, generator, reward) or the task protocol; it knows no concrete task, model or
+transport.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from rl.config.sampling import SamplingParams
 from rl.controller import rollout_state
 from rl.controller.batch import build_batch, no_signal
 from rl.controller.evaluate import Evaluator, score_items
+from rl.controller.prefetch import Background, BatchPrefetch
 from rl.controller.recovery import ServerRecovery
 from rl.controller.rollouts import Group, RolloutStream
 from rl.controller.staleness import StalenessGate
@@ -166,36 +170,67 @@ def rl_loop(
     if saved is not None:
         print(f"rollout state of step {saved.step}: {stream.restore(saved)}", flush=True)
     stream.start()
+
+    def assemble(groups: list[Group]) -> dict[str, torch.Tensor]:
+        return build_batch([g.rollouts for g in groups], [g.rewards for g in groups],
+                           a.normalize_std, task.codec.pad_id, None, a.overlong,
+                           a.overlong_penalty)  # fmt: skip
+
+    def saves(step: int) -> bool:
+        return bool(cfg.rl.save_interval) and step % cfg.rl.save_interval == 0 and step < steps
+
+    def record(
+        step: int,
+        groups: list[Group],
+        batch: dict[str, torch.Tensor],
+        m: dict[str, float],
+        ev: dict[str, float] | None,
+        requeued: list[str],
+    ) -> None:
+        rollout_state.log_trained(out, step, groups, requeued)
+        if ev is not None:
+            log.log(step, ev, phase="rl_eval", echo=False)
+        echo = step % cfg.rl.log_every == 0 or step == steps
+        m = {**m, **batch_metrics(groups, batch, cfg.reward.pass_threshold)}
+        log.log(step, m, phase="rl", echo=echo, show=SHOW)
+
+    fetch = BatchPrefetch(stream, assemble)
+    books = Background("step-log")  # a step's records are written while the next one runs
     t_last = time.perf_counter()
     m: dict[str, float] = {}
     try:
         for step in range(first, steps + 1):
-            groups, m = stream.next_batch(version)  # waits only if nothing is fresh enough
-            batch = build_batch([g.rollouts for g in groups], [g.rewards for g in groups],
-                                a.normalize_std, task.codec.pad_id, None, a.overlong,
-                                a.overlong_penalty)  # fmt: skip
+            # Waits only if nothing is fresh enough; usually taken during the last step.
+            groups, batch, m = fetch.take(version)
             with sync.lock:  # no server re-push between a step and the push of its weights
+                t_train = time.perf_counter()
+                if step < steps and not saves(step):  # a save snapshots the stream: not then
+                    fetch.request(version + 1)  # the version this step's push publishes
                 m.update(trainer.train(step, batch))
+                t_push = time.perf_counter()
                 m.update(push(sync, client))
+            m["train_call_s"], m["push_call_s"] = t_push - t_train, time.perf_counter() - t_push
             m["train_s"], m["train_tokens_per_s"] = m.pop("step_seconds"), m.pop("tokens_per_s")
-            m.update(recovery.stats(), channel_rejected=float(rejected_total()))
-            rollout_state.log_trained(out, step, groups, client.take_requeued())
             version = sync.weight_version
             stream.commit(version)
-            m.update(batch_metrics(groups, batch, cfg.reward.pass_threshold))
+            m.update(recovery.stats(), channel_rejected=float(rejected_total()))
             m.update(reward_failures=reward.failures, reward_timeouts=reward.timeouts)
+            requeued, ev = client.take_requeued(), None
             if step % (cfg.rl.eval_every or steps) == 0 or step == steps:
                 ev = evaluator.run(step)
                 m["eval_accuracy"] = ev["eval_accuracy"]
-                log.log(step, ev, phase="rl_eval", echo=False)
             now = time.perf_counter()
             m["step_s"], t_last = now - t_last, now
             m["trainer_idle_frac"] = 1 - min((m["train_s"] + m["sync_s"]) / m["step_s"], 1.0)
-            echo = step % cfg.rl.log_every == 0 or step == steps
-            log.log(step, m, phase="rl", echo=echo, show=SHOW)
-            if cfg.rl.save_interval and step % cfg.rl.save_interval == 0 and step < steps:
+            # The step's time outside training, the sync and the wait for its batch: the
+            # batch's transfer to the trainer, routing by the new version, bookkeeping.
+            m["overhead_s"] = max(m["step_s"] - m["train_s"] - m["sync_s"] - m["wait_batch_s"], 0.0)
+            books.submit(record, step, groups, batch, m, ev, requeued)
+            if saves(step):  # a resume point follows every record up to its step
+                books.drain()
                 save(step, str(out / "checkpoint"))
     finally:
+        books.close()
         recovery.close()
         stream.close()
         client.close()
@@ -228,8 +263,12 @@ def batch_metrics(
 def push(sync: WeightSync, client: GeneratorClient) -> dict[str, float]:
     """DDMA the trainer's weights into every server as the next version; route rollouts
     by it (a server lost meanwhile gets none until it is restarted and re-pushed)."""
-    stats = sync.push(skip=client.dead())
+    skip = client.dead()
+    stats = sync.push(skip=skip)
     lost = stats.pop("lost")
-    client.adopt_version(sync.weight_version)
+    missed = set(skip) | set(lost if isinstance(lost, list) else ())
+    # Every server not lost confirmed its commit: no need to ask them for their version.
+    client.adopt_version(sync.weight_version, [i for i in range(len(sync.targets))
+                                               if i not in missed])  # fmt: skip
     out = {k: float(v) for k, v in stats.items() if isinstance(v, (int, float))}
     return {**out, "sync_lost_servers": float(len(lost) if isinstance(lost, list) else 0)}

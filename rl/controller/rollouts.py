@@ -44,6 +44,10 @@ if TYPE_CHECKING:
     from rl.generator.client import GeneratorClient, RolloutFuture
 
 
+class StreamClosed(RuntimeError):
+    """:meth:`RolloutStream.next_batch` on a stream closed meanwhile."""
+
+
 @dataclass
 class Group:
     gid: int
@@ -54,6 +58,7 @@ class Group:
     done: int = 0
     index: int = 0  # its prompt's place in the prompt stream (0: the run's first)
     restored_at: int | None = None  # the checkpoint step it was carried over from
+    generated_at: float = 0.0  # when its last sample finished (perf_counter)
 
     @property
     def rewards(self) -> list[float]:
@@ -110,8 +115,8 @@ class RolloutStream:
         self._error: BaseException | None = None
         self._closed = False
         # Per-window counters (reset by each next_batch).
-        self._tokens = self._resumed = 0
-        self._idle_s = 0.0
+        self._tokens = self._resumed = self._scored = 0
+        self._idle_s = self._reward_s = 0.0
         self._restored: dict[str, float] = {}  # what restore() carried over, for one window
         self._idle_since: float | None = time.perf_counter()
         self._window_start = time.perf_counter()
@@ -140,6 +145,8 @@ class RolloutStream:
             while len(batch) < self.gate.per_step:
                 if self._error is not None:
                     raise self._error
+                if self._closed:
+                    raise StreamClosed("the rollout stream was closed while a batch was awaited")
                 if not self._ready:
                     self._cv.wait()
                     continue
@@ -157,6 +164,10 @@ class RolloutStream:
                 "wait_batch_s": now - t0,
                 "gen_tokens_per_s": self._tokens / max(span, 1e-9),
                 "gen_idle_frac": min(idle / max(span, 1e-9), 1.0),
+                # Seconds the servers had work since the last batch (paused ones included):
+                # per batch, what generation costs; and a group's wait for its rewards.
+                "gen_busy_s": max(span - idle, 0.0),
+                "reward_s": self._reward_s / max(self._scored, 1),
                 "dropped": float(self.gate.dropped - dropped),
                 "dropped_total": float(self.gate.dropped),
                 "uniform_skipped_total": float(self.gate.skipped),
@@ -167,8 +178,8 @@ class RolloutStream:
                 **self._restored,
             }
             self._restored = {}
-            self._tokens = self._resumed = 0
-            self._idle_s, self._window_start = 0.0, now
+            self._tokens = self._resumed = self._scored = 0
+            self._idle_s, self._reward_s, self._window_start = 0.0, 0.0, now
             if since is not None:
                 self._idle_since = now
         return batch, stats
@@ -223,6 +234,7 @@ class RolloutStream:
                 if g.results is not None:
                     self._ready.append(g)
                 elif g.done == len(g.rollouts):
+                    g.generated_at = time.perf_counter()
                     self._scoring[self.score(g)] = g
                 for r in g.rollouts:
                     if not r.finished:
@@ -241,6 +253,7 @@ class RolloutStream:
         with self._cv:
             self._closed = True
             self._poke()
+            self._cv.notify_all()  # a next_batch waiting (on another thread) raises
         self._thread.join(timeout=30)
         if self._gen:
             self.client.abort_all()
@@ -271,6 +284,8 @@ class RolloutStream:
                         elif f in self._scoring:
                             group = self._scoring.pop(f)
                             group.results = list(f.result())
+                            self._reward_s += time.perf_counter() - group.generated_at
+                            self._scored += 1
                             if self.drop_uniform is not None and self.drop_uniform(group):
                                 self.consumed += 1
                                 self.gate.skip()
@@ -325,6 +340,7 @@ class RolloutStream:
             return
         group.done += 1
         if group.done == len(group.rollouts):
+            group.generated_at = time.perf_counter()
             self._scoring[self.score(group)] = group
 
     def _mark_idle(self, idle: bool) -> None:

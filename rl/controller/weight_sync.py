@@ -128,6 +128,7 @@ class WeightSync:
                     lost.append(i)
                     continue
                 begun.append(i)
+            t_begun = time.perf_counter()
             received = []
             if self.transport == "p2p":
                 received = [self.targets[i].receive(version, self.names[i]) for i in begun]
@@ -138,6 +139,7 @@ class WeightSync:
                 except TransferError:  # the server died while receiving
                     lost.append(i)
             lost += [i for i in stats.pop("lost", []) if i not in lost]
+            t_sent = time.perf_counter()
             for i in begun:
                 if i in lost:  # if it still lives, it resumes on its previous version
                     with contextlib.suppress(Exception):
@@ -153,4 +155,9 @@ class WeightSync:
                 with contextlib.suppress(Exception):
                     self.targets[i].abort(version)
             raise
-        return {**stats, "lost": sorted(lost), "sync_s": time.perf_counter() - t0}
+        t1 = time.perf_counter()
+        # Where the sync's time goes: pausing and opening the servers, the trainer ranks'
+        # transfer, and committing (generation is paused across all three).
+        phases = {"sync_begin_s": t_begun - t0, "sync_send_s": t_sent - t_begun,
+                  "sync_commit_s": t1 - t_sent}  # fmt: skip
+        return {**stats, **phases, "lost": sorted(lost), "sync_s": t1 - t0}

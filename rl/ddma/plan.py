@@ -10,19 +10,24 @@ or bucket size fail on the first bucket instead of writing garbage.
 A piece moves ``length`` slices along one dimension from one source shard to one
 destination shard; a bucket is one (trainer rank, generator rank) message of pieces, at
 most ``bucket_bytes``; rounds order the buckets so no rank sends or receives twice at
-once. Every destination byte is written exactly once (:func:`coverage_errors`).
+once. Every destination byte is written exactly once (:func:`coverage_errors`). Which
+trainer rank sends a piece is balanced by bytes over every rank holding it
+(rl/ddma/balance.py). The buckets are one replica's (one server's) messages; a relay plan
+(rl/ddma/relay.py) sends them to several replicas, servers forwarding them unchanged.
 
 Pure logic: integers only, no torch.
 """
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from rl.config import dtypes
+from rl.ddma import balance
 from rl.ddma.layout import (
     DstLayout,
     PlanError,
@@ -50,8 +55,7 @@ HEADER_BYTES = 64  # room for the bucket header in front of every bucket's paylo
 ALIGN = 64  # every piece starts on a 64-byte boundary of its bucket
 
 
-@dataclass(frozen=True)
-class Piece:
+class Piece(NamedTuple):
     """``length`` slices along ``dim``: source tensor ``(key, layer)`` on global source rank
     ``src`` at ``src_start`` -> destination tensor ``dst_name`` on rank ``dst`` at
     ``dst_start``. ``src`` is None for zero-filled padding (written locally, not sent)."""
@@ -80,6 +84,18 @@ class Bucket:
     nbytes: int  # message size, header included
 
 
+class Hop(NamedTuple):
+    """One message of a relay plan: bucket ``bucket`` (its index) into replica ``dst`` at
+    the bucket's generator rank, sent by the bucket's trainer rank (``src`` is -1) or
+    forwarded unchanged by the same generator rank of replica ``src``."""
+
+    seq: int  # position in the relay plan's global order
+    round: int  # a (replica, generator rank) receives at most once per round
+    bucket: int
+    src: int
+    dst: int
+
+
 @dataclass
 class Plan:
     dims: km.Dims
@@ -93,6 +109,12 @@ class Plan:
     fills: list[Piece] = field(default_factory=list)  # padding, zero-filled by the receiver
     fp8_block: int | None = None  # blockwise FP8 for the linear weights (see rl/ddma/fp8.py)
     digest: int = 0
+    # Relay plans (rl/ddma/relay.py): replicas of this destination layout, each fed by the
+    # trainer (parent -1) or by its parent replica; hops are every message, in order.
+    replicas: int = 1
+    relay: str = "none"
+    parents: tuple[int, ...] = (-1,)
+    hops: list[Hop] = field(default_factory=list)
 
     def quantized(self, name: str) -> bool:
         """Is ``name`` sent as FP8 (plus ``<name>_scale_inv``, float32 per block)?"""
@@ -145,23 +167,20 @@ class Plan:
         return 1 + max((b.round for b in self.buckets), default=-1)
 
 
-def _src_rank(d, src, dst_rank, key, layer, tp_rank) -> int:
+def _holders(d, src, key, layer, tp_rank) -> tuple[int, ...]:
+    """The trainer ranks holding (key, layer) at Megatron TP rank ``tp_rank`` (None: a
+    replicated tensor, on every TP rank): its stage's ranks of every data-parallel replica,
+    or, for a routed expert, of the replicas of its EP rank (dp % ep == owner)."""
     if key == km.EMBED:
         pp_rank = 0
     elif layer is None:  # final norm and output layer live on the last stage
         pp_rank = src.pp - 1
     else:
         pp_rank = src.stage_of(layer, d.layers)[0]
-    if tp_rank is None:  # replicated: spread the load over TP ranks
-        tp_rank = dst_rank % src.tp
-    # Data-parallel replicas hold the same shards: split the layers between them so every
-    # replica sends an equal share instead of replica 0 sending everything. A routed
-    # expert lives only on the replicas of its EP rank (dp % ep == owner).
+    tps = range(src.tp) if tp_rank is None else (tp_rank,)
     owner = expert_owner(d, src, key)
-    if owner is None:
-        return src.rank(tp_rank, pp_rank, ((layer or 0) + dst_rank) % src.dp)
-    copies = src.dp // src.ep
-    return src.rank(tp_rank, pp_rank, owner + src.ep * (((layer or 0) + dst_rank) % copies))
+    dps = range(src.dp) if owner is None else range(owner, src.dp, src.ep)
+    return tuple(sorted(src.rank(t, pp_rank, dp) for t in tps for dp in dps))
 
 
 def make_plan(
@@ -195,30 +214,41 @@ def make_plan(
             dst_shapes[name + SCALE_SUFFIX] = tuple(-(-n // fp8_block) for n in shape)
     plan = Plan(d, src, dst, itemsize, bucket_bytes, dst_shapes, src_shapes(d, src))
     plan.fp8_block = fp8_block
-    per_pair: dict[tuple[int, int], list[Piece]] = defaultdict(list)
+    runs: list[balance.Run] = []
+    # Each run's piece but its sender: (key, layer, src start, dst rank, name, dim, dst start).
+    protos: list[tuple[str, int | None, int, int, str, int, int]] = []
+    holders: dict[tuple[str, int | None, int | None], tuple[int, ...]] = {}
     for rank in range(dst.tp):
         for name, (key, layer, dim) in names.items():
             at = 0
-            senders: dict[int | None, int] = {}  # Megatron TP rank -> trainer rank
+            unit = fp8_block if plan.quantized(name) else 1
+            one = plan.piece_bytes(Piece(None, key, layer, 0, rank, name, dim, 0, unit))  # type: ignore[arg-type]
             for start, n in dst_runs(d, dst, specs[name], rank):
                 if start is None:
                     plan.fills.append(Piece(None, None, None, 0, rank, name, dim, at, n))
                     at += n
                     continue
                 for tp_rank, local, take in src_locate(d, src, specs[name], start, n):
-                    s = senders.get(tp_rank)
-                    if s is None:
-                        s = senders[tp_rank] = _src_rank(d, src, rank, key, layer, tp_rank)
-                    per_pair[(s, rank)].append(
-                        Piece(s, key, layer, local, rank, name, dim, at, take)
-                    )
+                    who = holders.get((key, layer, tp_rank))
+                    if who is None:
+                        who = holders[(key, layer, tp_rank)] = _holders(d, src, key, layer, tp_rank)
+                    runs.append(balance.Run(who, take, unit, one))  # type: ignore[arg-type]
+                    protos.append((key, layer, local, rank, name, dim, at))
                     at += take
+    per_pair: dict[tuple[int, int], list[Piece]] = defaultdict(list)
+    for (key, layer, local, rank, name, dim, at), chunks in zip(
+        protos, balance.assign(runs, src.world), strict=True
+    ):
+        for off, n, s in chunks:
+            per_pair[(s, rank)].append(
+                Piece(s, key, layer, local + off, rank, name, dim, at + off, n)
+            )
     for pair in sorted(per_pair):
         if fp8_block is not None:
             _check_blocks(plan, per_pair[pair])
         _bucketize(plan, per_pair[pair])
     _schedule(plan)
-    plan.digest = _digest(plan)
+    plan.digest = plan_digest(plan)
     return plan
 
 
@@ -272,13 +302,12 @@ def _bucketize(plan: Plan, pieces: list[Piece]) -> None:
     for p in pieces:
         quantized = plan.quantized(p.dst_name)
         unit = plan.fp8_block if quantized else 1
-        if not quantized:  # a whole piece that fits is taken as it is (footprint ~ length)
-            at, foot = round_up(size, ALIGN), plan.footprint(p)
-            if at + foot <= budget:
-                cur.append(p)
-                offs.append(at)
-                size = at + foot
-                continue
+        at, foot = round_up(size, ALIGN), plan.footprint(p)
+        if at + foot <= budget:  # a whole piece that fits is taken as it is
+            cur.append(p)
+            offs.append(at)
+            size = at + foot
+            continue
         done = 0
         while done < p.length:
             at = round_up(size, ALIGN)
@@ -309,28 +338,42 @@ def _schedule(plan: Plan) -> None:
     queues: dict[tuple[int, int], list[Bucket]] = defaultdict(list)
     for b in plan.buckets:
         queues[(b.src, b.dst)].append(b)
+    for q in queues.values():
+        q.reverse()  # pop from the end
+    order = sorted((-len(q), p) for p, q in queues.items())  # longest queue first
     ordered: list[Bucket] = []
     rnd = 0
-    while any(queues.values()):
+    while order:
         busy_src, busy_dst = set(), set()
-        for pair in sorted(queues, key=lambda p: (-len(queues[p]), p)):
-            q = queues[pair]
-            if q and pair[0] not in busy_src and pair[1] not in busy_dst:
-                b = q.pop(0)
+        picked = []
+        for k, (_, pair) in enumerate(order):
+            if pair[0] not in busy_src and pair[1] not in busy_dst:
+                b = queues[pair].pop()
                 b.round = rnd
                 busy_src.add(pair[0])
                 busy_dst.add(pair[1])
                 ordered.append(b)
+                picked.append(k)
+                if len(busy_dst) == plan.dst.tp:
+                    break
+        for k in reversed(picked):  # one bucket shorter: back in its sorted place
+            left, pair = order.pop(k)
+            if left < -1:
+                bisect.insort(order, (left + 1, pair))
         rnd += 1
     for i, b in enumerate(ordered):
         b.index = i
     plan.buckets = ordered
 
 
-def _digest(plan: Plan) -> int:
+def plan_digest(plan: Plan) -> int:
+    """64 bits of everything both sides must agree on; a relay plan's topology too (its
+    hops follow from the buckets and the topology)."""
     h = hashlib.sha256()
     spec = (plan.dims, plan.src, plan.dst, plan.itemsize, plan.bucket_bytes, plan.fp8_block)
     h.update(repr(spec).encode())
+    if plan.replicas > 1:
+        h.update(repr((plan.replicas, plan.relay, plan.parents)).encode())
     for b in plan.buckets:
         h.update(repr((b.round, b.src, b.dst, b.offsets, b.pieces)).encode())
     return int.from_bytes(h.digest()[:8], "little") >> 1  # fits a signed int64
@@ -338,9 +381,28 @@ def _digest(plan: Plan) -> int:
 
 # ------------------------------------------------------------------------ checks
 def coverage_errors(plan: Plan) -> list[str]:
-    """Destination elements written zero or several times (empty: every byte exactly once)."""
+    """Destination elements written zero or several times (empty: every byte exactly once),
+    on every replica of a relay plan (a bucket a replica gets twice writes its bytes twice)."""
+    if plan.replicas > 1 and not plan.hops:
+        return [f"relay plan of {plan.replicas} replicas without its hops (attach schedule=False)"]
+    if not plan.hops:
+        return _coverage(plan, plan.buckets)
+    got: dict[int, list[int]] = defaultdict(list)
+    for h in plan.hops:
+        got[h.dst].append(h.bucket)
+    errors: list[str] = []
+    seen: dict[tuple[int, ...], list[str]] = {}  # replicas receiving the same buckets agree
+    for r in range(plan.replicas):
+        key = tuple(sorted(got.get(r, [])))
+        if key not in seen:
+            seen[key] = _coverage(plan, [plan.buckets[i] for i in key])
+        errors += [f"replica {r} {e}" for e in seen[key]]
+    return errors
+
+
+def _coverage(plan: Plan, buckets: list[Bucket]) -> list[str]:
     runs: dict[tuple[int, str], list[tuple[int, int]]] = defaultdict(list)
-    for p in [*plan.fills, *(p for b in plan.buckets for p in b.pieces)]:
+    for p in [*plan.fills, *(p for b in buckets for p in b.pieces)]:
         runs[(p.dst, p.dst_name)].append((p.dst_start, p.length))
     errors = []
     for rank in range(plan.dst.tp):

@@ -23,11 +23,14 @@ the ``discard`` that opens a weight update):
   every status reports ``torn``, and the DDMA target keeps such a server paused and out of
   routing rather than let it serve a half-updated model.
 
-Two transports fill the staging. ``stage``: the entry's tensor is one bucket message
-(shared memory on one host; CUDA IPC on GPU). ``recv``: this rank receives all its buckets
+Two transports fill the staging. ``stage``: one bucket message, either in a slot of the
+sender's shared-memory ring (``ring``, ``slot``: same host, mapped once and kept) or as
+the entry's tensor. ``recv``: this rank receives all its buckets
 point to point from the trainer ranks over a group SGLang created with
 ``/init_weights_update_group`` (found by name; trainer ranks first), which works across
-hosts and at any SGLang TP, each rank receiving only its own shards.
+hosts and at any SGLang TP, each rank receiving only its own shards; with ``link: shm``
+(trainer ranks on this host) the buckets come through their shared-memory rings and the
+group carries only signals (rl/ddma/shm.py).
 
 Protocol: each entry is ``(json control, tensor)``. ``op`` is ``stage``, ``recv``,
 ``prepare``, ``commit``, ``discard``, ``state`` or ``noop`` (a rank with nothing in this
@@ -45,7 +48,6 @@ import logging
 import os
 import tempfile
 import time
-from collections import deque
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
@@ -54,13 +56,16 @@ import torch
 
 from rl.config.dtypes import dtype_name, torch_dtype
 from rl.config.sglang import WEIGHT_STAGINGS
-from rl.ddma import engine, group, wire
+from rl.ddma import engine, group, shm, wire
 from rl.ddma.plan import DstLayout, Plan, SrcLayout, make_plan
 from rl.weights.keymap import Dims
 
 # The only directory status files go to; the DDMA target reads them from the same place.
 STATUS_DIR_ENV = "MSRL_DDMA_STATUS_DIR"
 log = logging.getLogger(__name__)
+# How a ``recv`` gets its buckets: over the group (any host), or through the trainer
+# ranks' shared-memory rings with the group only signalling (same host).
+LINKS = {"group": engine, "shm": shm}
 
 
 @lru_cache(maxsize=1)
@@ -180,9 +185,6 @@ class Receiver:
         # Staging tensors outlive a version (see the module docstring), for one kind.
         self.buffers: dict[str, torch.Tensor] = {}
         self.buffers_kind: str | None = None
-        # The last messages received: holding them keeps their shared-memory mappings
-        # cached, so a sender reusing its buffers costs no new mmap and page faults.
-        self.recent: deque[torch.Tensor] = deque(maxlen=16)
 
     def state(self) -> dict:
         held = sum(t.numel() * t.element_size() for t in self.buffers.values())
@@ -246,18 +248,28 @@ class Receiver:
         if op == "recv":  # point-to-point from the trainer ranks over a DDMA group
             src_ranks = list(range(plan.src.world))  # trainer ranks come first in the group
             pg = group.find(ctl["group"])
+            link = ctl.get("link", "group")
+            if link not in LINKS:
+                raise ValueError(f"link {link!r} is not one of {sorted(LINKS)}")
             self._writing(st)
-            engine.receive(plan, rank, st.staged.__getitem__, version, dtype, pg, src_ranks)
+            LINKS[link].receive(plan, rank, st.staged.__getitem__, version, dtype, pg, src_ranks)
             st.received.update(expected)
             return {"ok": True, "received": len(st.received)}
         if op == "stage":
+            if "ring" in ctl:  # the bucket lies in the sender's ring (rl/ddma/shm.py)
+                try:
+                    ring = shm.map_ring(str(ctl["ring"]), int(ctl["ring_bytes"]))
+                except FileNotFoundError:  # unlinked before this server (re)started
+                    gone = f"ring {ctl['ring']} is gone; the sender makes another"
+                    return {"ok": False, "ring_missing": True, "error": gone}
+                tensor = ring[int(ctl["slot"]) * plan.bucket_bytes :][: plan.bucket_bytes]
             head = wire.read_header(tensor)
             b = expected.get(head["index"])
             if b is None or head["dst"] != rank:
                 raise ValueError(
                     f"bucket {head['index']} is not addressed to generator rank {rank}"
                 )
-            self.recent.append(tensor)
+            tensor = tensor[: b.nbytes]
             wire.verify(tensor, plan, b, version)
             self._writing(st)
             wire.unpack(tensor, plan, b, st.staged.__getitem__, dtype)

@@ -37,9 +37,14 @@ def checksum(payload: torch.Tensor) -> int:
     return h - (1 << 64) if h >= 1 << 63 else h
 
 
-def write_header(buf: torch.Tensor, plan: Plan, bucket: Bucket, version: int) -> None:
+def write_header(
+    buf: torch.Tensor, plan: Plan, bucket: Bucket, version: int, payload: bool = True
+) -> None:
+    """Stamp the header; ``payload=False`` leaves the checksum out (0), for a transport
+    whose bytes never leave this host's memory (rl/ddma/shm.py, when asked)."""
     body = buf[HEADER_BYTES : bucket.nbytes]
-    values = (MAGIC, plan.digest, version, bucket.index, bucket.nbytes, checksum(body))
+    values = (MAGIC, plan.digest, version, bucket.index, bucket.nbytes,
+              checksum(body) if payload else 0)  # fmt: skip
     head = buf[:HEADER_BYTES].view(torch.int64)
     head.copy_(torch.tensor([*values, bucket.src, bucket.dst], dtype=torch.int64))
 
@@ -48,10 +53,13 @@ def read_header(buf: torch.Tensor) -> dict[str, int]:
     return dict(zip(_FIELDS, buf[:HEADER_BYTES].view(torch.int64).tolist(), strict=True))
 
 
-def verify(buf: torch.Tensor, plan: Plan, bucket: Bucket, version: int) -> None:
+def verify(
+    buf: torch.Tensor, plan: Plan, bucket: Bucket, version: int, payload: bool = True
+) -> None:
     """Raise :class:`BucketError` unless ``buf`` is exactly ``bucket`` of ``plan`` at
-    ``version`` with an intact payload. Checks are ordered so the message names the most
-    likely cause (a different plan means different architectures or layouts)."""
+    ``version`` with an intact payload (``payload=False``: the header only). Checks are
+    ordered so the message names the most likely cause (a different plan means different
+    architectures or layouts)."""
     h = read_header(buf)
     where = f"bucket {bucket.index} (trainer rank {bucket.src} -> generator rank {bucket.dst})"
     if h["magic"] != MAGIC:
@@ -66,6 +74,8 @@ def verify(buf: torch.Tensor, plan: Plan, bucket: Bucket, version: int) -> None:
         raise BucketError(f"{where}: carries version {h['version']}, expected {version}")
     if (h["index"], h["nbytes"]) != (bucket.index, bucket.nbytes):
         raise BucketError(f"{where}: got bucket {h['index']} of {h['nbytes']} bytes")
+    if not payload:
+        return
     got = checksum(buf[HEADER_BYTES : bucket.nbytes])
     if got != h["checksum"]:
         raise BucketError(f"{where}: checksum mismatch ({got:#x} != {h['checksum']:#x})")
@@ -106,6 +116,15 @@ def pack(
     version: int,
 ) -> torch.Tensor:
     """Gather-copy ``bucket``'s source slices into ``buf`` and stamp the header."""
+    copy_pieces(buf, plan, bucket, src, dtype)
+    write_header(buf, plan, bucket, version)
+    return buf[: bucket.nbytes]
+
+
+def copy_pieces(
+    buf: torch.Tensor, plan: Plan, bucket: Bucket, src: SrcGetter, dtype: torch.dtype
+) -> None:
+    """The payload half of :func:`pack` (no header)."""
     for p, off in zip(bucket.pieces, bucket.offsets, strict=True):
         part = src(p.key, p.layer).narrow(p.dim, p.src_start, p.length)  # type: ignore[arg-type]
         data, scale = _views(buf, off, p, plan, dtype)
@@ -115,8 +134,6 @@ def pack(
             q, s = fp8.quantize_blockwise(part, plan.fp8_block)  # type: ignore[arg-type]
             data.copy_(q)
             scale.copy_(s)
-    write_header(buf, plan, bucket, version)
-    return buf[: bucket.nbytes]
 
 
 def unpack(

@@ -28,7 +28,7 @@ import contextlib
 import itertools
 import threading
 import time
-from collections.abc import Coroutine, Iterable, Iterator
+from collections.abc import Collection, Coroutine, Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
@@ -489,13 +489,20 @@ class GeneratorClient:
                     self._all(api.abort_all())
             self.continue_generation()
 
-    def adopt_version(self, version: int) -> None:
+    def adopt_version(self, version: int, serving: Collection[int] | None = None) -> None:
         """Route by ``version`` once weights reached the servers another way (DDMA: trainer
         ranks push and :class:`rl.generator.ddma_target.SGLangTarget` commits on each server).
-        A server that does not report ``version`` gets no rollouts until it does."""
-        got = self._versions()
+        A server that does not report ``version`` gets no rollouts until it does.
+        ``serving``: the servers the caller knows serve ``version`` (a commit each of them
+        confirmed); the others are behind. Saves asking every server on the step's
+        critical path."""
+        if serving is None:
+            got = self._versions()
+            behind = {i for i, v in got.items() if v != version}
+        else:
+            behind = {i for i in range(len(self.urls)) if i not in serving}
         self.version = version
-        self._stale = {i for i, v in got.items() if v != version}
+        self._stale = behind
         self._routable()
 
     @staticmethod

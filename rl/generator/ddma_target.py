@@ -3,15 +3,20 @@
 Two transports, one receiver (:mod:`rl.ddma.sglang_receiver`, staging then commit):
 
 * ``ipc`` (:meth:`SGLangTarget.stage`, same host): every trainer rank packs its own
-  buckets (already in SGLang's layout, one per server TP rank per request) into two
-  shared-memory buffers and posts them to ``/update_weights_from_tensor`` with our custom
-  load format. Packing the next bucket overlaps the server's verify-and-scatter of the
-  current one. Tensors travel by reference (``file_system`` sharing; CUDA IPC on GPU),
-  so a bucket's bytes are copied once by the trainer and once by the server. The
-  buffers are kept across versions, so the server keeps them mapped.
+  buckets (already in SGLang's layout, one per server TP rank per request) into a
+  shared-memory ring (rl/ddma/shm.py: two slots per server rank) and posts where each
+  lies to ``/update_weights_from_tensor`` with our custom load format. Packing the next
+  bucket overlaps the server's verify-and-scatter of the current one, and a bucket's
+  bytes are copied once by the trainer and once by the server. The ring is kept across
+  versions (the server keeps it mapped; its file is unlinked once mapped) and is a plain
+  file, not a torch shared tensor: a server that frees a dead trainer process's torch
+  tensor aborts (its ``torch_shm_manager`` is gone: "Broken pipe").
 * ``p2p`` (:meth:`open_group`, :meth:`receive`, :meth:`send`; any host): trainer ranks
   and the server's ranks join one process group through ``/init_weights_update_group``
-  and every server rank receives only its own buckets point to point.
+  and every server rank receives only its own buckets point to point, in one request per
+  version. With ``same_host`` the buckets go through shared-memory rings the server's
+  ranks map (rl/ddma/shm.py) and the group carries only their slots: no HTTP request
+  and no TCP per bucket.
 
 Trainer ranks call :meth:`SGLangTarget.stage` / :meth:`SGLangTarget.send` through the
 generic sender (rl/ddma/sender.py, which gets this class injected); the controller (one
@@ -38,7 +43,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from rl.ddma import engine, wire
+from rl.ddma import engine, shm, wire
 from rl.ddma import sglang_receiver as rx
 from rl.ddma.engine import TransferError, TransferStats
 from rl.ddma.plan import Bucket, Plan
@@ -68,8 +73,12 @@ class SGLangTarget:
         timeout: float = 120.0,
         staging: str = "device",
         keys: api.ServerKeys | None = None,
+        same_host: bool = False,
     ) -> None:
         self.url, self.plan, self.dtype, self.timeout = url.rstrip("/"), plan, dtype, timeout
+        # p2p with every trainer rank on the server's host: buckets go through shared-memory
+        # rings (rl/ddma/shm.py) and the group only signals, instead of through gloo's TCP.
+        self.same_host = same_host
         self.keys = keys or api.job_keys()
         self.staging = staging  # rollout.weight_sync.staging: sent with every begin
         self._previous: int | None = None  # staging none: the version before begin
@@ -79,7 +88,9 @@ class SGLangTarget:
         self.spec = rx.plan_spec(plan, dtype)
         use_file_system_sharing()  # else SGLang's scheduler dies unpickling any tensor
         self._pool = ThreadPoolExecutor(2, thread_name_prefix="ddma-control")
-        self._slots: list[list[torch.Tensor]] | None = None
+        self._ring: shm.Ring | None = None  # ipc: two slots per server rank
+        self.server_seconds = 0.0  # ipc: summed over the requests this target made
+        self.requests = 0
         self.status_dir = rx.status_dir()  # the only place the server writes statuses
 
     # ------------------------------------------------------------------ one request
@@ -132,42 +143,60 @@ class SGLangTarget:
         rounds: dict[int, list[Bucket]] = {}
         for b in mine:
             rounds.setdefault(b.round, []).append(b)
-        if self._slots is None:  # kept across versions: the server keeps them mapped
-            self._slots = [
-                [
-                    torch.empty(plan.bucket_bytes, dtype=torch.uint8).share_memory_()
-                    for _ in range(tp)
-                ]
-                for _ in range(2)
-            ]
-        slots = self._slots
+        if self._ring is None:
+            self._ring = shm.create_ring(plan.bucket_bytes, 2 * tp)
         stats.buffer_bytes = 2 * tp * plan.bucket_bytes
-        noop: tuple[dict[str, object], torch.Tensor] = (
-            {"op": "noop"},
-            torch.zeros(1, dtype=torch.uint8),
-        )
+
+        def pack(i: int, group: list[Bucket]) -> list[tuple[dict, torch.Tensor]]:
+            assert self._ring is not None
+            ring, entries = self._ring, [noop] * tp
+            for b in group:
+                slot = (i % 2) * tp + b.dst
+                wire.pack(ring.slot(slot), plan, b, shards, self.dtype, version)
+                where = {"ring": ring.path, "ring_bytes": ring.data.numel(), "slot": slot}
+                ctl = {"op": "stage", "plan": self.spec, "version": version, **where}
+                entries[b.dst] = (ctl, torch.zeros(1, dtype=torch.uint8))
+            return entries
+
+        noop: tuple[dict, torch.Tensor] = ({"op": "noop"}, torch.zeros(1, dtype=torch.uint8))
         t0 = time.perf_counter()
         pending = None
-        with ThreadPoolExecutor(1) as pool:
-            for i, group in enumerate(rounds.values()):
-                entries = [noop] * tp
-                for b in group:
-                    msg = wire.pack(slots[i % 2][b.dst], plan, b, shards, self.dtype, version)
-                    ctl = {"op": "stage", "plan": self.spec, "version": version}
-                    entries[b.dst] = (ctl, msg)
-                    stats.payload_bytes += sum(plan.piece_bytes(p) for p in b.pieces)
-                    stats.wire_bytes += b.nbytes
+        try:
+            with ThreadPoolExecutor(1) as pool:
+                for i, group in enumerate(rounds.values()):
+                    entries = pack(i, group)
+                    for b in group:
+                        stats.payload_bytes += sum(plan.piece_bytes(p) for p in b.pieces)
+                        stats.wire_bytes += b.nbytes
+                    if pending is not None:
+                        self._check_stage(pending.result())
+                    if i == 0 and not self._ring.linked:
+                        # The server mapped the ring when it was linked, unless it restarted
+                        # since: then it cannot open it any more, and gets a new one.
+                        statuses = self._request(entries)
+                        if any(s.get("ring_missing") for s in statuses):
+                            self._ring = shm.create_ring(plan.bucket_bytes, 2 * tp)
+                            statuses = self._request(pack(i, group))
+                        self._check_stage(statuses)
+                        self.requests += 1
+                        continue
+                    pending = pool.submit(self._request, entries)
+                    self.requests += 1
                 if pending is not None:
                     self._check_stage(pending.result())
-                pending = pool.submit(self._request, entries)
-            if pending is not None:
-                self._check_stage(pending.result())
+        finally:
+            # Mapped by every server rank (or the server cannot map it any more: the next
+            # stage makes another), so a process that dies leaves nothing in /dev/shm.
+            self._ring.unlink()
         stats.seconds = time.perf_counter() - t0
         return stats
 
     def _check_stage(self, statuses: list[dict]) -> None:
         if os.environ.get("DDMA_DEBUG"):
             print("   server:", [round(s.get("seconds", -1), 3) for s in statuses])
+        # What the server's ranks spent verifying and scattering (the rest of a request's
+        # time is HTTP and SGLang's dispatch to its scheduler).
+        self.server_seconds += max((s.get("seconds", 0.0) for s in statuses), default=0.0)
         for s in statuses:
             if not s.get("ok"):
                 raise SyncError(f"{self.url} refused a bucket: {s['error']}")
@@ -179,7 +208,8 @@ class SGLangTarget:
         ``pg`` (see :meth:`open_group`) while the server runs :meth:`receive`."""
         n = self.plan.src.world
         dst = [n + r for r in range(self.plan.dst.tp)]
-        return engine.send(self.plan, src_rank, shards, version, self.dtype, pg, dst)
+        transport = shm if self.same_host else engine
+        return transport.send(self.plan, src_rank, shards, version, self.dtype, pg, dst)
 
     # ------------------------------------------------------------------ controller side
     def open_group(self, name: str, address: str, port: int, backend: str = "gloo") -> Future:
@@ -192,7 +222,8 @@ class SGLangTarget:
     def receive(self, version: int, name: str) -> Future:
         """Have every server rank receive its buckets of ``version`` over group ``name``
         into staging; resolves when they have (raises :class:`SyncError` on a bad one)."""
-        return self._pool.submit(self._control, "recv", version, group=name)
+        link = "shm" if self.same_host else "group"
+        return self._pool.submit(self._control, "recv", version, group=name, link=link)
 
     def begin(self, version: int) -> None:
         """Pause generation (requests go back to the queue) and open a weight update. With

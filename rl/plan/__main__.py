@@ -24,17 +24,6 @@ memory each GPU needs; refuse a plan that does not fit."""
 OPTIONS = ("--json", "--ranks-per-node", "--node-ranks")
 
 
-def _composition_error(e: BaseException) -> str:
-    parts: list[str] = []
-    err: BaseException | None = e
-    while err is not None:
-        text = str(err).strip()
-        if text and text not in parts:
-            parts.append(text)
-        err = err.__cause__
-    return " | ".join(" ".join(p.split()) for p in parts)
-
-
 def main(argv: list[str]) -> int:
     if any(a in ("-h", "--help") for a in argv):
         print(USAGE)
@@ -49,7 +38,7 @@ def main(argv: list[str]) -> int:
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
-    from rl.config import ConfigError, compose, resolve_model
+    from rl.config import ConfigError, compose, composition_error, resolve_model
     from rl.config.roles import format_node_ranks
     from rl.plan.cluster import plan_cluster
     from rl.plan.placement import PlanRefused
@@ -58,7 +47,7 @@ def main(argv: list[str]) -> int:
     try:
         cfg = compose(overrides)
     except (HydraException, OmegaConfBaseException) as e:
-        print(f"config error: {_composition_error(e)}", file=sys.stderr)
+        print(f"config error: {composition_error(e)}", file=sys.stderr)
         return 2
     try:
         resolve_model(cfg)  # model.hf_checkpoint: the architecture from its config.json

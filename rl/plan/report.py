@@ -110,18 +110,24 @@ def render(plan: ClusterPlan, cfg: RootConfig) -> str:
     if plan.transfer is not None:
         x = plan.transfer
         fp8 = f", linear weights FP8 block {x.fp8_block}" if x.fp8_block else ""
+        fed = "the trainer feeds every server"
+        if x.relay != "none":
+            fed = f"{x.relay} relay: the trainer feeds {x.roots}, relay depth {x.depth}"
         out.append(
             f"DDMA per step ({x.wire_dtype}{fp8}): {fmt_bytes(x.total)} = {x.servers} "
-            f"server(s) x {fmt_bytes(x.per_server)}"
+            f"server(s) x {fmt_bytes(x.per_server)}; {fed}"
         )
         rank, most = x.busiest_trainer_rank
         mean = sum(x.per_trainer_rank.values()) / len(x.per_trainer_rank)
         gpu, recv = x.busiest_server_gpu
+        forwards = max(x.per_server_gpu_out.values(), default=0)
         line = (
             f"  per trainer rank: busiest (trainer rank {rank}, global {p.ranks['trainer'][rank]})"
-            f" sends {fmt_bytes(most)} (mean "
-            f"{fmt_bytes(mean)}); per server GPU: busiest TP rank {gpu} receives {fmt_bytes(recv)}"
+            f" sends {fmt_bytes(most)} (mean {fmt_bytes(mean)}, {x.balance:.2f}x); per server "
+            f"GPU: busiest TP rank {gpu} receives {fmt_bytes(recv)}"
         )
+        if forwards:
+            line += f", forwards up to {fmt_bytes(forwards)}"
         if x.seconds is not None:
             line += f"; >= {x.seconds:.2f} s at {cfg.cluster.interconnect_gbps:g} Gb/s per GPU"
         out.append(line)
@@ -193,11 +199,13 @@ def to_json(plan: ClusterPlan) -> dict[str, Any]:
             **{
                 k: v
                 for k, v in asdict(x).items()
-                if k not in ("per_trainer_rank", "per_server_gpu")
+                if k not in ("per_trainer_rank", "per_server_gpu", "per_server_gpu_out")
             },
             "total": x.total,
+            "balance": x.balance,
             "per_trainer_rank": {str(k): v for k, v in x.per_trainer_rank.items()},
             "per_server_gpu": {str(k): v for k, v in x.per_server_gpu.items()},
+            "per_server_gpu_out": {str(k): v for k, v in x.per_server_gpu_out.items()},
         }
     return {
         "run": plan.run,

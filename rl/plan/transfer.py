@@ -1,25 +1,27 @@
-"""DDMA volume per step, from the very plan the trainer and servers run (rl/ddma/plan.py).
+"""DDMA volume per step, from the very plan the trainer and servers run (rl/ddma/plan.py,
+with the servers' relay topology of rl/ddma/relay.py).
 
 Why reuse the plan instead of a formula: the bytes depend on details a formula drifts from
 (SGLang's vocab padding, KV heads replicated past num_query_groups, FP8 scales per block,
-which DP replica sends which layer). Every server gets the same plan from every trainer
-rank, so one plan, built with one bucket per (trainer rank, generator rank) pair, gives
-exact per-server, per-trainer-rank and per-server-GPU payloads in milliseconds.
+which trainer rank sends which slice, which server forwards to which). One plan, built
+with one bucket per (trainer rank, generator rank) pair, gives exact per-trainer-rank and
+per-server-GPU payloads in well under a second.
 
-The time estimate is a lower bound: the busiest sender (a trainer rank pushes to every
-server in turn) or receiver (a server GPU), whichever is larger, at its NIC's line rate
-(``cluster.interconnect_gbps``), with no contention; it is only given for p2p transport
-across nodes (ipc stays on one host). Pure logic.
+The time estimate is a lower bound: the busiest trainer rank (what it sends to the root
+servers) or server GPU (the larger of what it receives and what it forwards: NICs are
+full duplex), at its NIC's line rate (``cluster.interconnect_gbps``), with no contention
+and no pipeline fill; it is only given for p2p transport across nodes (ipc stays on one
+host). Pure logic.
 """
 
 from __future__ import annotations
 
-from collections import defaultdict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from rl.config.dtypes import itemsize as dtype_itemsize
-from rl.ddma.plan import SCALE_SUFFIX, Plan, PlanError, plan_for
+from rl.ddma import relay
+from rl.ddma.plan import SCALE_SUFFIX, Plan, PlanError
 from rl.plan.placement import PlanRefused
 
 if TYPE_CHECKING:
@@ -34,8 +36,12 @@ class Transfer:
 
     servers: int
     per_server: int  # into one server (all its TP ranks)
-    per_trainer_rank: dict[int, int]  # trainer rank (0-based in the trainer) -> bytes, all servers
-    per_server_gpu: dict[int, int]  # server TP rank -> bytes it receives
+    per_trainer_rank: dict[int, int]  # trainer rank (0-based in the trainer) -> bytes it sends
+    per_server_gpu: dict[int, int]  # server TP rank -> bytes it receives (every server alike)
+    per_server_gpu_out: dict[int, int]  # server TP rank -> bytes it forwards, busiest server
+    relay: str  # none | chain | tree (rl/ddma/relay.py)
+    roots: int  # servers the trainer ranks feed
+    depth: int  # servers on the longest relay path (1: no relaying)
     wire_dtype: str  # what the non-FP8 tensors travel as (the trainer's params dtype)
     fp8_block: int | None
     seconds: float | None  # lower-bound estimate (p2p only)
@@ -53,11 +59,17 @@ class Transfer:
     def busiest_server_gpu(self) -> tuple[int, int]:
         return max(self.per_server_gpu.items(), key=lambda kv: (kv[1], -kv[0]))
 
+    @property
+    def balance(self) -> float:
+        """Busiest trainer rank's bytes over the mean trainer rank's (1.0: even)."""
+        mean = sum(self.per_trainer_rank.values()) / len(self.per_trainer_rank)
+        return self.busiest_trainer_rank[1] / mean if mean else 1.0
+
 
 def ddma_plan(cfg: RootConfig) -> Plan:
     try:
-        return plan_for(
-            cfg.model, cfg.trainer, cfg.rollout, dp=cfg.trainer.dp, bucket_bytes=ONE_BUCKET
+        return relay.plan_with_relay(
+            cfg.model, cfg.trainer, cfg.rollout, cfg.trainer.dp, ONE_BUCKET, schedule=False
         )
     except PlanError as e:
         raise PlanRefused(str(e)) from None
@@ -80,25 +92,27 @@ def engine_weight_bytes(plan: Plan, dtype: str) -> int:
 
 
 def transfer(cfg: RootConfig, plan: Plan, split: bool) -> Transfer:
-    servers = cfg.rollout.servers
-    sent: dict[int, int] = defaultdict(int)
-    received: dict[int, int] = defaultdict(int)
-    for b in plan.buckets:
-        n = sum(plan.piece_bytes(p) for p in b.pieces)
-        sent[b.src] += n * servers
-        received[b.dst] += n
+    sent, got, fwd = relay.traffic(plan)
+    tp = plan.dst.tp
     for rank in range(plan.src.world):
         sent.setdefault(rank, 0)
+    received = {j: got.get(j, 0) for j in range(tp)}  # replica 0's GPUs (all alike)
+    out = {j: max(fwd.get(r * tp + j, 0) for r in range(plan.replicas)) for j in range(tp)}
     seconds = None
     w = cfg.rollout.weight_sync
     if split and w.transport == "p2p" and cfg.cluster.gpus_per_node:
         rate = cfg.cluster.interconnect_gbps * 1e9 / 8
-        seconds = max(max(sent.values()), max(received.values())) / rate
+        busiest = max([*sent.values(), *got.values(), *fwd.values()])
+        seconds = busiest / rate
     return Transfer(
-        servers=servers,
+        servers=cfg.rollout.servers,
         per_server=plan.sent_bytes(),
         per_trainer_rank=dict(sorted(sent.items())),
-        per_server_gpu=dict(sorted(received.items())),
+        per_server_gpu=received,
+        per_server_gpu_out=out,
+        relay=plan.relay if plan.replicas > 1 else "none",
+        roots=plan.parents.count(relay.TRAINER),
+        depth=relay.depth(plan),
         wire_dtype=cfg.trainer.params_dtype,
         fp8_block=plan.fp8_block,
         seconds=seconds,

@@ -76,6 +76,47 @@ def ddma_rank(
         os._exit(3)  # the peers' pending transfers must fail, not hang
 
 
+def relay_rank(
+    model_dir: str,
+    src: tuple[int, int],
+    dst_tp: int,
+    replicas: int,
+    relay: str,
+    bucket_bytes: int,
+    fanout: int = 2,
+) -> dict:
+    """A relay plan for real: ranks [0, tp*pp) are the trainer, then ``replicas`` servers of
+    ``dst_tp`` ranks each; the trainer feeds server 0 only, the others get every bucket
+    from their parent server (``relay``: chain or tree)."""
+    from rl.ddma import engine
+    from rl.ddma import relay as relays
+    from rl.ddma.plan import DstLayout, SrcLayout, make_plan
+    from tests.helpers.ddma_util import hf_state, megatron_globals, megatron_shards, model_dims
+
+    rank = dist.get_rank()
+    d = model_dims(Path(model_dir), src_tp=src[0])
+    plan = make_plan(d, SrcLayout(*src), DstLayout(dst_tp), 4, bucket_bytes)
+    relays.attach(plan, replicas, relay, roots=1, fanout=fanout)
+    n_src = plan.src.world
+    src_ranks = list(range(n_src))
+    dst_ranks = [n_src + j for j in range(replicas * dst_tp)]
+    glob = megatron_globals(hf_state(Path(model_dir)), d)
+    if rank < n_src:
+        shards = megatron_shards(glob, plan, rank)
+        stats = engine.send(
+            plan, rank, lambda k, i: shards[(k, i)], 1, torch.float32, dist.group.WORLD,
+            dst_ranks,
+        )  # fmt: skip
+        return {"role": "trainer", "stats": stats}
+    replica, me = divmod(rank - n_src, dst_tp)
+    out = {n: torch.full(s, float("nan")) for n, s in plan.dst_shapes.items()}
+    stats = engine.receive(
+        plan, me, out.__getitem__, 1, torch.float32, dist.group.WORLD, src_ranks,
+        replica=replica, dst_ranks=dst_ranks,
+    )  # fmt: skip
+    return {"role": "generator", "replica": replica, "rank": me, "tensors": out, "stats": stats}
+
+
 def _corrupting(shards: dict, rank: int):
     """Trainer rank 0 flips one byte of its second bucket after the checksum was taken
     (bit rot between packing and the receiver)."""

@@ -38,6 +38,37 @@ def test_shards_arrive_in_sglang_layout(llama, src, dst_tp):
         assert o["stats"].buffer_bytes == 2 * 3000
 
 
+@pytest.mark.parametrize(
+    "src,dst_tp,replicas,relay",
+    [((1, 1), 1, 2, "chain"), ((2, 1), 2, 2, "chain"), ((1, 1), 1, 3, "tree")],
+    ids=["tp1-chain-2xtp1", "tp2-chain-2xtp2", "tp1-tree-3xtp1"],
+)
+def test_relay_servers_forward_the_trainer_buckets(llama, src, dst_tp, replicas, relay):
+    """Only server 0 hears from the trainer; the others get every bucket from their parent
+    server, forwarded unchanged while the next arrives, and hold SGLang's own layout."""
+    from tests.helpers.ddma_workers import relay_rank
+
+    n_src = src[0] * src[1]
+    out = spawn(relay_rank, n_src + replicas * dst_tp, str(llama), src, dst_tp, replicas,
+                relay, 3000)  # fmt: skip
+    servers = out[n_src:]
+    once = sum(o["stats"].payload_bytes for o in servers if o["replica"] == 0)
+    assert sum(o["stats"].payload_bytes for o in out[:n_src]) == once  # each byte sent once
+    for o in servers:
+        assert o["stats"].payload_bytes == servers[o["rank"]]["stats"].payload_bytes
+        want = sglang_rank_params(llama, dst_tp, o["rank"])
+        assert set(o["tensors"]) == set(want)
+        for name, t in want.items():
+            torch.testing.assert_close(o["tensors"][name], t, rtol=0, atol=0, msg=name)
+        assert o["stats"].buffer_bytes == 2 * 3000  # relaying takes no extra buffer
+    # Each relaying rank forwards every message it received, once per child server: in a
+    # chain every server but the last, in the tree (fan-out 2) server 0 to both others.
+    children = [1] * (replicas - 1) + [0] if relay == "chain" else [2, 0, 0]
+    for o in servers:
+        s = o["stats"]
+        assert s.wire_bytes > 0 and s.forwarded_bytes == children[o["replica"]] * s.wire_bytes
+
+
 def test_fp8_buckets_over_gloo(llama):
     """Each trainer rank quantizes its own slices; the generator receives exactly the
     blocks and scales of quantizing SGLang's own weights."""

@@ -196,6 +196,29 @@ def test_point_to_point_transport_into_live_server(client, fresh, model_dir, syn
     _assert_serves(client, ref, version)
 
 
+def test_same_host_point_to_point_through_shared_memory(client, model_dir, synced):
+    """The same-host transport: the group only signals, the server's rank reads each
+    bucket from the trainer ranks' shared-memory rings (rl/ddma/shm.py); two versions
+    through the same rings, the server then serves the second."""
+    from rl.dist.net import free_port
+    from tests.helpers.ddma_shm_workers import p2p_shm_sync
+
+    d = model_dims(model_dir, 2)
+    hfs = [{n: t + s * torch.randn_like(t) for n, t in hf_state(model_dir).items()}
+           for s in (0.03, 0.05)]  # fmt: skip
+    globs = [megatron_globals(hf, d) for hf in hfs]
+    version = client.weight_versions()[0] + 1
+    out = spawn(p2p_shm_sync, 2, client.urls[0], client.keys, free_port(), globs,
+                str(model_dir), version)  # fmt: skip
+    plan = make_plan(d, SrcLayout(2), CPU_DST, 4, 1 << 14)
+    for v in range(2):
+        assert sum(o["stats"][v].payload_bytes for o in out) == plan.dst_bytes()
+    assert all(o["rings"][0] == o["rings"][1] for o in out)  # kept across versions
+    ref = synced["ref"]
+    ref.load_weights(hfs[1].items())
+    _assert_serves(client, ref, version + 1)
+
+
 def test_trainers_disagreeing_on_the_version_fail_it(client, synced, fresh):
     d, glob, _ = fresh
     plan = make_plan(d, SrcLayout(2), CPU_DST, 4, 1 << 14)

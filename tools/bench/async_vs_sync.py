@@ -80,6 +80,9 @@ def summarize(out: Path) -> dict:
     def mean(key: str) -> float:
         return statistics.mean(r[key] for r in timed)
 
+    def phase(key: str) -> float | None:  # logged since the phase timings were added
+        return mean(key) if all(key in r for r in timed) else None
+
     return {
         "step_s": mean("step_s"),
         "step_s_stdev": statistics.stdev(r["step_s"] for r in timed),
@@ -99,6 +102,19 @@ def summarize(out: Path) -> dict:
         "is_ratio_max": max(r["is_ratio"] for r in steps),
         "mismatch_abs_logp_mean": statistics.mean(r["mismatch_abs_logp"] for r in steps),
         "lag_max": max(r["lag_max"] for r in steps),
+        # Per-phase costs of a step, for the step-time model (rl/simulate): the servers'
+        # busy seconds per batch (in async mode the weight sync's pause is inside it), a
+        # group's wait for its rewards, the batch's assembly, the trainer call as the
+        # controller sees it (the batch's transfer included), the sync's parts (pause and
+        # open, the trainer ranks' transfer, commit) and what remains of the step.
+        "gen_s": phase("gen_busy_s"),
+        "reward_s": phase("reward_s"),
+        "assemble_s": phase("assemble_s"),
+        "train_call_s": phase("train_call_s"),
+        "sync_begin_s": phase("sync_begin_s"),
+        "sync_send_s": phase("sync_send_s"),
+        "sync_commit_s": phase("sync_commit_s"),
+        "overhead_s": phase("overhead_s"),
     }
 
 

@@ -1,0 +1,242 @@
+"""Seconds of each phase of one RL step at cluster scale, from specs and the plan.
+
+Generation (per decoding replica: ``tp`` GPUs per stage, ``pp`` stages run in turn):
+
+* a decode step reads every weight once and each active sample's KV cache, over HBM at
+  ``decode_efficiency`` of its bandwidth, spread over the TP ranks (pipeline stages run
+  one after another, so their reads add up); or, for a large batch, the 2·N·batch
+  FLOPs at ``prefill_mfu`` on the TP ranks of one stage, whichever is slower; plus two
+  TP all-reduces per layer (``collective_latency_us``) and a send per stage boundary
+  (``hop_latency_us``);
+* prefill is compute-bound: 2·N FLOPs per prompt token;
+* synchronous, the step waits for the longest of all its samples: the active batch
+  shrinks along the length distribution's survival function while the replica still
+  pays a whole decode step per token;
+* asynchronous, finished slots are refilled from the next batch (the tail overlaps the
+  next batch), so a server is bound by the mean length at a full batch.
+
+The synchronous baseline (DeepSpeed-Chat-like) has trainer and generator share every GPU
+of the cluster with the trainer's TP x PP layout, its KV cache in what the trainer's
+weights, grads and optimizer leave (waves when it does not hold the batch), and reloads
+the weights each step: grads and optimizer to host memory and back over PCIe, and each
+GPU's weights gathered from its data-parallel peers over the NIC.
+
+Training: 6·N_active·tokens (8 with a reference model's forward) over the trainer's GPUs
+at ``train_mfu``, stretched by the 1F1B pipeline bubble (pp - 1) / micro-batches.
+
+Weight sync (async): the DDMA plan's busiest sender or receiver (rl.plan.transfer) at the
+NIC's line rate times ``network_efficiency``. Reward: ``reward_s_per_sample`` on every
+reward worker; synchronous it follows generation, asynchronous only the last group does.
+Pure logic.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from rl.config import dtypes
+from rl.config.errors import ConfigError
+from rl.models.arch import Dims
+from rl.models.registry import active_count
+from rl.models.shapes import padded_vocab_size
+from rl.plan.memory import GIB, TRAINER_OVERHEAD, kv_bytes_per_token, stage_params
+from rl.simulate.lengths import Lengths
+from rl.simulate.step import Phases
+
+if TYPE_CHECKING:
+    from rl.config.schema import HardwareConfig, RootConfig
+    from rl.plan.cluster import ClusterPlan
+
+
+@dataclass(frozen=True)
+class Engine:
+    """A decoding replica: the whole model on ``tp`` x ``pp`` GPUs."""
+
+    tp: int
+    pp: int
+    layers: int
+    weights_per_rank: float  # bytes one TP rank reads per decode step (all its stages)
+    kv_per_token: float  # KV bytes of one token on one TP rank (all layers)
+    flops_per_token: float  # 2 * active parameters
+    peak_flops: float  # per GPU, in the engine's dtype
+    eager: bool = False  # no CUDA graphs: kernel launches per layer and step
+
+
+def decode_step_s(e: Engine, hw: HardwareConfig, batch: float, context: float) -> float:
+    """One decode step of ``batch`` samples of ``context`` tokens each. Through a pipeline
+    the stages run in turn: their weight reads add up to the whole TP rank's, and each
+    stage boundary costs a send. (Micro-batching the step keeps every stage busy but
+    reads each stage's weights once per micro-batch, so it takes no less.)"""
+    memory = (e.weights_per_rank + batch * context * e.kv_per_token) / (
+        hw.hbm_gbps * 1e9 * hw.decode_efficiency
+    )
+    compute = e.flops_per_token * batch / (e.tp * e.peak_flops * hw.prefill_mfu)
+    per_layer = (2 * hw.collective_latency_us if e.tp > 1 else 0) + (
+        hw.eager_layer_us if e.eager else 0
+    )
+    latency = e.layers * per_layer + (e.pp - 1) * hw.hop_latency_us
+    return max(memory, compute) + latency * 1e-6
+
+
+def prefill_s(e: Engine, hw: HardwareConfig, tokens: float) -> float:
+    return e.flops_per_token * tokens / (e.tp * e.peak_flops * hw.prefill_mfu)
+
+
+def straggler_s(e: Engine, hw: HardwareConfig, n: float, prompt: float, lengths: Lengths,
+                longest: float) -> float:  # fmt: skip
+    """``n`` samples decoded together until the longest (``longest`` tokens) ends."""
+    steps = sum(
+        w * decode_step_s(e, hw, max(n * lengths.survival(t), 1.0), prompt + t)
+        for t, w in lengths.grid(longest)
+    )
+    return prefill_s(e, hw, n * prompt) + steps
+
+
+def streaming_s(e: Engine, hw: HardwareConfig, n: float, slots: float, prompt: float,
+                lengths: Lengths) -> float:  # fmt: skip
+    """``n`` samples through ``slots`` concurrent slots, refilled as samples finish."""
+    mean = lengths.mean()
+    c = max(1.0, min(n, slots))
+    return prefill_s(e, hw, n * prompt) + n * mean / c * decode_step_s(e, hw, c, prompt + mean / 2)
+
+
+def tflops(hw: HardwareConfig, fp8: bool) -> float:
+    return (hw.fp8_tflops if fp8 else hw.bf16_tflops) * 1e12
+
+
+@dataclass(frozen=True)
+class Workload:
+    samples: int
+    prompt: float  # tokens per prompt
+    lengths: Lengths
+    active_params: float
+
+    @classmethod
+    def of(cls, cfg: RootConfig) -> Workload:
+        r, a, resp = cfg.rollout, cfg.algorithm, cfg.cluster.hardware.responses
+        cap = r.sampling.max_new_tokens
+        budget = (r.context_length or cfg.model.max_position_embeddings) - cap
+        m = cfg.model
+        active = m.num_layers * active_count(Dims.of(m), m.moe_router_topk or 1)
+        return cls(
+            samples=cfg.rl.prompts_per_step * a.group_size,
+            prompt=resp.prompt_frac * max(budget, 0),
+            lengths=Lengths.relative(cap, resp.median_frac, resp.sigma),
+            active_params=active + padded_vocab_size(m) * m.hidden_size,
+        )
+
+    @property
+    def tokens(self) -> float:
+        return self.samples * (self.prompt + self.lengths.mean())
+
+
+def train_s(cfg: RootConfig, w: Workload, gpus: int, dp: int) -> float:
+    t, hw = cfg.trainer, cfg.cluster.hardware
+    passes = 8 if cfg.algorithm.kl_coef > 0 else 6
+    micro = max(1, w.samples // (dp * t.micro_batch_size))
+    bubble = 1 + (t.pp - 1) / micro
+    return passes * w.active_params * w.tokens / (gpus * tflops(hw, False) * hw.train_mfu) * bubble
+
+
+def reward_s(cfg: RootConfig, samples: int) -> float:
+    workers = max(1, cfg.cluster.roles.reward * cfg.reward.workers)
+    return math.ceil(samples / workers) * cfg.cluster.hardware.reward_s_per_sample
+
+
+def server_engine(cfg: RootConfig, plan: ClusterPlan, w: Workload) -> Engine:
+    """One SGLang server of the plan: its TP rank's weights as the engine holds them."""
+    r, hw = cfg.rollout, cfg.cluster.hardware
+    assert plan.generator is not None and plan.transfer is not None
+    return Engine(r.tp, 1, cfg.model.num_layers, plan.transfer.server_weight_bytes,
+                  plan.generator.kv_bytes_per_token, 2 * w.active_params,
+                  tflops(hw, bool(r.weight_sync.fp8_block)))  # fmt: skip
+
+
+def server_slots(cfg: RootConfig, plan: ClusterPlan, w: Workload) -> float:
+    """Samples a server decodes at once: its share of the step, within its KV cache."""
+    assert plan.generator is not None
+    fits = plan.generator.kv_tokens / (w.prompt + w.lengths.mean())
+    return max(1.0, min(w.samples / cfg.rollout.servers, fits))
+
+
+def async_phases(cfg: RootConfig, plan: ClusterPlan, w: Workload) -> Phases:
+    """LlamaRL: trainer and SGLang servers on their own GPUs, DDMA between them."""
+    hw, t = cfg.cluster.hardware, cfg.trainer
+    assert plan.transfer is not None
+    e = server_engine(cfg, plan, w)
+    per_server = w.samples / cfg.rollout.servers
+    sent = max(plan.transfer.per_trainer_rank.values(), default=0)
+    received = max(plan.transfer.per_server_gpu.values(), default=0)
+    rate = cfg.cluster.interconnect_gbps * 1e9 / 8 * hw.network_efficiency
+    return Phases(
+        generate=streaming_s(e, hw, per_server, server_slots(cfg, plan, w), w.prompt, w.lengths),
+        reward=reward_s(cfg, cfg.algorithm.group_size),  # the last group's scoring
+        train=train_s(cfg, w, t.tp * t.pp * t.dp, t.dp),
+        sync=max(sent, received) / rate,
+        overhead=hw.step_overhead_s,
+    )
+
+
+@dataclass(frozen=True)
+class SharedLayout:
+    """The synchronous baseline's layout: the trainer's TP x PP on every GPU."""
+
+    gpus: int
+    replicas: int
+    samples_per_replica: float
+    waves: int
+    kv_tokens: float  # per replica
+
+
+def shared_layout(cfg: RootConfig, w: Workload) -> tuple[SharedLayout, Engine, float]:
+    """The layout, its decoding engine and its per-step weight reload (seconds)."""
+    c, t, m, hw = cfg.cluster, cfg.trainer, cfg.model, cfg.cluster.hardware
+    size = t.tp * t.pp
+    replicas = c.nodes * c.gpus_per_node // size
+    if replicas < 1:
+        raise ConfigError(
+            f"trainer.tp*pp = {size} GPUs > the cluster's {c.nodes * c.gpus_per_node}: the "
+            "synchronous baseline runs the trainer's layout on every GPU"
+        )
+    itemsize = dtypes.itemsize(t.params_dtype)
+    params = [stage_params(m, t.tp, t.pp, s, t.ep) for s in range(t.pp)]
+    e = Engine(t.tp, t.pp, m.num_layers, sum(params) * itemsize,
+               kv_bytes_per_token(m, t.tp, itemsize), 2 * w.active_params,
+               tflops(hw, False), eager=True)  # fmt: skip
+    # The busiest stage's GPU: weights, fp32 grads and Adam (sharded over the replicas)
+    # stay resident; the KV cache gets the rest.
+    p = max(params)
+    adam = (8 + (4 if itemsize != 4 else 0)) * p / (replicas if t.use_distributed_optimizer else 1)
+    resident = p * itemsize + p * 4 + adam + TRAINER_OVERHEAD
+    free = max(c.gpu_memory_gb * GIB - resident, 0.0)
+    kv_tokens = free * t.pp / e.kv_per_token  # a token's KV is split over the stages
+    if kv_tokens < w.prompt + w.lengths.cap:
+        raise ConfigError(
+            f"the synchronous baseline's GPUs (trainer.tp={t.tp}, pp={t.pp}) keep "
+            f"{resident / GIB:.1f} GB of trainer state of cluster.gpu_memory_gb="
+            f"{c.gpu_memory_gb:g}: no room for one sample's KV cache"
+        )
+    n = w.samples / replicas
+    need = n * (w.prompt + w.lengths.cap)
+    waves = max(1, math.ceil(need / kv_tokens))
+    reload = 2 * (p * 4 + adam) / (hw.pcie_gbps * 1e9)
+    reload += p * itemsize / (c.interconnect_gbps * 1e9 / 8 * hw.network_efficiency)
+    return SharedLayout(replicas * size, replicas, n, waves, kv_tokens), e, reload
+
+
+def sync_phases(cfg: RootConfig, w: Workload) -> tuple[Phases, SharedLayout]:
+    hw = cfg.cluster.hardware
+    lay, e, reload = shared_layout(cfg, w)
+    longest = w.lengths.longest(w.samples)
+    wave = lay.samples_per_replica / lay.waves
+    gen = lay.waves * straggler_s(e, hw, wave, w.prompt, w.lengths, longest)
+    phases = Phases(
+        generate=gen,
+        reward=reward_s(cfg, w.samples),
+        train=train_s(cfg, w, lay.gpus, lay.replicas),
+        sync=reload,
+        overhead=hw.step_overhead_s,
+    )
+    return phases, lay

@@ -1,0 +1,144 @@
+"""Rank function for the shared-memory DDMA tests (module level, so spawned ranks import
+it): trainer ranks send Megatron shards through :mod:`rl.ddma.shm`, generator ranks
+receive them into buffers in SGLang's layout, over several versions."""
+
+from __future__ import annotations
+
+import os
+from functools import partial
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+
+def shm_rank(
+    model_dir: str,
+    src: tuple[int, int],
+    dst_tp: int,
+    bucket_bytes: int,
+    versions: int = 1,
+    fault: str | None = None,
+    report_dir: str | None = None,
+) -> dict:
+    """Ranks [0, tp*pp) are the trainer, the next ``dst_tp`` the generator. Each version
+    sends the shards scaled by the version number, so a stale bucket would show.
+
+    ``fault``: "corrupt" (trainer rank 0 flips the last byte of its second bucket after
+    packing), "disconnect" (generator rank 0 exits after its first bucket). Each rank
+    writes its outcome to ``report_dir`` before anything can kill it."""
+    from rl.ddma import shm, wire
+    from rl.ddma.engine import TransferError
+    from rl.ddma.plan import DstLayout, SrcLayout, make_plan
+    from tests.helpers.ddma_util import hf_state, megatron_globals, megatron_shards, model_dims
+
+    rank = dist.get_rank()
+    d = model_dims(Path(model_dir), src_tp=src[0])
+    plan = make_plan(d, SrcLayout(*src), DstLayout(dst_tp), 4, bucket_bytes)
+    n_src = plan.src.world
+    src_ranks, dst_ranks = list(range(n_src)), [n_src + j for j in range(dst_tp)]
+    torch.manual_seed(0)
+    glob = megatron_globals(hf_state(Path(model_dir)), d)
+
+    def report(text: str) -> None:
+        if report_dir:
+            Path(report_dir, f"rank{rank}").write_text(text)
+
+    try:
+        if rank < n_src:
+            shards = megatron_shards(glob, plan, rank)
+            if fault == "corrupt":
+                _corrupt_second_bucket(rank)
+            stats, paths = [], []
+            for v in range(1, versions + 1):
+                get = partial(_scaled_getter, {k: t * v for k, t in shards.items()})
+                world = dist.group.WORLD
+                stats.append(shm.send(plan, rank, get, v, torch.float32, world, dst_ranks))
+                paths.append(sorted(r.path for r in shm._rings.values()))
+            leftover = [p for ps in paths for p in ps if os.path.exists(p)]
+            report("ok")
+            return {"role": "trainer", "stats": stats, "rings": paths, "leftover": leftover}
+        me = rank - n_src
+        if fault == "disconnect" and me == 0:
+            _exit_after_first_bucket(report)
+        outs, stats = [], []
+        for v in range(1, versions + 1):
+            out = {
+                n: torch.full(s, float("nan"), dtype=wire.dst_dtype(plan, n, torch.float32))
+                for n, s in plan.dst_shapes.items()
+            }
+            world = dist.group.WORLD
+            stats.append(shm.receive(plan, me, out.__getitem__, v, torch.float32, world, src_ranks))
+            outs.append(out)
+        report("ok")
+        return {"role": "generator", "rank": me, "tensors": outs, "stats": stats}
+    except (TransferError, wire.BucketError) as e:
+        report(f"{type(e).__name__}: {e}")
+        os._exit(3)  # the peers' pending transfers must fail, not hang
+
+
+def _scaled_getter(scaled: dict, key: str, layer: int | None) -> torch.Tensor:
+    return scaled[(key, layer)]
+
+
+def _corrupt_second_bucket(rank: int) -> None:
+    import rl.ddma.wire as wire
+
+    original = wire.write_header
+    calls = {"n": 0}
+
+    def write_then_flip(buf, plan, bucket, version):
+        original(buf, plan, bucket, version)
+        calls["n"] += 1
+        if rank == 0 and calls["n"] == 2:
+            buf[bucket.nbytes - 1] ^= 0x01
+
+    wire.write_header = write_then_flip
+
+
+def _exit_after_first_bucket(report) -> None:
+    import rl.ddma.wire as wire
+
+    original = wire.unpack
+
+    def unpack_then_die(*args, **kw):
+        original(*args, **kw)
+        report("disconnected")
+        os._exit(4)
+
+    wire.unpack = unpack_then_die
+
+
+def p2p_shm_sync(url: str, keys, port: int, globs: list[dict], model_dir: str, version: int):
+    """Two trainer ranks push ``globs`` (Megatron globals, one per version from
+    ``version`` on) into the SGLang server at ``url`` through shared-memory rings: they and
+    the server's ranks join one gloo group that only signals; rank 0 also plays the
+    controller (open the group, begin, have the server receive, commit)."""
+    from rl.ddma import group, shm
+    from rl.ddma.plan import DstLayout, SrcLayout, make_plan
+    from rl.generator.ddma_target import SGLangTarget
+    from tests.helpers.ddma_util import megatron_shards, model_dims
+
+    rank = dist.get_rank()
+    plan = make_plan(model_dims(Path(model_dir), 2), SrcLayout(2), DstLayout.sglang(1, "cpu"),
+                     4, 1 << 14)  # fmt: skip
+    target = SGLangTarget(url, plan, torch.float32, keys=keys, same_host=True)
+    name = f"ddma-shm-test-{port}"
+    opened = target.open_group(name, "127.0.0.1", port) if rank == 0 else None
+    pg = group.join("127.0.0.1", port, plan.src.world + plan.dst.tp, rank, name, timeout_s=120)
+    if opened is not None:
+        opened.result()
+    stats, rings = [], []
+    for v, glob in enumerate(globs, start=version):
+        if rank == 0:
+            target.begin(v)
+        dist.barrier()
+        received = target.receive(v, name) if rank == 0 else None
+        shards = megatron_shards(glob, plan, rank)
+        stats.append(target.send(rank, partial(_scaled_getter, shards), v, pg))
+        if received is not None:
+            received.result()
+            target.commit(v)
+        dist.barrier()
+        rings.append(sorted(r.path for r in shm._rings.values()))
+    return {"stats": stats, "rings": rings}

@@ -49,7 +49,10 @@ def client(model_dir, tmp_path_factory):
     cfg = compose([])
     logs = tmp_path_factory.mktemp("logs")
     with pytest.MonkeyPatch.context() as mp:
-        mp.delenv(secret.ENV, raising=False)  # restored after the module
+        # Recorded as unset (setenv first), so the variable secret.ensure sets below is
+        # removed again after the module instead of leaking into later tests' jobs.
+        mp.setenv(secret.ENV, "")
+        mp.delenv(secret.ENV)
         secret.ensure(tmp_path_factory.mktemp("run"))  # sets MSRL_SECRET_FILE
         server = replace(ServerConfig.from_rollout(cfg.rollout, model_dir), keys=job_keys())
         with (

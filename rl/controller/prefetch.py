@@ -23,7 +23,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     import torch
@@ -89,14 +89,14 @@ class Background:
 
     def __init__(self, name: str) -> None:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix=name)
-        self._last: Future[Any] | None = None
+        self._last: Future[None] | None = None
         self._error: BaseException | None = None
 
     def _raise(self) -> None:
         if self._error is not None:
             raise self._error
 
-    def submit(self, fn: Callable[..., Any], *args: Any) -> None:
+    def submit(self, fn: Callable[..., object], *args: object) -> None:
         self._raise()
 
         def call() -> None:
@@ -109,7 +109,7 @@ class Background:
         self._last = self._pool.submit(call)
 
     def drain(self) -> None:
-        """Wait until every call submitted so far has run."""
+        """Wait until every call submitted before this one has run."""
         if self._last is not None:
             self._last.result()
         self._raise()

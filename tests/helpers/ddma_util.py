@@ -127,3 +127,36 @@ def make_models(root: Path) -> dict[str, Path]:
     from tests.helpers.hf_models import make_model
 
     return {kind: make_model(kind, root / kind) for kind in (*KV_HEADS, *FAMILIES)}
+
+
+def gloo_world(model_dir: Path, src: tuple[int, int], dst_tp: int, bucket_bytes: int,
+               fp8_block: int | None = None):  # fmt: skip
+    """A DDMA test world on the current gloo group: ranks [0, tp*pp) the trainer, the next
+    ``dst_tp`` the generator. Returns (rank, plan, src_ranks, dst_ranks, Megatron globals)."""
+    import torch.distributed as dist
+
+    from rl.ddma.plan import DstLayout, SrcLayout, make_plan
+
+    d = model_dims(model_dir, src_tp=src[0])
+    plan = make_plan(d, SrcLayout(*src), DstLayout(dst_tp), 4, bucket_bytes, fp8_block)
+    n_src = plan.src.world
+    torch.manual_seed(0)
+    glob = megatron_globals(hf_state(model_dir), d)
+    return dist.get_rank(), plan, list(range(n_src)), [n_src + j for j in range(dst_tp)], glob
+
+
+def report_to(report_dir: str | None, rank: int):
+    """What a rank writes as its outcome (read back with :func:`rank_outcomes`)."""
+
+    def report(text: str) -> None:
+        if report_dir:
+            Path(report_dir, f"rank{rank}").write_text(text)
+
+    return report
+
+
+def rank_outcomes(report_dir: Path, n: int) -> list[str]:
+    return [
+        (report_dir / f"rank{r}").read_text() if (report_dir / f"rank{r}").exists() else ""
+        for r in range(n)
+    ]

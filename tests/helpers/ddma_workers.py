@@ -33,20 +33,13 @@ def ddma_rank(
     before anything can kill it, so the test reads every side's error.
     """
     from rl.ddma import engine, wire
-    from rl.ddma.plan import DstLayout, SrcLayout, make_plan
-    from tests.helpers.ddma_util import hf_state, megatron_globals, megatron_shards, model_dims
+    from tests.helpers.ddma_util import gloo_world, megatron_shards, report_to
 
-    rank = dist.get_rank()
-    d = model_dims(Path(model_dir), src_tp=src[0])
-    plan = make_plan(d, SrcLayout(*src), DstLayout(dst_tp), 4, bucket_bytes, fp8_block)
-    n_src = plan.src.world
-    src_ranks, dst_ranks = list(range(n_src)), [n_src + j for j in range(dst_tp)]
-    torch.manual_seed(0)
-    glob = megatron_globals(hf_state(Path(model_dir)), d)
-
-    def report(text: str) -> None:
-        if report_dir:
-            Path(report_dir, f"rank{rank}").write_text(text)
+    rank, plan, src_ranks, dst_ranks, glob = gloo_world(
+        Path(model_dir), src, dst_tp, bucket_bytes, fp8_block
+    )
+    n_src = len(src_ranks)
+    report = report_to(report_dir, rank)
 
     try:
         if rank < n_src:

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from rl.dist.launch import spawn
+from tests.helpers.ddma_util import rank_outcomes
 from tests.helpers.ddma_workers import ddma_rank
 from tests.helpers.hf_models import make_model
 from tests.helpers.sglang_reference import sglang_rank_params
@@ -85,17 +86,10 @@ def test_fp8_buckets_over_gloo(llama):
             assert torch.equal(got[name], t), name
 
 
-def _outcomes(tmp_path, n: int) -> list[str]:
-    return [
-        (tmp_path / f"rank{r}").read_text() if (tmp_path / f"rank{r}").exists() else ""
-        for r in range(n)
-    ]
-
-
 def test_corrupted_bucket_is_refused(llama, tmp_path):
     with pytest.raises(RuntimeError, match="exited with code 3"):
         spawn(ddma_rank, 3, str(llama), (2, 1), 1, 3000, "corrupt", str(tmp_path), timeout_s=120)
-    generator = _outcomes(tmp_path, 3)[2]
+    generator = rank_outcomes(tmp_path, 3)[2]
     assert "BucketError" in generator and "checksum mismatch" in generator
     assert "trainer rank 0 -> generator rank 0" in generator
 
@@ -103,7 +97,7 @@ def test_corrupted_bucket_is_refused(llama, tmp_path):
 def test_generator_disconnect_fails_the_sender(llama, tmp_path):
     with pytest.raises(RuntimeError, match="exited with code"):
         spawn(ddma_rank, 3, str(llama), (2, 1), 1, 3000, "disconnect", str(tmp_path), timeout_s=120)
-    out = _outcomes(tmp_path, 3)
+    out = rank_outcomes(tmp_path, 3)
     assert out[2] == "disconnected"
     senders = [o for o in out[:2] if o]
     assert senders and all("TransferError" in o and "generator rank 2" in o for o in senders), out

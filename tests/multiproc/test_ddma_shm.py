@@ -10,6 +10,7 @@ import torch
 
 from rl.dist.launch import spawn
 from tests.helpers.ddma_shm_workers import shm_rank
+from tests.helpers.ddma_util import rank_outcomes
 from tests.helpers.hf_models import make_model
 from tests.helpers.sglang_reference import sglang_rank_params
 
@@ -40,18 +41,11 @@ def test_versions_arrive_in_sglang_layout_through_kept_rings(llama, src, dst_tp)
     assert sent == received > 0
 
 
-def _outcomes(tmp_path, n: int) -> list[str]:
-    return [
-        (tmp_path / f"rank{r}").read_text() if (tmp_path / f"rank{r}").exists() else ""
-        for r in range(n)
-    ]
-
-
 def test_corrupted_bucket_is_refused(llama, tmp_path):
     with pytest.raises(RuntimeError, match="exited with code 3"):
         spawn(shm_rank, 3, str(llama), (2, 1), 1, 3000, 1, "corrupt", str(tmp_path),
               timeout_s=120)  # fmt: skip
-    generator = _outcomes(tmp_path, 3)[2]
+    generator = rank_outcomes(tmp_path, 3)[2]
     assert "BucketError" in generator and "checksum mismatch" in generator
     assert "trainer rank 0 -> generator rank 0" in generator
 
@@ -60,7 +54,7 @@ def test_generator_disconnect_fails_the_sender(llama, tmp_path):
     with pytest.raises(RuntimeError, match="exited with code"):
         spawn(shm_rank, 3, str(llama), (2, 1), 1, 3000, 1, "disconnect", str(tmp_path),
               timeout_s=120)  # fmt: skip
-    out = _outcomes(tmp_path, 3)
+    out = rank_outcomes(tmp_path, 3)
     assert out[2] == "disconnected"
     senders = [o for o in out[:2] if o]
     assert senders and all("TransferError" in o and "generator rank 2" in o for o in senders), out

@@ -43,7 +43,7 @@ def test_assign_covers_each_run_once_on_its_holders():
     assert sorted(rank for _, _, rank in out[0]) == [0, 1, 2]
     assert [n for _, n, _ in out[0]] == [34, 33, 33]
     assert [n for _, n, _ in out[1]] == [32, 18]  # 4 blocks of 16: 2 and 2 (the last short)
-    assert out[3][0][2] == 3  # rank 3 has the least so far
+    assert out[3][0][2] == 3  # rank 3 carries the least load at that point
     assert balance.assign(runs, 4) == out  # deterministic
 
 

@@ -111,21 +111,10 @@ def check_checkpoint(path: str, field: str, model: dict[str, Any] | None = None)
     require(problem is None, f"{name} {problem}")
 
 
-def check_relay(cfg: RootConfig) -> None:
-    """Relays are planned (rl/ddma/relay.py) but live servers do not forward yet."""
-    relay = cfg.rollout.weight_sync.relay
-    if cfg.rl.steps > 0 and relay != "none":
-        raise ConfigError(
-            f"rollout.weight_sync.relay={relay!r}: live weight syncs do not relay between "
-            "servers yet (rl.plan and rl.simulate model it); set rollout.weight_sync.relay=none"
-        )
-
-
 def prelaunch(cfg: RootConfig) -> None:
     """Every file check of ``cfg`` (after :func:`rl.config.validate`, which checked the
     values, and resolve_model, which checked model.hf_checkpoint's files)."""
     check_output_dir(str(cfg.run.output_dir))
-    check_relay(cfg)
     check_rollout_model(cfg)
     if cfg.trainer.load_dir:
         plain = OmegaConf.to_container(cast(DictConfig, cfg.model), resolve=True)

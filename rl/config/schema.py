@@ -183,12 +183,19 @@ class WeightSyncConfig:
     # and each other server gets every bucket, unchanged, from a parent server that forwards
     # it while receiving the next. chain: the others hang below the roots in chains; tree:
     # each server forwards to relay_fanout servers; none: the trainer feeds every server.
-    # rl.plan, rl.simulate and rl/ddma/engine.py run relays; the live servers' receiver
-    # takes each version from the trainer ranks, so a job refuses chain or tree at launch
-    # (plan with them to see what relaying would give).
+    # A server lost mid-sync fails that version on the servers below it at once (they keep
+    # the previous one); the next sync re-forms the topology over the servers that answer.
     relay: str = "none"
     relay_roots: int = 0  # 0: as many as keep a trainer rank no busier than a server GPU
     relay_fanout: int = 2  # tree only: servers each server forwards to
+    # p2p only. group: the buckets travel over the DDMA process group (any host). shm: every
+    # trainer rank and server on one host; buckets go through shared-memory rings the
+    # servers map, and the group carries only which slot holds what.
+    link: str = "group"
+    # p2p with staging device or host: the servers keep generating (on the previous
+    # version) while the buckets arrive, and pause only to open the version and to commit
+    # it. false: paused for the whole sync, as ipc and staging none always are.
+    overlap: bool = True
 
 
 @dataclass

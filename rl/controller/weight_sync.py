@@ -6,13 +6,21 @@ begin (:meth:`SGLangTarget.begin`), let the trainer ranks send their own shards 
 the trainer's handle: ``connect`` once, ``join`` for p2p, ``push`` per version), then
 commit on every server, which swaps the version in only if every rank holds every bucket.
 A failed sync leaves every server on its previous version, and generation resumes on it.
+With p2p and a staging copy (rollout.weight_sync.overlap), generation resumes as soon as
+the servers start receiving, and pauses again only for the commit.
+
+For p2p, the servers sit in DDMA groups with the trainer ranks: one group per server, or,
+with relays (rollout.weight_sync.relay), one group for all of them, in which the trainer
+ranks feed the root servers and every other server gets the buckets from its parent
+server (rl/ddma/relay.py). Each push forms the topology over the servers it reaches.
 
 A server that stops answering during a sync (:class:`TransferError`: it died) is left out
-of that version and reported in ``lost``, and the version still lands on the others; when
-its generator rank has restarted it, :meth:`repush` gives it the current version, from
-the trainer ranks as usual. ``lock`` keeps a re-push between whole steps: it is held from
-a train step to the push of its weights, so what the trainer holds is always
-``weight_version`` when a re-push runs.
+of that version and reported in ``lost``, and the version still lands on the others
+(those below it in a relay miss it too, and keep the previous one: :class:`UpstreamLost`;
+the next push re-forms the topology without the lost server). When its generator rank
+has restarted it, :meth:`repush` gives it the current version, in a new group. ``lock``
+keeps a re-push between whole steps: it is held from a train step to the push of its
+weights, so what the trainer holds is always ``weight_version`` when a re-push runs.
 """
 
 from __future__ import annotations
@@ -21,14 +29,14 @@ import contextlib
 import threading
 import time
 from collections.abc import Collection
-from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
 from rl.config.dtypes import torch_dtype
+from rl.ddma import relay
 from rl.ddma.engine import TransferError
 from rl.ddma.group import group_name
-from rl.ddma.plan import plan_for
-from rl.generator.ddma_target import SGLangTarget
+from rl.ddma.plan import Plan, plan_for
+from rl.generator.ddma_target import SGLangTarget, UpstreamLost
 
 if TYPE_CHECKING:
     from rl.config.schema import RootConfig
@@ -47,13 +55,20 @@ class WeightSync:
         targets: list[SGLangTarget],
         transport: str,
         weight_version: int,
+        relaying: relay.Relaying = relay.NO_RELAY,
     ) -> None:
         if transport not in TRANSPORTS:
             raise ValueError(f"rollout.weight_sync.transport={transport!r} not in {TRANSPORTS}")
         self.trainer, self.targets, self.transport = trainer, targets, transport
         self.weight_version = weight_version
-        self.names: list[str] = []  # p2p: each server's DDMA group
+        self.relaying = relaying
+        # p2p: each server's DDMA group and its position there.
+        self.where: list[tuple[str, int]] = [("", 0)] * len(targets)
         self.lock = threading.RLock()
+
+    @property
+    def plan(self) -> Plan:
+        return self.targets[0].plan
 
     @classmethod
     def connect(
@@ -65,23 +80,29 @@ class WeightSync:
         w, t = cfg.rollout.weight_sync, cfg.trainer
         plan = plan_for(cfg.model, t, cfg.rollout, dp=t.dp)
         dtype = torch_dtype(t.params_dtype)
-        targets = [SGLangTarget(u, plan, dtype, w.timeout, staging=w.staging) for u in urls]
-        sync = cls(trainer, targets, w.transport, weight_version)
+        overlap = w.overlap and w.transport == "p2p"
+        targets = [SGLangTarget(u, plan, dtype, w.timeout, staging=w.staging, link=w.link,
+                                overlap=overlap) for u in urls]  # fmt: skip
+        sync = cls(trainer, targets, w.transport, weight_version, relay.Relaying.of(w))
         where = trainer.connect(urls)
         if w.transport == "p2p":
-            joined = sync._open(where["address"], where["ports"])
-            trainer.join(where["address"], where["ports"])
-            for f in joined:
-                f.result()
+            sync._join(where["address"], where["ports"], list(range(len(urls))))
         return sync
 
-    def _open(self, address: str, ports: list[int]) -> list[Future]:
-        """p2p: ask every server's ranks to join its group (trainer ranks join meanwhile)."""
-        self.names = [group_name(ports[0], i) for i in range(len(ports))]
-        return [
-            t.open_group(name, address, port)
-            for t, name, port in zip(self.targets, self.names, ports, strict=True)
-        ]
+    def _join(self, address: str, ports: list[int], servers: list[int]) -> None:
+        """p2p: put ``servers`` in new DDMA groups (each its own, or, relaying, all in one)
+        and have their ranks and the trainer ranks join them."""
+        groups = self._groups(servers)
+        joined = []
+        for k, (port, members) in enumerate(zip(ports, groups, strict=False)):
+            name = group_name(ports[0], k)
+            for pos, i in enumerate(members):
+                self.where[i] = (name, pos)
+                target = self.targets[i]
+                joined.append(target.open_group(name, address, port, pos, len(members)))
+        self.trainer.join(address, ports[: len(groups)], groups)
+        for f in joined:
+            f.result()
 
     def push(self, skip: Collection[int] = ()) -> dict[str, float | list[int]]:
         """Make the trainer's current weights version ``weight_version + 1`` on every
@@ -95,25 +116,18 @@ class WeightSync:
             self.weight_version += 1
             return out
 
+    def _groups(self, servers: list[int]) -> list[list[int]]:
+        return [servers] if self.relaying.kind != "none" else [[i] for i in servers]
+
     def repush(self, servers: list[int]) -> dict[str, float | list[int]]:
         """Give restarted ``servers`` the version every other server serves, which is what
         the trainer holds between steps (p2p: their DDMA groups died with them: join new
         ones first)."""
         with self.lock:
             if self.transport == "p2p":
-                self._rejoin(servers)
+                where = self.trainer.reserve(len(self._groups(servers)))
+                self._join(where["address"], where["ports"], servers)
             return self._push(self.weight_version, servers)
-
-    def _rejoin(self, servers: list[int]) -> None:
-        where = self.trainer.reserve(len(servers))
-        address, ports = where["address"], where["ports"]
-        joined = []
-        for i, port in zip(servers, ports, strict=True):
-            self.names[i] = group_name(ports[0], i)
-            joined.append(self.targets[i].open_group(self.names[i], address, port))
-        self.trainer.join(address, ports, servers)
-        for f in joined:
-            f.result()
 
     def _push(self, version: int, servers: list[int]) -> dict[str, float | list[int]]:
         t0 = time.perf_counter()
@@ -129,14 +143,19 @@ class WeightSync:
                     continue
                 begun.append(i)
             t_begun = time.perf_counter()
-            received = []
+            received = {}
+            relayed = 0  # servers fed by another server, not by the trainer ranks
             if self.transport == "p2p":
-                received = [self.targets[i].receive(version, self.names[i]) for i in begun]
+                for name, route, members in relay.routes(self.plan, self.where, begun,
+                                                         self.relaying):  # fmt: skip
+                    relayed += len(members) - route.parents.count(relay.TRAINER)
+                    for replica, i in enumerate(members):
+                        received[i] = self.targets[i].receive(version, name, route, replica)
             stats = self.trainer.push(version, begun)
-            for i, f in zip(begun, received, strict=False):
+            for i, f in received.items():
                 try:
                     f.result()
-                except TransferError:  # the server died while receiving
+                except (TransferError, UpstreamLost):  # it, or a server relaying to it, died
                     lost.append(i)
             lost += [i for i in stats.pop("lost", []) if i not in lost]
             t_sent = time.perf_counter()
@@ -147,7 +166,7 @@ class WeightSync:
                 else:
                     try:
                         self.targets[i].commit(version)  # aborts its version itself on failure
-                    except TransferError:
+                    except (TransferError, UpstreamLost):  # overlap: found out at commit
                         lost.append(i)
                 committed += 1
         except BaseException:
@@ -160,4 +179,5 @@ class WeightSync:
         # transfer, and committing (generation is paused across all three).
         phases = {"sync_begin_s": t_begun - t0, "sync_send_s": t_sent - t_begun,
                   "sync_commit_s": t1 - t_sent}  # fmt: skip
-        return {**stats, **phases, "lost": sorted(lost), "sync_s": t1 - t0}
+        return {**stats, **phases, "lost": sorted(lost), "sync_s": t1 - t0,
+                "sync_relayed_servers": relayed}  # fmt: skip

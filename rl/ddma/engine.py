@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -34,6 +34,11 @@ class TransferError(RuntimeError):
     """A peer failed or disconnected during a transfer; names the bucket and the peer."""
 
 
+class UpstreamLost(TransferError):
+    """A relaying server above this one was lost mid-version: this server misses the
+    version (it keeps the previous one) through no fault of its own."""
+
+
 @dataclass
 class TransferStats:
     buckets: int = 0
@@ -42,6 +47,10 @@ class TransferStats:
     seconds: float = 0.0
     buffer_bytes: int = 0  # extra memory this rank allocated for the transfer
     forwarded_bytes: int = 0  # relay: message bytes this rank forwarded to other replicas
+    # Group ranks this rank was sending to that failed mid-transfer (left out from then on,
+    # so the others still get every bucket), and the first such failure.
+    lost: list[int] = field(default_factory=list)
+    error: str = ""
 
 
 def where(b: Bucket) -> str:
@@ -91,7 +100,8 @@ def send(
     device: str | torch.device = "cpu",
 ) -> TransferStats:
     """Send this trainer rank's buckets (packing the next one while one is on the wire),
-    each to every replica the trainer feeds."""
+    each to every replica the trainer feeds. A generator rank that fails is left out from
+    then on and reported in ``lost``; the others still get all of theirs."""
     mine = relay.trainer_walk(plan, src_rank)
     stats = TransferStats(buckets=sum(len(to) for _, to in mine))
     if not mine:
@@ -99,25 +109,56 @@ def send(
     t0 = time.perf_counter()
     bufs = _buffers(plan, device)
     stats.buffer_bytes = sum(b.numel() for b in bufs)
+    peers = _Peers(stats, "generator rank")
     inflight: list[list[tuple[dist.Work, Bucket, int]]] = [[], []]
     for i, (b, to) in enumerate(mine):
         slot = i % 2
-        for work, prev, peer in inflight[slot]:
-            wait(work, where(prev), peer, "generator rank")
+        peers.settle(inflight[slot])
+        live = [dst_ranks[d] for d in to if dst_ranks[d] not in peers.gone]
+        if not live:
+            continue
         msg = wire.pack(bufs[slot], plan, b, shards, dtype, version)
-        inflight[slot] = []
-        for dst in to:
-            peer = dst_ranks[dst]
-            inflight[slot].append(
-                (post(dist.isend, msg, peer, group, where(b), "generator rank"), b, peer)
-            )
-            stats.payload_bytes += sum(plan.piece_bytes(p) for p in b.pieces)
-            stats.wire_bytes += b.nbytes
+        inflight[slot] = peers.post(dist.isend, msg, live, group, b)
+        stats.payload_bytes += len(inflight[slot]) * sum(plan.piece_bytes(p) for p in b.pieces)
+        stats.wire_bytes += len(inflight[slot]) * b.nbytes
     for item in inflight:
-        for work, prev, peer in item:
-            wait(work, where(prev), peer, "generator rank")
+        peers.settle(item)
     stats.seconds = time.perf_counter() - t0
     return stats
+
+
+class _Peers:
+    """Sends to peers any of which may fail: a failed one is recorded in ``stats`` and
+    skipped from then on."""
+
+    def __init__(self, stats: TransferStats, role: str) -> None:
+        self.stats, self.role, self.gone = stats, role, set[int]()
+
+    def _lose(self, peer: int, e: TransferError) -> None:
+        self.gone.add(peer)
+        self.stats.lost = sorted(self.gone)
+        self.stats.error = self.stats.error or str(e)
+
+    def post(
+        self, op: Callable[..., dist.Work | None], msg: torch.Tensor, to: Sequence[int],
+        group: dist.ProcessGroup | None, b: Bucket,
+    ) -> list[tuple[dist.Work, Bucket, int]]:  # fmt: skip
+        out = []
+        for peer in to:
+            if peer in self.gone:
+                continue
+            try:
+                out.append((post(op, msg, peer, group, where(b), self.role), b, peer))
+            except TransferError as e:
+                self._lose(peer, e)
+        return out
+
+    def settle(self, works: list[tuple[dist.Work, Bucket, int]]) -> None:
+        for work, b, peer in works:
+            try:
+                wait(work, where(b), peer, self.role)
+            except TransferError as e:
+                self._lose(peer, e)
 
 
 def receive(
@@ -139,15 +180,21 @@ def receive(
     Raises :class:`wire.BucketError` for the first message that fails verification (none
     of its bytes, nor any later bucket's, is written; the rest is still drained and
     forwarded so the senders and the replicas below finish, and those replicas refuse the
-    same message themselves) and :class:`TransferError` if a peer disappears. The
-    caller decides what the written tensors are: the live ones, or a staging copy that
-    is swapped in only once every bucket has arrived.
+    same message themselves), :class:`TransferError` if a sender disappears, and
+    :class:`UpstreamLost` if that sender was a relaying server or one above it was lost.
+    The replicas below a lost sender get stand-ins (:func:`wire.write_lost`) for what it
+    did not send, so they fail the version at once; a child that disappears is left out
+    (``lost``). The caller decides what the written tensors are: the live ones, or a
+    staging copy that is swapped in only once every bucket has arrived.
     """
     mine = relay.replica_walk(plan, replica, dst_rank)
     stats = TransferStats(buckets=len(mine))
     t0 = time.perf_counter()
     bufs = _buffers(plan, device) if mine else []
     stats.buffer_bytes = sum(b.numel() for b in bufs)
+    children = _Peers(stats, "generator rank")
+    dead: dict[int, TransferError] = {}  # senders lost, by group rank
+    spare: torch.Tensor | None = None  # stand-ins are stamped here, not in a posted buffer
 
     def peer_of(i: int) -> tuple[int, str]:
         b, sender, _ = mine[i]
@@ -155,34 +202,52 @@ def receive(
             return src_ranks[b.src], "trainer rank"
         return dst_ranks[sender], "relaying generator rank"
 
-    def arrive(i: int) -> dist.Work:
+    def arrive(i: int) -> dist.Work | None:
         peer, role = peer_of(i)
+        if peer in dead:
+            return None
         b = mine[i][0]
-        return post(dist.irecv, bufs[i % 2][: b.nbytes], peer, group, where(b), role)
+        try:
+            return post(dist.irecv, bufs[i % 2][: b.nbytes], peer, group, where(b), role)
+        except TransferError as e:
+            dead[peer] = e if role == "trainer rank" else UpstreamLost(str(e))
+            return None
 
     works = [arrive(i) for i in range(min(2, len(mine)))]
     failed: wire.BucketError | None = None
+    upstream: TransferError | None = None
     for i, (b, _, forward) in enumerate(mine):
-        wait(works[i], where(b), *peer_of(i))
+        peer, role = peer_of(i)
+        work = works[i]
+        if work is not None:
+            try:
+                wait(work, where(b), peer, role)
+            except TransferError as e:
+                dead[peer] = e if role == "trainer rank" else UpstreamLost(str(e))
         msg = bufs[i % 2][: b.nbytes]
-        sends = [
-            (post(dist.isend, msg, dst_ranks[f], group, where(b), "generator rank"), dst_ranks[f])
-            for f in forward
-        ]
+        if peer in dead:  # nothing came: the replicas below get a stand-in
+            upstream = upstream or dead[peer]
+            if spare is None:
+                spare = torch.empty(plan.bucket_bytes, dtype=torch.uint8, device=device)
+            msg = wire.write_lost(spare, b)
+        sends = children.post(dist.isend, msg, [dst_ranks[f] for f in forward], group, b)
         stats.forwarded_bytes += b.nbytes * len(sends)
-        if failed is None:  # after a bad bucket keep draining, so no sender hangs
+        if failed is None and upstream is None:  # after a bad bucket keep draining
             try:
                 wire.verify(msg, plan, b, version)
+            except wire.LostUpstream as e:
+                upstream = UpstreamLost(str(e))
             except wire.BucketError as e:
                 failed = e
             else:
                 wire.unpack(msg, plan, b, tensors, dtype)
                 stats.payload_bytes += sum(plan.piece_bytes(p) for p in b.pieces)
                 stats.wire_bytes += b.nbytes
-        for work, peer in sends:  # the buffer takes bucket i+2 next
-            wait(work, where(b), peer, "generator rank")
+        children.settle(sends)  # the buffer takes bucket i+2 next
         if i + 2 < len(mine):
             works.append(arrive(i + 2))
+    if upstream is not None:
+        raise upstream
     if failed is not None:
         raise failed
     wire.zero_fill(plan, dst_rank, tensors)

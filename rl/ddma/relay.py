@@ -20,12 +20,14 @@ Pure logic: integers only, no torch.
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, NamedTuple
 
 from rl.ddma.plan import Bucket, Hop, Plan, PlanError, plan_digest, plan_for
 
 if TYPE_CHECKING:
-    from rl.config.schema import RolloutConfig, TrainerConfig
+    from rl.config.schema import RolloutConfig, TrainerConfig, WeightSyncConfig
     from rl.models.arch import ModelShape
 
 RELAYS = ("none", "chain", "tree")
@@ -66,6 +68,20 @@ def attach(
     """Turn the one-replica ``plan`` into a plan for ``replicas`` servers (in place; one
     replica: unchanged). ``roots`` 0: :func:`auto_roots`. ``schedule`` False leaves out
     the hops (servers x buckets of them), for byte counts alone (:func:`traffic`)."""
+    parents = parents_for(plan, replicas, relay, roots, fanout)
+    if replicas == 1:
+        return plan
+    plan.replicas, plan.relay, plan.parents = replicas, relay, parents
+    plan.digest = plan_digest(plan)
+    if schedule:
+        plan.hops = _hops(plan)
+    return plan
+
+
+def parents_for(
+    plan: Plan, replicas: int, relay: str, roots: int = 0, fanout: int = 2
+) -> tuple[int, ...]:
+    """Each replica's parent for ``replicas`` servers fed under ``plan`` (see :func:`attach`)."""
     if replicas < 1:
         raise PlanError(f"rollout.servers={replicas} must be >= 1")
     if roots < 0:
@@ -74,13 +90,33 @@ def attach(
         roots = auto_roots(plan, replicas)
         if relay == "chain":  # the fewest roots that give chains this short
             roots = -(-replicas // -(-replicas // roots))
-    parents = topology(replicas, relay, roots, fanout)
-    if replicas == 1:
+    return topology(replicas, relay, roots, fanout)
+
+
+def with_parents(plan: Plan, relay: str, parents: tuple[int, ...]) -> Plan:
+    """A copy of the one-replica ``plan`` for ``len(parents)`` servers in this topology
+    (``plan`` itself for one server): what a live sync into a subset of the servers runs,
+    built the same way by the trainer ranks and every receiving server."""
+    if len(parents) == 1:
         return plan
-    plan.replicas, plan.relay, plan.parents = replicas, relay, parents
-    plan.digest = plan_digest(plan)
-    if not schedule:
-        return plan
+    roots = parents.count(TRAINER)
+    if (
+        relay not in RELAYS
+        or any(p != TRAINER for p in parents[:roots])
+        or any(not 0 <= p < c for c, p in enumerate(parents) if c >= roots)
+    ):
+        raise PlanError(
+            f"relay {relay!r} topology {list(parents)}: the roots come first and a parent "
+            "precedes its children"
+        )
+    out = replace(plan, replicas=len(parents), relay=relay, parents=tuple(parents), hops=[])
+    out.digest = plan_digest(out)
+    out.hops = _hops(out)
+    return out
+
+
+def _hops(plan: Plan) -> list[Hop]:
+    parents = plan.parents
     n_roots = parents.count(TRAINER)
     when: dict[tuple[int, int], int] = {}  # (replica, bucket) -> round it arrives
     order = []
@@ -91,8 +127,7 @@ def attach(
             when[(c, b.index)] = rnd
             order.append((rnd, c, b.index, parent))
     order.sort()
-    plan.hops = [Hop(i, rnd, b, parent, c) for i, (rnd, c, b, parent) in enumerate(order)]
-    return plan
+    return [Hop(i, rnd, b, parent, c) for i, (rnd, c, b, parent) in enumerate(order)]
 
 
 def plan_with_relay(
@@ -109,6 +144,65 @@ def plan_with_relay(
     plan = plan_for(model, trainer, rollout, dp, bucket_bytes)
     relay = w.relay if w.transport == "p2p" else "none"
     return attach(plan, rollout.servers, relay, w.relay_roots, w.relay_fanout, schedule)
+
+
+class Relaying(NamedTuple):
+    """How live syncs relay (rollout.weight_sync.relay, relay_roots, relay_fanout)."""
+
+    kind: str = "none"
+    roots: int = 0
+    fanout: int = 2
+
+    @classmethod
+    def of(cls, sync: WeightSyncConfig) -> Relaying:
+        return cls(sync.relay, sync.relay_roots, sync.relay_fanout)
+
+
+NO_RELAY = Relaying()
+
+
+@dataclass(frozen=True)
+class Fanout:
+    """How one live sync reaches some servers of one DDMA group (trainer ranks first, then
+    server after server of ``dst.tp`` ranks): the servers at ``positions`` of the group,
+    in that order, are the plan's replicas, fed in the ``relay`` topology ``parents``."""
+
+    relay: str
+    parents: tuple[int, ...]
+    positions: tuple[int, ...]
+
+    def plan(self, plan: Plan) -> Plan:
+        """The relay plan of this sync, from the one-replica ``plan``."""
+        return with_parents(plan, self.relay, self.parents)
+
+    def dst_ranks(self, plan: Plan) -> list[int]:
+        """Group rank of each destination rank (:func:`flat`) of the relay plan."""
+        n, tp = plan.src.world, plan.dst.tp
+        return [n + pos * tp + j for pos in self.positions for j in range(tp)]
+
+
+def fanout(plan: Plan, positions: list[int], relay: str, roots: int, fan: int) -> Fanout:
+    """The sync into the servers at ``positions`` of a group (in that order: the first
+    are the roots), ``relay`` as configured (rollout.weight_sync.relay, relay_roots,
+    relay_fanout): what the controller tells each server and the trainer ranks both build."""
+    parents = parents_for(plan, len(positions), relay, roots, fan)
+    return Fanout(relay, parents, tuple(positions))
+
+
+def routes(
+    plan: Plan, where: Sequence[tuple[str, int]], servers: Sequence[int], how: Relaying
+) -> list[tuple[str, Fanout, list[int]]]:
+    """One live sync into ``servers`` (indices into ``where``: each server's DDMA group and
+    position in it): per group, how it runs and the servers it reaches, replica by replica.
+    A server left out (lost, restarted into another group) leaves the topology re-formed
+    over the rest: the controller and every trainer rank compute the same from the same."""
+    by_group: dict[str, list[int]] = {}
+    for i in sorted(servers, key=lambda i: where[i]):
+        by_group.setdefault(where[i][0], []).append(i)
+    return [
+        (name, fanout(plan, [where[i][1] for i in members], *how), members)
+        for name, members in by_group.items()
+    ]
 
 
 # ------------------------------------------------------------------------ per-rank walks

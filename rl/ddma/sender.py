@@ -4,9 +4,11 @@ Runs on every trainer rank. The shard map (views of the live parameters) is buil
 so a push copies nothing before packing. What a server is, and how bytes reach it, is the
 :class:`Target` the entry point injects (rl/train.py passes the SGLang target of
 rl/generator/ddma_target.py), so neither this engine nor the trainer knows the generator:
-``ipc`` stages each bucket into the server through the target, ``p2p`` sends it over a
-process group this rank joined with the server's ranks (:meth:`Sender.join`). The
-controller brackets every version on every server (rl/controller/weight_sync.py).
+``ipc`` stages each bucket into the server through the target, ``p2p`` sends it over
+process groups this rank joined with the servers' ranks (:meth:`Sender.join`): one per
+server, or with relays one for many, the trainer ranks feeding the roots and the servers
+forwarding to the others (rl/ddma/relay.py). The controller brackets every version on
+every server (rl/controller/weight_sync.py).
 """
 
 from __future__ import annotations
@@ -16,23 +18,17 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
-from rl.ddma import group, wire
+from rl.ddma import engine, group, relay, shm, wire
 from rl.ddma.engine import TransferError, TransferStats
 from rl.ddma.megatron_source import ParallelRank, shard_getter, source_rank
 from rl.ddma.plan import Plan
 
 
 class Target(Protocol):
-    """One generator server as a trainer rank feeds it a version of ``plan``."""
+    """One generator server as a trainer rank stages a version of ``plan`` into it."""
 
     def stage(self, src_rank: int, shards: wire.SrcGetter, version: int) -> TransferStats:
         """Same host: hand this rank's buckets to the server by reference."""
-        ...
-
-    def send(
-        self, src_rank: int, shards: wire.SrcGetter, version: int, pg: dist.ProcessGroup
-    ) -> TransferStats:
-        """Any host: send this rank's buckets over the server's DDMA group ``pg``."""
         ...
 
 
@@ -44,7 +40,8 @@ class TargetFactory(Protocol):
 
 class Sender:
     """This trainer rank's sender: its live shards under ``plan`` -> the servers at
-    ``urls``, as ``dtype``."""
+    ``urls``, as ``dtype``; p2p over ``link`` (rollout.weight_sync.link), ``relaying``
+    in each group."""
 
     def __init__(
         self,
@@ -55,46 +52,66 @@ class Sender:
         urls: list[str],
         make_target: TargetFactory,
         timeout: float,
+        link: str = "group",
+        relaying: relay.Relaying = relay.NO_RELAY,
     ) -> None:
-        self.plan, self.timeout = plan, timeout
+        self.plan, self.dtype, self.timeout = plan, dtype, timeout
+        self.link, self.relaying = link, relaying
         self.rank = source_rank(layout, plan.src)
         self.getter = shard_getter(model, plan, self.rank)
         self.targets = [make_target(u, plan, dtype, timeout) for u in urls]
-        self.groups: list[dist.ProcessGroup | None] = []
+        self.groups: dict[str, dist.ProcessGroup] = {}
+        # p2p: each server's DDMA group and its position there (None: stage through ipc).
+        self.where: list[tuple[str, int]] | None = None
 
-    def join(self, address: str, ports: list[int], servers: list[int] | None = None) -> None:
-        """p2p: join each server's DDMA group (blocks until that server's ranks join too;
-        the controller asks them to at the same time). ``servers``: only these (restarted
-        servers, whose groups died with them), one port each; default every server."""
-        world = self.plan.src.world + self.plan.dst.tp
-        which = range(len(ports)) if servers is None else servers
-        if not self.groups:
-            self.groups = [None] * len(self.targets)
-        for i, port in zip(which, ports, strict=True):
-            name = group.group_name(ports[0], i)
-            self.groups[i] = group.join(address, port, world, self.rank, name, "gloo", self.timeout)
+    def join(self, address: str, ports: list[int], groups: list[list[int]]) -> None:
+        """p2p: join DDMA group k at ``ports[k]`` with the servers ``groups[k]``, in that
+        order (blocks until their ranks join too; the controller asks them to at the same
+        time). Servers named here leave the group they were in (it died with them)."""
+        if self.where is None:
+            self.where = [("", 0)] * len(self.targets)
+        for k, (port, servers) in enumerate(zip(ports, groups, strict=True)):
+            name = group.group_name(ports[0], k)
+            world = self.plan.src.world + len(servers) * self.plan.dst.tp
+            self.groups[name] = group.join(address, port, world, self.rank, name, "gloo",
+                                           self.timeout)  # fmt: skip
+            for pos, i in enumerate(servers):
+                self.where[i] = (name, pos)
 
     def push(
         self, version: int, servers: list[int] | None = None
     ) -> tuple[TransferStats, list[int]]:
-        """Send this rank's part of ``version`` to ``servers`` (default: every server), one
-        after the other. A server that stops answering (:class:`TransferError`: it died) is
-        skipped and returned in the second item; the others still get the version."""
+        """Send this rank's part of ``version`` to ``servers`` (default: every server). A
+        server that stops answering (it died) is left out and returned in the second item;
+        the others still get the version."""
+        which = list(range(len(self.targets))) if servers is None else servers
         total, lost = TransferStats(), []
-        for i in range(len(self.targets)) if servers is None else servers:
-            target = self.targets[i]
+        if self.where is None:  # ipc: one server after the other
+            for i in which:
+                try:
+                    _add(total, self.targets[i].stage(self.rank, self.getter, version))
+                except TransferError:
+                    lost.append(i)
+            return total, lost
+        transport = shm if self.link == "shm" else engine
+        for name, route, members in relay.routes(self.plan, self.where, which, self.relaying):
+            plan = route.plan(self.plan)
+            dst = route.dst_ranks(self.plan)
             try:
-                pg = self.groups[i] if self.groups else None
-                if pg is not None:
-                    s = target.send(self.rank, self.getter, version, pg)
-                else:
-                    s = target.stage(self.rank, self.getter, version)
-            except TransferError:
-                lost.append(i)
+                s = transport.send(plan, self.rank, self.getter, version, self.dtype,
+                                   self.groups[name], dst)  # fmt: skip
+            except TransferError:  # shm: a server could not map the rings
+                lost += members
                 continue
-            total.buckets += s.buckets
-            total.payload_bytes += s.payload_bytes
-            total.wire_bytes += s.wire_bytes
-            total.seconds += s.seconds
-            total.buffer_bytes = max(total.buffer_bytes, s.buffer_bytes)
-        return total, lost
+            _add(total, s)
+            tp = self.plan.dst.tp
+            lost += [members[(r - self.plan.src.world) // tp] for r in s.lost]
+        return total, sorted(set(lost))
+
+
+def _add(total: TransferStats, s: TransferStats) -> None:
+    total.buckets += s.buckets
+    total.payload_bytes += s.payload_bytes
+    total.wire_bytes += s.wire_bytes
+    total.seconds += s.seconds
+    total.buffer_bytes = max(total.buffer_bytes, s.buffer_bytes)

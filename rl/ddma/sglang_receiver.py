@@ -30,7 +30,9 @@ point to point from the trainer ranks over a group SGLang created with
 ``/init_weights_update_group`` (found by name; trainer ranks first), which works across
 hosts and at any SGLang TP, each rank receiving only its own shards; with ``link: shm``
 (trainer ranks on this host) the buckets come through their shared-memory rings and the
-group carries only signals (rl/ddma/shm.py).
+group carries only signals (rl/ddma/shm.py). A ``recv`` with ``background`` (staging
+device or host) returns at once and receives on a thread of its own while SGLang's
+scheduler goes on generating with the live weights; every later op first waits for it.
 
 Protocol: each entry is ``(json control, tensor)``. ``op`` is ``stage``, ``recv``,
 ``prepare``, ``commit``, ``discard``, ``state`` or ``noop`` (a rank with nothing in this
@@ -47,6 +49,7 @@ import json
 import logging
 import os
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -55,17 +58,14 @@ from pathlib import Path
 import torch
 
 from rl.config.dtypes import dtype_name, torch_dtype
-from rl.config.sglang import WEIGHT_STAGINGS
-from rl.ddma import engine, group, shm, wire
+from rl.config.sglang import P2P_LINKS, WEIGHT_STAGINGS
+from rl.ddma import engine, group, relay, shm, wire
 from rl.ddma.plan import DstLayout, Plan, SrcLayout, make_plan
 from rl.weights.keymap import Dims
 
 # The only directory status files go to; the DDMA target reads them from the same place.
 STATUS_DIR_ENV = "MSRL_DDMA_STATUS_DIR"
 log = logging.getLogger(__name__)
-# How a ``recv`` gets its buckets: over the group (any host), or through the trainer
-# ranks' shared-memory rings with the group only signalling (same host).
-LINKS = {"group": engine, "shm": shm}
 
 
 @lru_cache(maxsize=1)
@@ -133,6 +133,7 @@ class Stage:
     staged: dict[str, torch.Tensor] = field(default_factory=dict)
     received: set[int] = field(default_factory=set)
     error: str | None = None
+    failure: Exception | None = None  # what failed a background receive, re-raised later
 
 
 def _tp_rank() -> int:
@@ -185,6 +186,7 @@ class Receiver:
         # Staging tensors outlive a version (see the module docstring), for one kind.
         self.buffers: dict[str, torch.Tensor] = {}
         self.buffers_kind: str | None = None
+        self.receiving: threading.Thread | None = None  # a background ``recv``
 
     def state(self) -> dict:
         held = sum(t.numel() * t.element_size() for t in self.buffers.values())
@@ -221,6 +223,7 @@ class Receiver:
             return {"ok": True}
         if op == "state":
             return {"ok": True, **self.state()}
+        self._settled()
         if op == "discard":  # opens a weight update: drops what a failed version left staged
             staging = ctl.get("staging", "device")
             if staging not in WEIGHT_STAGINGS:
@@ -242,17 +245,22 @@ class Receiver:
                 f"{st.version} (plan {st.digest:#x}) is being staged"
             )
             raise ValueError(st.error)
+        if st.failure is not None:
+            raise st.failure
         if st.error is not None:
             raise ValueError(f"version {version} already failed: {st.error}")
         expected = {b.index: b for b in plan.receives(rank)}
-        if op == "recv":  # point-to-point from the trainer ranks over a DDMA group
-            src_ranks = list(range(plan.src.world))  # trainer ranks come first in the group
-            pg = group.find(ctl["group"])
-            link = ctl.get("link", "group")
-            if link not in LINKS:
-                raise ValueError(f"link {link!r} is not one of {sorted(LINKS)}")
+        if op == "recv":  # point-to-point over a DDMA group, maybe relayed (see _recv)
             self._writing(st)
-            LINKS[link].receive(plan, rank, st.staged.__getitem__, version, dtype, pg, src_ranks)
+            if ctl.get("background"):  # generation goes on; prepare waits for the bytes
+                if st.staging == "none":
+                    raise ValueError("a background receive needs staging device or host")
+                args = (plan, ctl, rank, st, version, dtype, set(expected))
+                self.receiving = threading.Thread(target=_receive, args=args, daemon=True,
+                                                  name="ddma-receive")  # fmt: skip
+                self.receiving.start()
+                return {"ok": True, "background": True}
+            _recv(plan, ctl, rank, st.staged.__getitem__, version, dtype)
             st.received.update(expected)
             return {"ok": True, "received": len(st.received)}
         if op == "stage":
@@ -310,6 +318,13 @@ class Receiver:
             except (OSError, AttributeError):  # not glibc: the memory stays reusable here
                 pass
 
+    def _settled(self) -> None:
+        """Wait for a background receive to end (it writes into the staging every other
+        op reads or drops); how it ended is in the stage it wrote."""
+        if self.receiving is not None:
+            self.receiving.join()
+            self.receiving = None
+
     def _writing(self, st: Stage) -> None:
         if st.staging == "none":
             self.torn = st.version  # from the first byte written until a commit
@@ -321,6 +336,47 @@ class Receiver:
 
 
 RECEIVER = Receiver()
+
+
+def _receive(
+    plan: Plan, ctl: dict, rank: int, st: Stage, version: int, dtype: torch.dtype,
+    expected: set[int],
+) -> None:  # fmt: skip
+    """A background ``recv`` (its own thread, beside SGLang's scheduler, which keeps
+    generating on the live weights while the buckets land in the staging copy)."""
+    try:
+        _recv(plan, ctl, rank, st.staged.__getitem__, version, dtype)
+        st.received.update(expected)
+    except Exception as e:
+        st.error, st.failure = f"generator rank {rank}: {type(e).__name__}: {e}", e
+        log.error("DDMA generator rank %d: background receive failed: %s", rank, st.error)
+
+
+def _recv(
+    plan: Plan, ctl: dict, rank: int, staged: wire.DstGetter, version: int, dtype: torch.dtype
+) -> None:
+    """Receive this rank's buckets over the group ``ctl["group"]``: trainer ranks first,
+    then servers of ``plan.dst.tp`` ranks each, this one at ``positions[replica]``. A relay
+    sync (``relay``, ``parents``: rl/ddma/relay.py) feeds the servers ``positions`` names,
+    in that order, from the roots down; this rank forwards what it gets to its children."""
+    link = ctl.get("link", "group")  # rl/ddma/shm.py rings (same host) or the group itself
+    if link not in P2P_LINKS:
+        raise ValueError(f"link {link!r} is not one of {P2P_LINKS}")
+    parents = tuple(int(p) for p in ctl.get("parents", (relay.TRAINER,)))
+    route = relay.Fanout(str(ctl.get("relay", "none")), parents,
+                         tuple(int(p) for p in ctl.get("positions", (0,))))  # fmt: skip
+    replica = int(ctl.get("replica", 0))
+    if len(route.positions) != len(parents) or not 0 <= replica < len(parents):
+        raise ValueError(f"replica {replica} of {route}")
+    src_ranks = list(range(plan.src.world))
+    pg = group.find(ctl["group"])
+    if link == "shm":  # the rings are the trainer's: every server reads them directly
+        if len(parents) > 1:
+            raise ValueError("a relay sync runs over the group link, not shm")
+        shm.receive(plan, rank, staged, version, dtype, pg, src_ranks)
+        return
+    engine.receive(route.plan(plan), rank, staged, version, dtype, pg, src_ranks,
+                   replica=replica, dst_ranks=route.dst_ranks(plan))  # fmt: skip
 
 
 def load(model: torch.nn.Module, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
@@ -343,6 +399,8 @@ def load(model: torch.nn.Module, named_tensors: list[tuple[str, torch.Tensor]]) 
             status["seconds"] = time.perf_counter() - t0
         except Exception as e:
             status = {"ok": False, "error": f"generator rank {rank}: {type(e).__name__}: {e}"}
+            # Missed through no fault of this server: a relaying server above it was lost.
+            status["upstream_lost"] = isinstance(e, engine.UpstreamLost)
             status["torn"] = RECEIVER.torn is not None
             RECEIVER.failed(ctl.get("op"), status["error"])
         if path is not None:

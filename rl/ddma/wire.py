@@ -24,11 +24,27 @@ from rl.ddma import fp8
 from rl.ddma.plan import ALIGN, HEADER_BYTES, SCALE_SUFFIX, Bucket, Piece, Plan, round_up
 
 MAGIC = 0x44444D41  # "DDMA"
+# A relay rank whose parent died sends this in place of each bucket it can no longer
+# forward, so the servers below it finish the version at once (and fail it) instead of
+# waiting for bytes that will never come.
+LOST = 0x4C4F5354  # "LOST"
 _FIELDS = ("magic", "digest", "version", "index", "nbytes", "checksum", "src", "dst")
 
 
 class BucketError(RuntimeError):
     """A message that must not be applied: wrong plan, version, bucket or checksum."""
+
+
+class LostUpstream(BucketError):
+    """The bucket stands for one a relaying server upstream could not forward."""
+
+
+def write_lost(buf: torch.Tensor, bucket: Bucket) -> torch.Tensor:
+    """Stamp ``buf`` as the stand-in of ``bucket`` (see :data:`LOST`); the message to send."""
+    head = buf[:HEADER_BYTES].view(torch.int64)
+    head.zero_()
+    head[0], head[3], head[4] = LOST, bucket.index, bucket.nbytes
+    return buf[: bucket.nbytes]
 
 
 def checksum(payload: torch.Tensor) -> int:
@@ -62,6 +78,8 @@ def verify(
     architectures or layouts)."""
     h = read_header(buf)
     where = f"bucket {bucket.index} (trainer rank {bucket.src} -> generator rank {bucket.dst})"
+    if h["magic"] == LOST:
+        raise LostUpstream(f"{where}: a relaying server upstream was lost before it")
     if h["magic"] != MAGIC:
         raise BucketError(f"{where}: not a DDMA message (magic {h['magic']:#x})")
     if h["digest"] != plan.digest:

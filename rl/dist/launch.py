@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from rl.dist import tree
+from rl.dist import lifeline, tree
 from rl.dist.net import free_port
 from rl.dist.rank_output import RankOutput, redirect_into
 from rl.dist.supervise import MARK_ENV, RankFailed, Supervisor
@@ -168,6 +168,9 @@ def _child(
     # every rank at once instead of each rank printing its own KeyboardInterrupt.
     os.setpgid(0, 0)
     die_with_parent(parent)
+    # What this rank starts through multiprocessing (Megatron's checkpoint Manager, reward
+    # workers) dies with it: once the launcher is SIGKILLed, no subreaper sweeps them.
+    lifeline.install()
     if out_w is not None and err_w is not None:
         redirect_into(out_w, err_w)
 

@@ -11,15 +11,18 @@ Two transports, one receiver (:mod:`rl.ddma.sglang_receiver`, staging then commi
   versions (the server keeps it mapped; its file is unlinked once mapped) and is a plain
   file, not a torch shared tensor: a server that frees a dead trainer process's torch
   tensor aborts (its ``torch_shm_manager`` is gone: "Broken pipe").
-* ``p2p`` (:meth:`open_group`, :meth:`receive`, :meth:`send`; any host): trainer ranks
-  and the server's ranks join one process group through ``/init_weights_update_group``
-  and every server rank receives only its own buckets point to point, in one request per
-  version. With ``same_host`` the buckets go through shared-memory rings the server's
-  ranks map (rl/ddma/shm.py) and the group carries only their slots: no HTTP request
-  and no TCP per bucket.
+* ``p2p`` (:meth:`open_group`, :meth:`receive`; any host): trainer ranks and the
+  servers' ranks join a process group through ``/init_weights_update_group`` (one per
+  server, or one for many with relays) and every server rank receives only its own
+  buckets point to point, in one request per version, from the trainer ranks or,
+  relayed, from the same rank of its parent server, forwarding them to its children
+  (rl/ddma/relay.py). With ``link`` shm the buckets go through shared-memory rings the
+  server's ranks map (rl/ddma/shm.py) and the group carries only their slots: no HTTP
+  request and no TCP per bucket.
 
-Trainer ranks call :meth:`SGLangTarget.stage` / :meth:`SGLangTarget.send` through the
-generic sender (rl/ddma/sender.py, which gets this class injected); the controller (one
+Trainer ranks call :meth:`SGLangTarget.stage` through the generic sender
+(rl/ddma/sender.py, which gets this class injected, and sends p2p itself; :meth:`send`
+does it for one server alone, as tests and benchmarks do); the controller (one
 process, rl/controller/weight_sync.py) brackets the transfer with :meth:`begin` and
 :meth:`commit` / :meth:`abort`: generation is paused only for that window, and a failed
 version is discarded whole.
@@ -47,6 +50,7 @@ from rl.ddma import engine, shm, wire
 from rl.ddma import sglang_receiver as rx
 from rl.ddma.engine import TransferError, TransferStats
 from rl.ddma.plan import Bucket, Plan
+from rl.ddma.relay import Fanout
 from rl.generator import server_api as api
 from rl.generator.weight_payload import serialize, use_file_system_sharing
 
@@ -61,6 +65,10 @@ class SyncError(RuntimeError):
     staging none and weights written in part: it stays paused, reporting NOT_READY)."""
 
 
+class UpstreamLost(SyncError):
+    """The server missed the version because a relaying server above it was lost."""
+
+
 class SGLangTarget:
     """One SGLang server (``plan.dst.tp`` ranks) at ``url``, fed under ``plan``; ``keys``:
     the server's (None: the job's)."""
@@ -73,12 +81,18 @@ class SGLangTarget:
         timeout: float = 120.0,
         staging: str = "device",
         keys: api.ServerKeys | None = None,
-        same_host: bool = False,
+        link: str = "group",
+        overlap: bool = False,
     ) -> None:
         self.url, self.plan, self.dtype, self.timeout = url.rstrip("/"), plan, dtype, timeout
-        # p2p with every trainer rank on the server's host: buckets go through shared-memory
-        # rings (rl/ddma/shm.py) and the group only signals, instead of through gloo's TCP.
-        self.same_host = same_host
+        # p2p: rollout.weight_sync.link. shm (every trainer rank on the server's host):
+        # buckets go through shared-memory rings (rl/ddma/shm.py) and the group only
+        # signals, instead of through gloo's TCP.
+        self.link = link
+        # p2p with a staging copy: generation is paused only to open the version and to
+        # commit it, and goes on while the buckets arrive (rollout.weight_sync.overlap).
+        self.overlap = overlap and staging != "none"
+        self._session = False  # SGLang's weight-update session is open (generation paused)
         self.keys = keys or api.job_keys()
         self.staging = staging  # rollout.weight_sync.staging: sent with every begin
         self._previous: int | None = None  # staging none: the version before begin
@@ -128,9 +142,10 @@ class SGLangTarget:
         ctl = {"op": op, "plan": self.spec, "version": version, **extra}
         empty = torch.zeros(1, dtype=torch.uint8)
         statuses = self._request([(ctl, empty)] * self.plan.dst.tp)
-        errors = [s["error"] for s in statuses if not s.get("ok")]
-        if errors:
-            raise SyncError(f"{self.url} version {version} {op} failed: {errors[0]}")
+        bad = [s for s in statuses if not s.get("ok")]
+        if bad:
+            why = f"{self.url} version {version} {op} failed: {bad[0]['error']}"
+            raise UpstreamLost(why) if all(s.get("upstream_lost") for s in bad) else SyncError(why)
         return statuses
 
     # ------------------------------------------------------------------ trainer side
@@ -204,35 +219,72 @@ class SGLangTarget:
     def send(
         self, src_rank: int, shards: wire.SrcGetter, version: int, pg: dist.ProcessGroup
     ) -> TransferStats:
-        """Point-to-point transport: send this trainer rank's buckets over the DDMA group
-        ``pg`` (see :meth:`open_group`) while the server runs :meth:`receive`."""
+        """Point-to-point into this server alone (its own group ``pg``, see
+        :meth:`open_group`) while it runs :meth:`receive`; raises :class:`TransferError`
+        if it is lost."""
         n = self.plan.src.world
         dst = [n + r for r in range(self.plan.dst.tp)]
-        transport = shm if self.same_host else engine
-        return transport.send(self.plan, src_rank, shards, version, self.dtype, pg, dst)
+        transport = shm if self.link == "shm" else engine
+        stats = transport.send(self.plan, src_rank, shards, version, self.dtype, pg, dst)
+        if stats.lost:
+            raise TransferError(stats.error)
+        return stats
 
     # ------------------------------------------------------------------ controller side
-    def open_group(self, name: str, address: str, port: int, backend: str = "gloo") -> Future:
-        """Ask every server rank to join the DDMA group ``name`` (trainer ranks join with
-        :func:`rl.ddma.group.join` at the same time; the call returns once all did)."""
-        n = self.plan.src.world
-        call = api.init_weights_update_group(address, port, n, n + self.plan.dst.tp, name, backend)
+    def open_group(
+        self, name: str, address: str, port: int, position: int = 0, servers: int = 1,
+        backend: str = "gloo",
+    ) -> Future:  # fmt: skip
+        """Ask every server rank to join the DDMA group ``name`` as the ``position``-th of
+        its ``servers`` servers (trainer ranks join with :func:`rl.ddma.group.join` at
+        the same time; the call returns once all did)."""
+        n, tp = self.plan.src.world, self.plan.dst.tp
+        call = api.init_weights_update_group(address, port, n + position * tp,
+                                             n + servers * tp, name, backend)  # fmt: skip
         return self._pool.submit(self._call, call)
 
-    def receive(self, version: int, name: str) -> Future:
+    def receive(
+        self, version: int, name: str, route: Fanout | None = None, replica: int = 0
+    ) -> Future:
         """Have every server rank receive its buckets of ``version`` over group ``name``
-        into staging; resolves when they have (raises :class:`SyncError` on a bad one)."""
-        link = "shm" if self.same_host else "group"
-        return self._pool.submit(self._control, "recv", version, group=name, link=link)
+        into staging, as replica ``replica`` of ``route`` (None: the only server fed);
+        resolves when they have (raises :class:`SyncError`, :class:`UpstreamLost` if a
+        relaying server above this one was lost). With ``overlap`` it resolves once they
+        have started, and generation resumes meanwhile: :meth:`commit` waits for them."""
+        where = {} if route is None else {
+            "relay": route.relay, "parents": list(route.parents),
+            "positions": list(route.positions), "replica": replica,
+        }  # fmt: skip
+        return self._pool.submit(self._receive, version, name, where)
+
+    def _receive(self, version: int, name: str, where: dict) -> list[dict]:
+        statuses = self._control("recv", version, group=name, link=self.link,
+                                 background=self.overlap, **where)  # fmt: skip
+        if self.overlap:
+            self._resume()
+        return statuses
+
+    def _pause(self) -> None:
+        """Pause generation (requests go back to the queue) and open a weight update."""
+        self._call(api.pause_generation("retract"))
+        self._call(api.begin_weight_update())
+        self._session = True
+
+    def _resume(self) -> None:
+        self._call(api.end_weight_update())
+        self._session = False
+        self._call(api.continue_generation())
 
     def begin(self, version: int) -> None:
-        """Pause generation (requests go back to the queue) and open a weight update. With
+        """Pause generation (requests go back to the queue; with ``overlap`` they stay, as
+        generation resumes once the receive has started) and open a weight update. With
         staging none the server reports NOT_READY from here until a version commits."""
-        self._call(api.pause_generation("retract"))
+        self._call(api.pause_generation("in_place" if self.overlap else "retract"))
         if self.staging == "none":
             self._previous = api.weight_version(self._call(api.model_info()))
             self._call(api.update_weight_version(NOT_READY))
         self._call(api.begin_weight_update())
+        self._session = True
         # Drops the leftovers of a version that never committed; sets this one's staging.
         self._control("discard", version, staging=self.staging)
 
@@ -240,12 +292,15 @@ class SGLangTarget:
         """Swap the staged version in on every rank (only if all of them hold all of it),
         set the server's version, drop the KV cache and resume generation."""
         try:
+            if not self._session:  # overlap: generation went on while the buckets came
+                self._pause()
             self._control("prepare", version)
             self.receivers = self._control("commit", version)
         except BaseException:
             self.abort(version)
             raise
         self._call(api.end_weight_update())
+        self._session = False
         self._call(api.update_weight_version(version))
         self._call(api.flush_cache())
         self._call(api.continue_generation())
@@ -255,10 +310,13 @@ class SGLangTarget:
         were written in part (staging none): then it stays paused and NOT_READY."""
         torn = self.staging == "none"  # unless every rank says otherwise
         try:
+            if not self._session:
+                self._pause()
             self.receivers = self._control("discard", version, staging=self.staging)
             torn = any(s.get("torn") for s in self.receivers)
         finally:
             self._call(api.end_weight_update())
+            self._session = False
             if not torn:
                 if self._previous is not None:
                     self._call(api.update_weight_version(self._previous))

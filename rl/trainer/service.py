@@ -50,13 +50,13 @@ class Connect:
 
 @dataclass
 class Join:
-    """p2p: join the servers' DDMA groups at ``address``/``ports`` (the controller has
-    asked the servers to join them too): every server, or only ``servers`` (restarted
-    ones, whose old group died with them), one port each."""
+    """p2p: join DDMA group k at ``address``/``ports[k]`` with the servers ``groups[k]``
+    (the controller has asked them to join too): at the start, every server; later, the
+    restarted ones, whose old group died with them."""
 
     address: str
     ports: list[int]
-    servers: list[int] | None = None
+    groups: list[list[int]]
 
 
 @dataclass
@@ -211,6 +211,7 @@ def serve(cfg: RootConfig, job: Job, make_target: TargetFactory) -> None:
     from rl.algorithms.losses import loss_from_config
     from rl.config.dtypes import torch_dtype
     from rl.ddma.plan import plan_for
+    from rl.ddma.relay import Relaying
     from rl.ddma.sender import Sender
     from rl.metrics import MetricsLogger
 
@@ -234,11 +235,11 @@ def serve(cfg: RootConfig, job: Job, make_target: TargetFactory) -> None:
                 plan = plan_for(cfg.model, cfg.trainer, cfg.rollout, dp=tr.layout.dp)
                 w = cfg.rollout.weight_sync
                 sender = Sender(tr.model.module, tr.layout, plan, dtype, msg.urls, make_target,
-                                w.timeout)  # fmt: skip
+                                w.timeout, w.link, Relaying.of(w))  # fmt: skip
                 answer(Done({"address": _address(), "ports": _ports(len(msg.urls))}))
             elif isinstance(msg, Join):
                 assert sender is not None, "Join before Connect"
-                sender.join(msg.address, msg.ports, msg.servers)
+                sender.join(msg.address, msg.ports, msg.groups)
                 answer(Done())
             elif isinstance(msg, Reserve):
                 answer(Done({"address": _address(), "ports": _ports(msg.n)}))
@@ -312,8 +313,8 @@ class TrainerHandle:
     def connect(self, urls: list[str]) -> dict[str, Any]:
         return self._call(Connect(urls))
 
-    def join(self, address: str, ports: list[int], servers: list[int] | None = None) -> None:
-        self._call(Join(address, ports, servers))
+    def join(self, address: str, ports: list[int], groups: list[list[int]]) -> None:
+        self._call(Join(address, ports, groups))
 
     def reserve(self, n: int) -> dict[str, Any]:
         """``{"address", "ports"}``: where ``n`` new DDMA groups can rendezvous."""

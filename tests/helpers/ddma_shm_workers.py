@@ -113,7 +113,7 @@ def p2p_shm_sync(url: str, keys, port: int, globs: list[dict], model_dir: str, v
     rank = dist.get_rank()
     plan = make_plan(model_dims(Path(model_dir), 2), SrcLayout(2), DstLayout.sglang(1, "cpu"),
                      4, 1 << 14)  # fmt: skip
-    target = SGLangTarget(url, plan, torch.float32, keys=keys, same_host=True)
+    target = SGLangTarget(url, plan, torch.float32, keys=keys, link="shm")
     name = f"ddma-shm-test-{port}"
     opened = target.open_group(name, "127.0.0.1", port) if rank == 0 else None
     pg = group.join("127.0.0.1", port, plan.src.world + plan.dst.tp, rank, name, timeout_s=120)

@@ -50,6 +50,8 @@ def ddma_rank(
                 plan, rank, lambda k, i: getter((k, i)), version, torch.float32,
                 dist.group.WORLD, dst_ranks,
             )  # fmt: skip
+            if stats.lost:  # the engine carries on past a lost peer; this worker fails
+                raise engine.TransferError(stats.error)
             report("ok")
             return {"role": "trainer", "stats": stats}
         me = rank - n_src
@@ -77,14 +79,24 @@ def relay_rank(
     relay: str,
     bucket_bytes: int,
     fanout: int = 2,
-) -> dict:
+    dies: int | None = None,
+    report_dir: str | None = None,
+) -> dict | None:
     """A relay plan for real: ranks [0, tp*pp) are the trainer, then ``replicas`` servers of
     ``dst_tp`` ranks each; the trainer feeds server 0 only, the others get every bucket
-    from their parent server (``relay``: chain or tree)."""
-    from rl.ddma import engine
+    from their parent server (``relay``: chain or tree). ``dies``: that server's ranks
+    vanish right after their first bucket; every surviving rank reports how it ended
+    (``report_dir``) and returns None."""
+    from rl.ddma import engine, wire
     from rl.ddma import relay as relays
     from rl.ddma.plan import DstLayout, SrcLayout, make_plan
-    from tests.helpers.ddma_util import hf_state, megatron_globals, megatron_shards, model_dims
+    from tests.helpers.ddma_util import (
+        hf_state,
+        megatron_globals,
+        megatron_shards,
+        model_dims,
+        report_to,
+    )
 
     rank = dist.get_rank()
     d = model_dims(Path(model_dir), src_tp=src[0])
@@ -100,14 +112,31 @@ def relay_rank(
             plan, rank, lambda k, i: shards[(k, i)], 1, torch.float32, dist.group.WORLD,
             dst_ranks,
         )  # fmt: skip
-        return {"role": "trainer", "stats": stats}
+        if dies is None:
+            return {"role": "trainer", "stats": stats}
+        report_to(str(report_dir), rank)(f"ok lost={stats.lost}")
+        os._exit(0)
     replica, me = divmod(rank - n_src, dst_tp)
     out = {n: torch.full(s, float("nan")) for n, s in plan.dst_shapes.items()}
-    stats = engine.receive(
-        plan, me, out.__getitem__, 1, torch.float32, dist.group.WORLD, src_ranks,
-        replica=replica, dst_ranks=dst_ranks,
-    )  # fmt: skip
-    return {"role": "generator", "replica": replica, "rank": me, "tensors": out, "stats": stats}
+    if dies is None:
+        stats = engine.receive(
+            plan, me, out.__getitem__, 1, torch.float32, dist.group.WORLD, src_ranks,
+            replica=replica, dst_ranks=dst_ranks,
+        )  # fmt: skip
+        return {"role": "generator", "replica": replica, "rank": me, "tensors": out,
+                "stats": stats}  # fmt: skip
+    report = report_to(str(report_dir), rank)
+    if replica == dies:
+        _exit_after_first_bucket(report)
+    try:
+        stats = engine.receive(
+            plan, me, out.__getitem__, 1, torch.float32, dist.group.WORLD, src_ranks,
+            replica=replica, dst_ranks=dst_ranks,
+        )  # fmt: skip
+        report(f"ok lost={stats.lost}")
+    except (engine.TransferError, wire.BucketError) as e:
+        report(f"{type(e).__name__}: {e}")
+    os._exit(0)  # a peer is gone: the group cannot be torn down cleanly
 
 
 def _corrupting(shards: dict, rank: int):
@@ -252,32 +281,57 @@ def baseline_rank(model_dir: str, tp: int, dst_tp: int) -> dict:
 
 
 def p2p_sync(
-    url: str, keys: ServerKeys, port: int, glob: dict, model_dir: str, version: int
-) -> dict:
-    """Two trainer ranks DDMA ``glob`` (Megatron globals) into the SGLang server at ``url``
-    point to point: they and the server's ranks join one gloo group; rank 0 also plays
-    the controller (open the group, begin, have the server receive, commit)."""
-    from rl.ddma import group
+    urls: list[str], keys: ServerKeys, port: int, glob: dict, model_dir: str, version: int,
+    relay: str = "none", during: list[int] | None = None,
+) -> dict:  # fmt: skip
+    """Two trainer ranks DDMA ``glob`` (Megatron globals) into the SGLang servers at
+    ``urls`` point to point: they and every server's ranks join one gloo group; with
+    ``relay`` chain the trainer ranks feed the first server only and each server forwards
+    to the next. Rank 0 also plays the controller (open the group, begin, have the servers
+    receive, commit). ``during``: the servers overlap the sync with generation; once they
+    have started receiving, and before any byte is sent, rank 0 has each server generate
+    greedily from this prompt (returned as ``during``)."""
+    from rl.ddma import engine, group
+    from rl.ddma import relay as relays
     from rl.ddma.plan import DstLayout, SrcLayout, make_plan
+    from rl.generator import server_api as api
     from rl.generator.ddma_target import SGLangTarget
     from tests.helpers.ddma_util import megatron_shards, model_dims
 
     rank = dist.get_rank()
     plan = make_plan(model_dims(Path(model_dir), 2), SrcLayout(2), DstLayout.sglang(1, "cpu"),
                      4, 1 << 14)  # fmt: skip
-    target = SGLangTarget(url, plan, torch.float32, keys=keys)
+    overlap = during is not None
+    targets = [SGLangTarget(u, plan, torch.float32, keys=keys, overlap=overlap) for u in urls]
     name = f"ddma-test-{port}"
-    opened = target.open_group(name, "127.0.0.1", port) if rank == 0 else None
-    pg = group.join("127.0.0.1", port, plan.src.world + plan.dst.tp, rank, name, timeout_s=120)
-    if opened is not None:
-        opened.result()
-        target.begin(version)
+    opened = [t.open_group(name, "127.0.0.1", port, i, len(urls)) for i, t in
+              enumerate(targets)] if rank == 0 else []  # fmt: skip
+    world = plan.src.world + len(urls) * plan.dst.tp
+    pg = group.join("127.0.0.1", port, world, rank, name, timeout_s=120)
+    for f in opened:
+        f.result()
+    if rank == 0:
+        for t in targets:
+            t.begin(version)
     dist.barrier()
-    received = target.receive(version, name) if rank == 0 else None
+    route = relays.fanout(plan, list(range(len(urls))), relay, 1, 2)
+    received = [t.receive(version, name, route, i) for i, t in enumerate(targets) if rank == 0]
+    outputs = []
+    if overlap:
+        for f in received:  # started: generation has resumed
+            f.result()
+        greedy = {"temperature": 0, "max_new_tokens": 8}
+        for u in urls if rank == 0 else []:
+            reply = api.call(u, api.generate([during], [greedy]), keys, timeout=60)
+            outputs.append(api.generate_results(reply, 1)[0]["output_ids"])
+        dist.barrier()
     shards = megatron_shards(glob, plan, rank)
-    stats = target.send(rank, lambda k, i: shards[(k, i)], version, pg)
-    if received is not None:
-        received.result()
-        target.commit(version)
+    stats = engine.send(route.plan(plan), rank, lambda k, i: shards[(k, i)], version,
+                        torch.float32, pg, route.dst_ranks(plan))  # fmt: skip
+    for f in received:
+        f.result()
+    if rank == 0:
+        for t in targets:
+            t.commit(version)
     dist.barrier()
-    return {"stats": stats}
+    return {"stats": stats, "parents": route.parents, "during": outputs}

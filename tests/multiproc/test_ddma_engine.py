@@ -113,3 +113,23 @@ def test_baseline_delivers_the_same_shards(llama):
     got = out[2]["tensors"]
     for name, t in want.items():
         torch.testing.assert_close(got[name], t, rtol=0, atol=0, msg=name)
+
+
+def test_a_lost_relay_fails_only_the_servers_below_it_at_once(llama, tmp_path):
+    """Server 1 of a chain 0 -> 1 -> 2 vanishes after its first bucket: the trainer and
+    server 0 finish (server 0 reports its child lost), server 2 fails the version at once
+    with UpstreamLost (stand-ins for what server 1 never forwarded), not after a timeout."""
+    import time
+
+    from tests.helpers.ddma_workers import relay_rank
+
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match="exited with code"):  # the workers exit early
+        spawn(relay_rank, 4, str(llama), (1, 1), 1, 3, "chain", 3000, 2, 1, str(tmp_path),
+              timeout_s=120)  # fmt: skip
+    trainer, first, middle, last = rank_outcomes(tmp_path, 4)
+    assert trainer == "ok lost=[]"
+    assert first == "ok lost=[2]"  # group rank 2: server 1
+    assert middle == "disconnected"
+    assert last.startswith("UpstreamLost") and "relaying generator rank 2" in last, last
+    assert time.monotonic() - t0 < 60  # the group's timeout is 120 s

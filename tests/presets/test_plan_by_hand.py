@@ -169,7 +169,11 @@ def test_local_default_plans_on_one_node() -> None:
             ["cluster.roles.generator=24", "cluster.generation_nodes=48"],
         ),
         (
-            ["experiment=llama3_8b_256gpu", "rollout.weight_sync.transport=ipc"],
+            [
+                "experiment=llama3_8b_256gpu",
+                "rollout.weight_sync.transport=ipc",
+                "rollout.weight_sync.relay=none",
+            ],
             ["rollout.weight_sync.transport='ipc'", "p2p"],
         ),
         (["experiment=llama3_8b_256gpu", "trainer.device=cpu"], ["trainer.device='cpu'"]),

@@ -190,7 +190,7 @@ def test_point_to_point_transport_into_live_server(client, fresh, model_dir, syn
 
     d, glob, hf = fresh
     version = client.weight_versions()[0] + 1
-    out = spawn(p2p_sync, 2, client.urls[0], client.keys, free_port(), glob, str(model_dir),
+    out = spawn(p2p_sync, 2, client.urls, client.keys, free_port(), glob, str(model_dir),
                 version)  # fmt: skip
     plan = make_plan(d, SrcLayout(2), CPU_DST, 4, 1 << 14)
     assert sum(o["stats"].payload_bytes for o in out) == plan.dst_bytes()

@@ -3,14 +3,17 @@
 The tiny default job (real SGLang, DDMA, reward ranks) with 1-token segments, so samples
 are often parked or on a server, and an RL checkpoint every step. It is SIGKILLed (the
 whole process group, as a node failure would) as soon as a checkpoint holds partial
-samples, and started again with the same arguments. The second attempt
-must resume the checkpoint's parked and in-flight samples from their saved tokens (same
-tokens, behaviour log-probs and versions; newer versions after), train on every prompt
-of the one prompt stream exactly once across both attempts, and log each step once.
+samples; within a grace period no process of it may be left, found by the job's mark
+(MSRL_SPAWN_MARK) whatever its command line, such as a multiprocessing helper of a rank.
+It is then started again with the same arguments. The second attempt must resume the
+checkpoint's parked and in-flight samples from their saved tokens (same tokens, behaviour
+log-probs and versions; newer versions after), train on every prompt of the one prompt
+stream exactly once across both attempts, and log each step once.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -21,6 +24,9 @@ import time
 from pathlib import Path
 
 import psutil
+
+from rl.dist.supervise import MARK_ENV
+from tests.helpers.procs import live_tagged
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 12
@@ -78,21 +84,53 @@ def _kill_leftovers(out: Path) -> list[int]:
     return [p.pid for p in left]
 
 
+def _job_mark(out: Path) -> str:
+    """The job's MSRL_SPAWN_MARK, read from its processes that name the run dir (an SGLang
+    server and its guard): the launcher makes it up, and every process a rank starts
+    inherits it, whatever its command line (a multiprocessing helper's names no run dir)."""
+    marks = set()
+    for p in psutil.process_iter(["cmdline"]):
+        if str(out) in " ".join(p.info["cmdline"] or []):
+            try:
+                marks.add(p.environ().get(MARK_ENV))
+            except psutil.Error:
+                continue
+    marks.discard(None)  # the launcher (the mark is made up inside it) and the ranks
+    assert len(marks) == 1, f"no single job mark on the run's processes: {marks}"
+    return marks.pop()
+
+
+def _kill_marked(mark: str, grace_s: float = 30.0) -> list[str]:
+    """Processes of the job (carrying its mark) still alive ``grace_s`` after its
+    launcher was SIGKILLed; each is killed, so that later tests do not inherit it."""
+    deadline = time.monotonic() + grace_s
+    while (left := live_tagged(MARK_ENV, mark)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    for line in left:
+        with contextlib.suppress(psutil.Error):
+            psutil.Process(int(line.split()[0])).kill()
+    return left
+
+
 def test_a_killed_job_resumes_its_parked_rollouts_and_its_prompt_stream(tmp_path):
     from rl.tasks.arithmetic import ArithmeticTask
 
     out = tmp_path / "run"
     first = _start(out, tmp_path / "attempt1.log")
+    mark = None
     try:  # kill right after a checkpoint that holds partial samples
         deadline = time.monotonic() + 900
         while not _parked_in_checkpoint(out):
             assert first.poll() is None, (tmp_path / "attempt1.log").read_text()[-4000:]
             assert time.monotonic() < deadline, "no checkpoint with partial samples"
             time.sleep(0.05)
+        mark = _job_mark(out)
     finally:
         os.killpg(first.pid, signal.SIGKILL)
         first.wait()
+        marked = _kill_marked(mark) if mark else []
     assert _kill_leftovers(out) == [], "a SIGKILLed job left processes behind"
+    assert marked == [], f"a SIGKILLed job left processes behind: {marked}"
     point = json.loads((out / "rl_state.json").read_text())
     resumed_from = point["step"]
     saved = json.loads((out / point["rollouts"]).read_text())

@@ -106,15 +106,20 @@ def _hold_controller_until_restarted(pid: int, log: Path) -> None:
         controller.resume()
 
 
-@pytest.mark.parametrize(("servers", "transport"), [(1, "ipc"), (2, "p2p")])
+@pytest.mark.parametrize(
+    ("servers", "transport", "relay"), [(1, "ipc", "none"), (2, "p2p", "chain")]
+)
 def test_a_killed_server_is_restarted_with_current_weights_and_the_run_completes(
-    tmp_path, servers, transport
+    tmp_path, servers, transport, relay
 ):
+    """With two servers the first weight syncs go relayed (the trainer feeds one server,
+    which forwards to the other); after the kill, the push goes on over the group the dead
+    server was in, and the restarted server gets its weights through a new group."""
     out = tmp_path / "run"
     n = 5 if servers == 1 else 20  # steps left to notice the loss, and to use the server again
     args = [*SHORT, f"rl.steps={n}", f"rl.eval_every={n}", f"rollout.servers={servers}",
-            f"rollout.weight_sync.transport={transport}", "rollout.segment_tokens=2",
-            f"run.output_dir={out}"]  # fmt: skip
+            f"rollout.weight_sync.transport={transport}", f"rollout.weight_sync.relay={relay}",
+            "rollout.segment_tokens=2", f"run.output_dir={out}"]  # fmt: skip
     log = tmp_path / "job.log"
     job = subprocess.Popen(
         [sys.executable, "-m", "rl.train", *args],
@@ -154,6 +159,8 @@ def test_a_killed_server_is_restarted_with_current_weights_and_the_run_completes
     steps = _rl_steps(out)
     assert [r["step"] for r in steps] == list(range(1, n + 1))
     assert steps[-1]["server_restarts"] == 1, said[-3000:]
+    # Relaying, the first sync's second server got its weights from the first.
+    assert steps[0]["sync_relayed_servers"] == (1 if relay == "chain" else 0)
     assert said.count("routed to again") == 1
     (index,) = {int(i) for i in re.findall(r"\[controller\] generator server (\d+) ", said)}
 

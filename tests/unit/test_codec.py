@@ -70,8 +70,8 @@ ROLLOUT = Rollout(
 MESSAGES = [
     (trn.COMMANDS, trn.Train(7, dict(TENSORS))),
     (trn.COMMANDS, trn.Connect(["http://10.0.0.1:30000", "http://10.0.0.2:30000"])),
-    (trn.COMMANDS, trn.Join("10.0.0.9", [29500, 29501])),
-    (trn.COMMANDS, trn.Join("10.0.0.9", [29502], [1])),
+    (trn.COMMANDS, trn.Join("10.0.0.9", [29500, 29501], [[0], [1]])),
+    (trn.COMMANDS, trn.Join("10.0.0.9", [29502], [[1, 0, 2]])),
     (trn.COMMANDS, trn.Reserve(2)),
     (trn.COMMANDS, trn.Push(12)),
     (trn.COMMANDS, trn.Save("/out/ckpt/step_3", True, 3)),

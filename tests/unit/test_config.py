@@ -73,6 +73,20 @@ def test_llama_param_counts_match_published(preset: str, published: float) -> No
         (["rollout.weight_sync.relay=ring"], ["rollout.weight_sync.relay='ring'", "chain"]),
         (["rollout.weight_sync.relay_roots=-1"], ["rollout.weight_sync.relay_roots=-1"]),
         (["rollout.weight_sync.relay_fanout=0"], ["rollout.weight_sync.relay_fanout=0"]),
+        (["rollout.weight_sync.link=rdma"], ["rollout.weight_sync.link='rdma'", "'shm'"]),
+        (["rollout.weight_sync.relay=chain"], ["relay='chain'", "transport=p2p", "'ipc'"]),
+        (
+            [
+                "rollout.weight_sync.transport=p2p",
+                "rollout.weight_sync.link=shm",
+                "rollout.weight_sync.relay=tree",
+            ],
+            ["relay='tree'", "link=group", "link='shm'"],
+        ),
+        (
+            ["experiment=tiny_arithmetic_slurm", "rollout.weight_sync.link=shm"],
+            ["rollout.weight_sync.link='shm'", "one host", "cluster.nodes=2"],
+        ),
         (["rollout.weight_sync.fp8_block=128"], ["fp8_block=128", "rollout.device=cuda"]),
         (["rollout.device=cuda", "rollout.tp=4"], ["rollout.tp=4", "num_attention_heads=6"]),
         (
@@ -148,6 +162,10 @@ def test_llama_param_counts_match_published(preset: str, published: float) -> No
         "sync-relay",
         "sync-relay-roots",
         "sync-relay-fanout",
+        "sync-link",
+        "relay-needs-p2p",
+        "relay-needs-group-link",
+        "shm-link-one-host",
         "sync-fp8-cpu",
         "sync-dst-tp-heads",
         "sync-fp8-blocks",

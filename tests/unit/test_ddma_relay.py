@@ -174,3 +174,32 @@ def test_auto_roots_keep_the_trainer_no_busier_than_a_server_gpu():
     plan = relay.attach(template, 20, "chain")
     depth = -(-20 // roots)  # the chains auto_roots allows; as few roots as keep them
     assert relay.depth(plan) == depth and plan.parents.count(relay.TRAINER) == -(-20 // depth)
+
+
+# ------------------------------------------------------------------ live syncs
+def test_with_parents_is_attach_without_touching_the_one_replica_plan():
+    base = _plan()
+    digest = base.digest
+    attached = relay.attach(_plan(), 4, "tree", roots=1, fanout=2)
+    got = relay.with_parents(base, "tree", attached.parents)
+    assert base.digest == digest and base.replicas == 1 and not base.hops
+    assert (got.digest, got.hops, got.parents) == (attached.digest, attached.hops, attached.parents)
+    assert relay.with_parents(base, "chain", (relay.TRAINER,)) is base
+    # a child first, a forward reference, a root after a child
+    for bad in ((0, -1), (-1, 1, 0), (-1, 0, -1)):
+        with pytest.raises(PlanError, match="the roots come first"):
+            relay.with_parents(base, "chain", bad)
+
+
+def test_routes_form_each_groups_topology_over_the_servers_pushed():
+    """The controller and every trainer rank derive the same routes: per group, its
+    servers by position, the chain re-formed over those the push reaches."""
+    plan = _plan()
+    where = [("g7", 0), ("g7", 1), ("g8", 0), ("g7", 2)]  # server 2 restarted into g8
+    routes = relay.routes(plan, where, [3, 2, 0], relay.Relaying("chain", 1))
+    assert [(name, members) for name, _, members in routes] == [("g7", [0, 3]), ("g8", [2])]
+    chain, alone = routes[0][1], routes[1][1]
+    assert (chain.parents, chain.positions) == ((relay.TRAINER, 0), (0, 2))
+    assert chain.dst_ranks(plan) == [4, 5, 8, 9]  # 4 trainer ranks, then 2 ranks per server
+    assert chain.plan(plan).replicas == 2 and not relay.schedule_errors(chain.plan(plan))
+    assert alone.parents == (relay.TRAINER,) and alone.plan(plan) is plan

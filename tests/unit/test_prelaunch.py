@@ -224,16 +224,6 @@ def test_prelaunch_on_a_whole_config(tmp_path: Path) -> None:
     )
 
 
-def test_a_relay_is_refused_at_launch_but_planned(tmp_path: Path) -> None:
-    out = f"run.output_dir={tmp_path / 'run'}"
-    for relay in ("chain", "tree"):
-        msg = _message(prelaunch, composed([out, f"rollout.weight_sync.relay={relay}"]))
-        assert msg.startswith(f"rollout.weight_sync.relay={relay!r}: live weight syncs do not")
-    # Without RL steps nothing is synced; none is what runs.
-    prelaunch(composed([out, "rollout.weight_sync.relay=chain", "rl.steps=0"]))
-    prelaunch(composed([out, "rollout.weight_sync.relay=none"]))
-
-
 # ---------------------------------------------------------------------------- context
 def test_context_length_beyond_the_model_is_refused() -> None:
     msg = _message(check_context, composed(["rollout.context_length=65"]), 7)

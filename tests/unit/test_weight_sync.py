@@ -10,6 +10,16 @@ import pytest
 
 from rl.controller.weight_sync import WeightSync
 from rl.ddma.engine import TransferError
+from rl.ddma.plan import DstLayout, SrcLayout, make_plan
+from rl.ddma.relay import Fanout, Relaying
+from rl.generator.ddma_target import UpstreamLost
+from rl.weights import keymap as km
+
+D = km.Dims(
+    layers=2, hidden=64, ffn=256, heads=4, groups=2, head_dim=16, vocab=512,
+    padded_vocab=512, tied=False, qkv_bias=False,
+)  # fmt: skip
+PLAN = make_plan(D, SrcLayout(1), DstLayout(1), 4, 1 << 16)
 
 
 class FakeTarget:
@@ -17,6 +27,7 @@ class FakeTarget:
         self, log: list[str], name: str, fail: str | None = None, lost: str | None = None
     ) -> None:
         self.log, self.name, self.fail, self.lost = log, name, fail, lost
+        self.plan = PLAN
 
     def _do(self, op: str, version: int) -> None:
         self.log.append(f"{self.name}.{op}({version})")
@@ -34,16 +45,24 @@ class FakeTarget:
     def abort(self, version: int) -> None:
         self._do("abort", version)
 
-    def open_group(self, name: str, address: str, port: int) -> Future:
-        self.log.append(f"{self.name}.open({name})")
+    def open_group(
+        self, name: str, address: str, port: int, position: int = 0, servers: int = 1
+    ) -> Future:
+        self.log.append(f"{self.name}.open({name} {position}/{servers})")
         f: Future = Future()
         f.set_result({})
         return f
 
-    def receive(self, version: int, name: str) -> Future:
-        self._do("receive", version)
+    def receive(
+        self, version: int, name: str, route: Fanout | None = None, replica: int = 0
+    ) -> Future:
+        assert route is not None
+        self.log.append(f"{self.name}.receive({version} {name} {route.parents}#{replica})")
         f: Future = Future()
-        f.set_result([])
+        if self.fail == "starved":  # a relay above it was lost
+            f.set_exception(UpstreamLost(f"{self.name} missed version {version}"))
+        else:
+            f.set_result([])
         return f
 
 
@@ -55,8 +74,8 @@ class FakeTrainer:
         self.log.append(f"connect({len(urls)})")
         return {"address": "127.0.0.1", "ports": [7000 + i for i in range(len(urls))]}
 
-    def join(self, address: str, ports: list[int], servers: list[int] | None = None) -> None:
-        self.log.append(f"join({ports}, {servers})")
+    def join(self, address: str, ports: list[int], groups: list[list[int]]) -> None:
+        self.log.append(f"join({ports}, {groups})")
 
     def reserve(self, n: int) -> dict:
         self.log.append(f"reserve({n})")
@@ -95,12 +114,49 @@ def test_p2p_opens_every_group_while_the_trainer_joins_then_servers_receive():
     trainer = FakeTrainer(log)
     sync = WeightSync(trainer, targets, "p2p", weight_version=0)  # type: ignore[arg-type]
     where = trainer.connect(["a", "b"])
-    for f in sync._open(where["address"], where["ports"]):
-        f.result()
-    assert sync.names == ["ddma-7000-0", "ddma-7000-1"]
+    sync._join(where["address"], where["ports"], [0, 1])
+    assert sync.where == [("ddma-7000-0", 0), ("ddma-7000-1", 0)]  # a group per server
     sync.push()
-    assert log[-7:] == ["s0.begin(1)", "s1.begin(1)", "s0.receive(1)", "s1.receive(1)",
-                        "push(1, [0, 1])", "s0.commit(1)", "s1.commit(1)"]  # fmt: skip
+    assert log[1:] == ["s0.open(ddma-7000-0 0/1)", "s1.open(ddma-7000-1 0/1)",
+                       "join([7000, 7001], [[0], [1]])", "s0.begin(1)", "s1.begin(1)",
+                       "s0.receive(1 ddma-7000-0 (-1,)#0)", "s1.receive(1 ddma-7000-1 (-1,)#0)",
+                       "push(1, [0, 1])", "s0.commit(1)", "s1.commit(1)"]  # fmt: skip
+
+
+def test_relayed_servers_share_a_group_and_each_push_forms_the_chain_over_those_begun():
+    """Relaying, every server is in one group; a push tells each its place in the chain
+    over the servers that began the version. A server starved by a lost relay above it
+    misses the version (aborted: it keeps the previous one), reported lost."""
+    log: list[str] = []
+    targets = [FakeTarget(log, f"s{i}") for i in range(3)]
+    trainer = FakeTrainer(log)
+    sync = WeightSync(trainer, targets, "p2p", 0, Relaying("chain", 1))  # type: ignore[arg-type]
+    sync._join("127.0.0.1", [7000, 7001, 7002], [0, 1, 2])
+    assert sync.where == [("ddma-7000-0", i) for i in range(3)]
+    assert log == ["s0.open(ddma-7000-0 0/3)", "s1.open(ddma-7000-0 1/3)",
+                   "s2.open(ddma-7000-0 2/3)", "join([7000], [[0, 1, 2]])"]  # fmt: skip
+    log.clear()
+    sync.push()
+    assert log[3:6] == ["s0.receive(1 ddma-7000-0 (-1, 0, 1)#0)",
+                        "s1.receive(1 ddma-7000-0 (-1, 0, 1)#1)",
+                        "s2.receive(1 ddma-7000-0 (-1, 0, 1)#2)"]  # fmt: skip
+    # s0 is lost at begin: the chain is s1 -> s2, re-formed without it.
+    targets[0].lost, targets[2].fail = "begin", "starved"
+    log.clear()
+    stats = sync.push()
+    assert stats["lost"] == [0, 2] and sync.weight_version == 2
+    assert log == ["s0.begin(2)", "s1.begin(2)", "s2.begin(2)",
+                   "s1.receive(2 ddma-7000-0 (-1, 0)#0)", "s2.receive(2 ddma-7000-0 (-1, 0)#1)",
+                   "push(2, [1, 2])", "s1.commit(2)", "s2.abort(2)"]  # fmt: skip
+    # Restarted, s0 and s2 get the current version in a new group of their own.
+    log.clear()
+    targets[0].lost, targets[2].fail = None, None
+    sync.repush([0, 2])
+    assert sync.where == [("ddma-8000-0", 0), ("ddma-7000-0", 1), ("ddma-8000-0", 1)]
+    assert log == ["reserve(1)", "s0.open(ddma-8000-0 0/2)", "s2.open(ddma-8000-0 1/2)",
+                   "join([8000], [[0, 2]])", "s0.begin(2)", "s2.begin(2)",
+                   "s0.receive(2 ddma-8000-0 (-1, 0)#0)", "s2.receive(2 ddma-8000-0 (-1, 0)#1)",
+                   "push(2, [0, 2])", "s0.commit(2)", "s2.commit(2)"]  # fmt: skip
 
 
 def test_unknown_transport_is_refused():
@@ -131,8 +187,9 @@ def test_a_restarted_server_gets_the_current_version_again():
     # one (a fresh port) before the bytes go.
     log.clear()
     p2p = WeightSync(FakeTrainer(log), targets, "p2p", weight_version=7)  # type: ignore[arg-type]
-    p2p.names = ["ddma-7000-0", "ddma-7000-1"]
+    p2p.where = [("ddma-7000-0", 0), ("ddma-7000-1", 0)]
     p2p.repush([1])
-    assert p2p.names == ["ddma-7000-0", "ddma-8000-1"]
-    assert log == ["reserve(1)", "s1.open(ddma-8000-1)", "join([8000], [1])", "s1.begin(7)",
-                   "s1.receive(7)", "push(7, [1])", "s1.commit(7)"]  # fmt: skip
+    assert p2p.where == [("ddma-7000-0", 0), ("ddma-8000-0", 0)]
+    assert log == ["reserve(1)", "s1.open(ddma-8000-0 0/1)", "join([8000], [[1]])",
+                   "s1.begin(7)", "s1.receive(7 ddma-8000-0 (-1,)#0)", "push(7, [1])",
+                   "s1.commit(7)"]  # fmt: skip

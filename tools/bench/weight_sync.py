@@ -254,8 +254,8 @@ def server_rank(
     plan = make_plan(d, SrcLayout(tp), DstLayout.sglang(1, "cpu"), 4, bucket_mb * MB)
     shards = trainer_shards(path, d, tp, rank)
     get = lambda k, i: shards[(k, i)]  # noqa: E731
-    same_host = mode == "p2p_shm"
-    target = SGLangTarget(url, plan, torch.float32, timeout=600, keys=keys, same_host=same_host)
+    link = "shm" if mode == "p2p_shm" else "group"
+    target = SGLangTarget(url, plan, torch.float32, timeout=600, keys=keys, link=link)
     limits = ModelLimits.from_model_dir(path)
     client = GeneratorClient([url], limits, keys=keys) if rank == 0 else None
     version = [client.weight_versions()[0] if client else 0]

@@ -375,8 +375,16 @@ def _recv(
             raise ValueError("a relay sync runs over the group link, not shm")
         shm.receive(plan, rank, staged, version, dtype, pg, src_ranks)
         return
-    engine.receive(route.plan(plan), rank, staged, version, dtype, pg, src_ranks,
-                   replica=replica, dst_ranks=route.dst_ranks(plan))  # fmt: skip
+    relayed = _relay_plan(str(ctl["plan"]), route) if len(parents) > 1 else plan
+    engine.receive(relayed, rank, staged, version, dtype, pg, src_ranks, replica=replica,
+                   dst_ranks=route.dst_ranks(plan))  # fmt: skip
+
+
+@lru_cache(maxsize=4)
+def _relay_plan(spec: str, route: relay.Fanout) -> Plan:
+    """The relay plan of a sync (its hops: servers x buckets), built once per topology and
+    not on every version."""
+    return route.plan(plan_from_spec(spec)[0])
 
 
 def load(model: torch.nn.Module, named_tensors: list[tuple[str, torch.Tensor]]) -> None:

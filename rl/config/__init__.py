@@ -19,6 +19,7 @@ __all__ = [
     "ConfigError",
     "check_task",
     "compose",
+    "compose_resolved",
     "composition_error",
     "register",
     "resolve_model",
@@ -50,3 +51,21 @@ def composition_error(e: BaseException) -> str:
             parts.append(text)
         err = err.__cause__
     return " | ".join(parts)
+
+
+def compose_resolved(overrides: list[str]) -> RootConfig:
+    """:func:`compose` and :func:`resolve_model` (the architecture from
+    model.hf_checkpoint's config.json) for a command-line tool: a bad override or model is
+    a :class:`ConfigError` whose message is the one line to print."""
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        cfg = compose(overrides)
+    except (HydraException, OmegaConfBaseException) as e:
+        raise ConfigError(composition_error(e)) from None
+    try:
+        resolve_model(cfg)
+    except OmegaConfBaseException as e:
+        raise ConfigError(str(e)) from None
+    return cfg

@@ -52,6 +52,22 @@ class TransferStats:
     lost: list[int] = field(default_factory=list)
     error: str = ""
 
+    def count(self, plan: Plan, b: Bucket, copies: int = 1) -> None:
+        """``copies`` messages of bucket ``b`` sent or applied."""
+        self.payload_bytes += copies * plan.payload(b)
+        self.wire_bytes += copies * b.nbytes
+
+
+def apply(
+    msg: torch.Tensor, plan: Plan, b: Bucket, version: int, tensors: wire.DstGetter,
+    dtype: torch.dtype, stats: TransferStats, checksum: bool = True,
+) -> None:  # fmt: skip
+    """Verify ``msg`` as bucket ``b`` of ``version`` and scatter it into ``tensors``;
+    raises :class:`wire.BucketError` having written nothing."""
+    wire.verify(msg, plan, b, version, payload=checksum)
+    wire.unpack(msg, plan, b, tensors, dtype)
+    stats.count(plan, b)
+
 
 def where(b: Bucket) -> str:
     return f"bucket {b.index} (trainer rank {b.src} -> generator rank {b.dst})"
@@ -119,8 +135,7 @@ def send(
             continue
         msg = wire.pack(bufs[slot], plan, b, shards, dtype, version)
         inflight[slot] = peers.post(dist.isend, msg, live, group, b)
-        stats.payload_bytes += len(inflight[slot]) * sum(plan.piece_bytes(p) for p in b.pieces)
-        stats.wire_bytes += len(inflight[slot]) * b.nbytes
+        stats.count(plan, b, len(inflight[slot]))
     for item in inflight:
         peers.settle(item)
     stats.seconds = time.perf_counter() - t0
@@ -234,15 +249,11 @@ def receive(
         stats.forwarded_bytes += b.nbytes * len(sends)
         if failed is None and upstream is None:  # after a bad bucket keep draining
             try:
-                wire.verify(msg, plan, b, version)
+                apply(msg, plan, b, version, tensors, dtype, stats)
             except wire.LostUpstream as e:
                 upstream = UpstreamLost(str(e))
             except wire.BucketError as e:
                 failed = e
-            else:
-                wire.unpack(msg, plan, b, tensors, dtype)
-                stats.payload_bytes += sum(plan.piece_bytes(p) for p in b.pieces)
-                stats.wire_bytes += b.nbytes
         children.settle(sends)  # the buffer takes bucket i+2 next
         if i + 2 < len(mine):
             works.append(arrive(i + 2))

@@ -159,6 +159,10 @@ class Plan:
     def piece_bytes(self, p: Piece) -> int:
         return sum(self.piece_layout(p))
 
+    def payload(self, b: Bucket) -> int:
+        """Bytes the destination keeps of bucket ``b`` (its pieces, without the header)."""
+        return sum(self.piece_bytes(p) for p in b.pieces)
+
     def footprint(self, p: Piece) -> int:
         data, scale = self.piece_layout(p)
         return round_up(data, ALIGN) + scale if scale else data

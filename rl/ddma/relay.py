@@ -324,4 +324,4 @@ def schedule_errors(plan: Plan) -> list[str]:
 
 
 def _payload(plan: Plan, b: Bucket) -> int:
-    return sum(plan.piece_bytes(p) for p in b.pieces)
+    return plan.payload(b)

@@ -15,14 +15,18 @@ is written; its payload checksum too unless both sides pass ``checksum=False``: 
 that stay in this host's memory cannot be damaged in transit, and hashing them twice
 (sender and receiver) is a third of a transfer's CPU time.
 
-Same contract and signatures as :func:`rl.ddma.engine.send` / :func:`~rl.ddma.engine.receive`
-(the plan's global order, two buckets in flight per sender, verification before any
-byte is written, drain after a bad bucket), so a caller whose peers share its host
-swaps one for the other. Memory: a sender allocates two buckets (its ring, kept and
-reused across versions, so its pages are faulted in once); a receiver allocates nothing
-and maps each sender's ring (its resident size counts those pages, which are the
-sender's). The ring's file is unlinked as soon as every receiver has mapped it, within
-the first transfer's handshake: a crash after that leaves nothing in ``/dev/shm``.
+The signatures and most of the contract of :func:`rl.ddma.engine.send` /
+:func:`~rl.ddma.engine.receive` (the plan's global order, two buckets in flight per
+sender, verification before any byte is written, drain after a bad bucket), so a caller
+whose peers share its host swaps one for the other. Two differences: a one-replica plan
+only (every server maps the trainer's rings itself, so nothing is relayed), and a lost
+receiver fails :func:`send` with :class:`TransferError` rather than being left out.
+
+Memory: a sender allocates two buckets (its ring, kept and reused across versions, so
+its pages are faulted in once); a receiver allocates nothing and maps each sender's
+ring (its resident size counts those pages, which are the sender's). The ring's file is
+unlinked as soon as every receiver has mapped it, within the first transfer's
+handshake: a crash after that leaves nothing in ``/dev/shm``.
 """
 
 from __future__ import annotations
@@ -39,7 +43,7 @@ import torch
 import torch.distributed as dist
 
 from rl.ddma import wire
-from rl.ddma.engine import TransferError, TransferStats, post, wait, where
+from rl.ddma.engine import TransferError, TransferStats, apply, post, wait, where
 from rl.ddma.plan import Bucket, Plan
 
 SHM_DIR = "/dev/shm"
@@ -204,8 +208,7 @@ def send(
             post(dist.irecv, acks[slot], peer, group, where(b), role),
         ]
         inflight[slot] = (posted, b)
-        stats.payload_bytes += sum(plan.piece_bytes(p) for p in b.pieces)
-        stats.wire_bytes += b.nbytes
+        stats.count(plan, b)
     for item in inflight:
         if item is not None:
             for work in item[0]:
@@ -280,13 +283,9 @@ def receive(
                 if index != b.index or not 0 <= slot < rings[peer].numel() // plan.bucket_bytes:
                     raise wire.BucketError(f"{where(b)}: notified bucket {index} slot {slot}")
                 msg = rings[peer][slot * plan.bucket_bytes :][: b.nbytes]
-                wire.verify(msg, plan, b, version, payload=checksum)
+                apply(msg, plan, b, version, tensors, dtype, stats, checksum)
             except wire.BucketError as e:
                 failed = e
-            else:
-                wire.unpack(msg, plan, b, tensors, dtype)
-                stats.payload_bytes += sum(plan.piece_bytes(p) for p in b.pieces)
-                stats.wire_bytes += b.nbytes
         ack = torch.tensor([index], dtype=torch.int64)
         acks.append((ack, post(dist.isend, ack, peer, group, where(b), role), b))
         while len(acks) > 2:  # keep a bounded number of small sends outstanding

@@ -181,8 +181,7 @@ class SGLangTarget:
                 for i, group in enumerate(rounds.values()):
                     entries = pack(i, group)
                     for b in group:
-                        stats.payload_bytes += sum(plan.piece_bytes(p) for p in b.pieces)
-                        stats.wire_bytes += b.nbytes
+                        stats.count(plan, b)
                     if pending is not None:
                         self._check_stage(pending.result())
                     if i == 0 and not self._ring.linked:

@@ -35,22 +35,16 @@ def main(argv: list[str]) -> int:
         print(f"unknown option {bad[0]} (options: {', '.join(OPTIONS)})\n{USAGE}", file=sys.stderr)
         return 2
 
-    from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
-    from rl.config import ConfigError, compose, composition_error, resolve_model
+    from rl.config import ConfigError, compose_resolved
     from rl.config.roles import format_node_ranks
     from rl.plan.cluster import plan_cluster
     from rl.plan.placement import PlanRefused
     from rl.plan.report import render, to_json
 
     try:
-        cfg = compose(overrides)
-    except (HydraException, OmegaConfBaseException) as e:
-        print(f"config error: {composition_error(e)}", file=sys.stderr)
-        return 2
-    try:
-        resolve_model(cfg)  # model.hf_checkpoint: the architecture from its config.json
+        cfg = compose_resolved(overrides)
         plan = plan_cluster(cfg, strict=False)
     except PlanRefused as e:
         if as_json:

@@ -37,20 +37,14 @@ def main(argv: list[str]) -> int:
         print(f"unknown option {bad[0]} (options: --json PATH)\n{USAGE}", file=sys.stderr)
         return 2
 
-    from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
-    from rl.config import ConfigError, compose, composition_error, resolve_model
+    from rl.config import ConfigError, compose_resolved
     from rl.simulate.report import render, to_json
     from rl.simulate.simulation import simulate
 
     try:
-        cfg = compose(args)
-    except (HydraException, OmegaConfBaseException) as e:
-        print(f"config error: {composition_error(e)}", file=sys.stderr)
-        return 2
-    try:
-        resolve_model(cfg)
+        cfg = compose_resolved(args)
         sim = simulate(cfg)
     except (ConfigError, OmegaConfBaseException) as e:
         print(f"config error: {e}", file=sys.stderr)

@@ -29,7 +29,13 @@ def shm_rank(
     writes its outcome to ``report_dir`` before anything can kill it."""
     from rl.ddma import shm, wire
     from rl.ddma.engine import TransferError
-    from tests.helpers.ddma_util import gloo_world, megatron_shards, report_to
+    from tests.helpers.ddma_util import (
+        corrupt_second_bucket,
+        exit_after_first_bucket,
+        gloo_world,
+        megatron_shards,
+        report_to,
+    )
 
     rank, plan, src_ranks, dst_ranks, glob = gloo_world(Path(model_dir), src, dst_tp, bucket_bytes)
     n_src = len(src_ranks)
@@ -39,7 +45,7 @@ def shm_rank(
         if rank < n_src:
             shards = megatron_shards(glob, plan, rank)
             if fault == "corrupt":
-                _corrupt_second_bucket(rank)
+                corrupt_second_bucket(rank)
             stats, paths = [], []
             for v in range(1, versions + 1):
                 get = partial(_scaled_getter, {k: t * v for k, t in shards.items()})
@@ -51,7 +57,7 @@ def shm_rank(
             return {"role": "trainer", "stats": stats, "rings": paths, "leftover": leftover}
         me = rank - n_src
         if fault == "disconnect" and me == 0:
-            _exit_after_first_bucket(report)
+            exit_after_first_bucket(report)
         outs, stats = [], []
         for v in range(1, versions + 1):
             out = {
@@ -70,34 +76,6 @@ def shm_rank(
 
 def _scaled_getter(scaled: dict, key: str, layer: int | None) -> torch.Tensor:
     return scaled[(key, layer)]
-
-
-def _corrupt_second_bucket(rank: int) -> None:
-    import rl.ddma.wire as wire
-
-    original = wire.write_header
-    calls = {"n": 0}
-
-    def write_then_flip(buf, plan, bucket, version):
-        original(buf, plan, bucket, version)
-        calls["n"] += 1
-        if rank == 0 and calls["n"] == 2:
-            buf[bucket.nbytes - 1] ^= 0x01
-
-    wire.write_header = write_then_flip
-
-
-def _exit_after_first_bucket(report) -> None:
-    import rl.ddma.wire as wire
-
-    original = wire.unpack
-
-    def unpack_then_die(*args, **kw):
-        original(*args, **kw)
-        report("disconnected")
-        os._exit(4)
-
-    wire.unpack = unpack_then_die
 
 
 def p2p_shm_sync(url: str, keys, port: int, globs: list[dict], model_dir: str, version: int):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import os
 from dataclasses import replace
 from pathlib import Path
 
@@ -160,3 +161,34 @@ def rank_outcomes(report_dir: Path, n: int) -> list[str]:
         (report_dir / f"rank{r}").read_text() if (report_dir / f"rank{r}").exists() else ""
         for r in range(n)
     ]
+
+
+def corrupt_second_bucket(rank: int) -> None:
+    """Trainer rank 0 flips one byte of its second bucket after the checksum was taken
+    (bit rot between packing and the receiver)."""
+    import rl.ddma.wire as wire
+
+    original = wire.write_header
+    calls = {"n": 0}
+
+    def write_then_flip(buf, plan, bucket, version, **kw):
+        original(buf, plan, bucket, version, **kw)
+        calls["n"] += 1
+        if rank == 0 and calls["n"] == 2:
+            buf[bucket.nbytes - 1] ^= 0x01
+
+    wire.write_header = write_then_flip
+
+
+def exit_after_first_bucket(report) -> None:
+    """This generator rank vanishes (no goodbye) right after scattering its first bucket."""
+    import rl.ddma.wire as wire
+
+    original = wire.unpack
+
+    def unpack_then_die(*args, **kw):
+        original(*args, **kw)
+        report("disconnected")
+        os._exit(4)
+
+    wire.unpack = unpack_then_die

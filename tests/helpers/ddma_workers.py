@@ -33,7 +33,13 @@ def ddma_rank(
     before anything can kill it, so the test reads every side's error.
     """
     from rl.ddma import engine, wire
-    from tests.helpers.ddma_util import gloo_world, megatron_shards, report_to
+    from tests.helpers.ddma_util import (
+        corrupt_second_bucket,
+        exit_after_first_bucket,
+        gloo_world,
+        megatron_shards,
+        report_to,
+    )
 
     rank, plan, src_ranks, dst_ranks, glob = gloo_world(
         Path(model_dir), src, dst_tp, bucket_bytes, fp8_block
@@ -45,7 +51,9 @@ def ddma_rank(
         if rank < n_src:
             shards = megatron_shards(glob, plan, rank)
             version = 1
-            getter = shards.__getitem__ if fault != "corrupt" else _corrupting(shards, rank)
+            if fault == "corrupt":
+                corrupt_second_bucket(rank)
+            getter = shards.__getitem__
             stats = engine.send(
                 plan, rank, lambda k, i: getter((k, i)), version, torch.float32,
                 dist.group.WORLD, dst_ranks,
@@ -60,7 +68,7 @@ def ddma_rank(
             for n, s in plan.dst_shapes.items()
         }
         if fault == "disconnect" and me == 0:
-            _exit_after_first_bucket(report)
+            exit_after_first_bucket(report)
         stats = engine.receive(
             plan, me, out.__getitem__, 1, torch.float32, dist.group.WORLD, src_ranks
         )
@@ -91,6 +99,7 @@ def relay_rank(
     from rl.ddma import relay as relays
     from rl.ddma.plan import DstLayout, SrcLayout, make_plan
     from tests.helpers.ddma_util import (
+        exit_after_first_bucket,
         hf_state,
         megatron_globals,
         megatron_shards,
@@ -127,7 +136,7 @@ def relay_rank(
                 "stats": stats}  # fmt: skip
     report = report_to(str(report_dir), rank)
     if replica == dies:
-        _exit_after_first_bucket(report)
+        exit_after_first_bucket(report)
     try:
         stats = engine.receive(
             plan, me, out.__getitem__, 1, torch.float32, dist.group.WORLD, src_ranks,
@@ -137,38 +146,6 @@ def relay_rank(
     except (engine.TransferError, wire.BucketError) as e:
         report(f"{type(e).__name__}: {e}")
     os._exit(0)  # a peer is gone: the group cannot be torn down cleanly
-
-
-def _corrupting(shards: dict, rank: int):
-    """Trainer rank 0 flips one byte of its second bucket after the checksum was taken
-    (bit rot between packing and the receiver)."""
-    import rl.ddma.wire as wire
-
-    original = wire.write_header
-    calls = {"n": 0}
-
-    def write_then_flip(buf, plan, bucket, version):
-        original(buf, plan, bucket, version)
-        calls["n"] += 1
-        if rank == 0 and calls["n"] == 2:
-            buf[bucket.nbytes - 1] ^= 0x01
-
-    wire.write_header = write_then_flip
-    return shards.__getitem__
-
-
-def _exit_after_first_bucket(report) -> None:
-    """Generator rank 0 vanishes (no goodbye) right after scattering its first bucket."""
-    import rl.ddma.wire as wire
-
-    original = wire.unpack
-
-    def unpack_then_die(*args, **kw):
-        original(*args, **kw)
-        report("disconnected")
-        os._exit(4)
-
-    wire.unpack = unpack_then_die
 
 
 def train_then_sync(

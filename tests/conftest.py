@@ -27,7 +27,15 @@ COST_CLASSES = {
     "multiproc": "Megatron-Core and child processes: gloo process groups, ranks, CLI runs",
     "servers": "real SGLang servers or SGLang's model code (each a minute or more)",
     "cluster": "a real SLURM cluster (tools/slurm/local_cluster.sh)",
+    "gpu": "a CUDA device (tools/gpu_check.sh); skipped, with one line saying why, without one",
 }
+NO_GPU = "no CUDA device (torch.cuda.is_available() is False): tools/gpu_check.sh runs these"
+
+
+def _cuda() -> bool:
+    import torch  # only when tests/gpu is collected: this file stays light otherwise
+
+    return torch.cuda.is_available()
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -37,11 +45,26 @@ def pytest_configure(config: pytest.Config) -> None:
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     tests = Path(__file__).resolve().parent
+    gpu = [i for i in items if Path(str(i.fspath)).resolve().relative_to(tests).parts[0] == "gpu"]
+    skip_gpu = pytest.mark.skip(reason=NO_GPU) if gpu and not _cuda() else None
     for item in items:
         where = Path(str(item.fspath)).resolve().relative_to(tests).parts[0]
         if where not in COST_CLASSES:
             raise pytest.UsageError(f"{item.nodeid}: a test belongs in one of {list(COST_CLASSES)}")
         item.add_marker(where)
+        if skip_gpu is not None and where == "gpu":
+            item.add_marker(skip_gpu)
+    if skip_gpu is not None:
+        config.stash[_GPU_SKIPPED] = len(gpu)
+
+
+_GPU_SKIPPED = pytest.StashKey[int]()
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config: pytest.Config) -> None:
+    n = config.stash.get(_GPU_SKIPPED, 0)
+    if n:
+        terminalreporter.write_line(f"tests/gpu: {n} tests skipped: {NO_GPU}")
 
 
 def smollm2_cache_dir(version: str) -> Path:

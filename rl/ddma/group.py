@@ -6,13 +6,46 @@ trainer side of SGLang's ``/init_weights_update_group``: the same TCP rendezvous
 store prefixed by the group name, and ranks ``[0, n_trainer)`` for the trainer, the
 SGLang TP ranks after them. The group is registered under its name with identity rank
 mapping, so ``torch.distributed`` point-to-point calls address peers by group rank.
+
+:func:`backend` is the one place a DDMA group's backend is chosen, from the device of the
+tensors it carries: gloo for host tensors; on CUDA, torch's per-device backend string,
+NCCL for the buckets and gloo beside it for host messages (shm signals, stand-ins), so the
+same code posts either and a CUDA bucket never goes through the host.
 """
 
 from __future__ import annotations
 
 from datetime import timedelta
 
+import torch
 import torch.distributed as dist
+
+HOST_BACKEND = "gloo"
+CUDA_BACKEND = "cpu:gloo,cuda:nccl"
+
+
+def link_device(trainer: str, rollout: str) -> str:
+    """Where a DDMA group's buckets lie, from trainer.device and rollout.device: on the GPU
+    only when both ends are (with a CPU end both take host buffers, and the GPU end packs
+    into or scatters from them)."""
+    return "cuda" if trainer == rollout == "cuda" else "cpu"
+
+
+def local(device: str) -> torch.device:
+    """``device`` ("cpu" or "cuda") as this process's torch device."""
+    if device == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(device)
+
+
+def backend(device: torch.device | str) -> str:
+    """The backend of a DDMA group whose buckets lie on ``device``."""
+    kind = torch.device(device).type
+    if kind == "cpu":
+        return HOST_BACKEND
+    if kind == "cuda":
+        return CUDA_BACKEND
+    raise ValueError(f"DDMA groups carry cpu or cuda tensors, not device={device!r}")
 
 
 def group_name(port: int, server: int) -> str:
@@ -27,10 +60,11 @@ def join(
     world_size: int,
     rank: int,
     name: str,
-    backend: str = "gloo",
+    device: torch.device | str = "cpu",
     timeout_s: float = 600.0,
 ) -> dist.ProcessGroup:
-    """Join (rank 0: host) the group ``name``; blocks until all ``world_size`` ranks do."""
+    """Join (rank 0: host) the group ``name`` for buckets on ``device``; blocks until all
+    ``world_size`` ranks do."""
     from torch.distributed.distributed_c10d import (
         GroupName,
         PrefixStore,
@@ -48,7 +82,7 @@ def join(
         world_size,
         rank,
         [],
-        dist.Backend(backend),
+        dist.Backend(backend(device)),
         PrefixStore(name, store),
         group_name=GroupName(name),
         timeout=timeout,

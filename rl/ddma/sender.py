@@ -41,7 +41,7 @@ class TargetFactory(Protocol):
 class Sender:
     """This trainer rank's sender: its live shards under ``plan`` -> the servers at
     ``urls``, as ``dtype``; p2p over ``link`` (rollout.weight_sync.link), ``relaying``
-    in each group."""
+    in each group, in buckets on ``device`` (:func:`rl.ddma.group.link_device`)."""
 
     def __init__(
         self,
@@ -54,11 +54,15 @@ class Sender:
         timeout: float,
         link: str = "group",
         relaying: relay.Relaying = relay.NO_RELAY,
+        device: str = "cpu",
     ) -> None:
         self.plan, self.dtype, self.timeout = plan, dtype, timeout
         self.link, self.relaying = link, relaying
         self.rank = source_rank(layout, plan.src)
         self.getter = shard_getter(model, plan, self.rank)
+        # Where the buckets lie (group.link_device): their checksum and the group's backend
+        # follow; packing reads the shards from wherever they are.
+        self.device = group.local(device)
         self.targets = [make_target(u, plan, dtype, timeout) for u in urls]
         self.groups: dict[str, dist.ProcessGroup] = {}
         # p2p: each server's DDMA group and its position there (None: stage through ipc).
@@ -73,7 +77,7 @@ class Sender:
         for k, (port, servers) in enumerate(zip(ports, groups, strict=True)):
             name = group.group_name(ports[0], k)
             world = self.plan.src.world + len(servers) * self.plan.dst.tp
-            self.groups[name] = group.join(address, port, world, self.rank, name, "gloo",
+            self.groups[name] = group.join(address, port, world, self.rank, name, self.device,
                                            self.timeout)  # fmt: skip
             for pos, i in enumerate(servers):
                 self.where[i] = (name, pos)
@@ -94,12 +98,14 @@ class Sender:
                     lost.append(i)
             return total, lost
         transport = shm if self.link == "shm" else engine
+        # shm rings are host memory: the pack copies into them from wherever the shards lie.
+        device = "cpu" if self.link == "shm" else self.device
         for name, route, members in relay.routes(self.plan, self.where, which, self.relaying):
             plan = route.plan(self.plan)
             dst = route.dst_ranks(self.plan)
             try:
                 s = transport.send(plan, self.rank, self.getter, version, self.dtype,
-                                   self.groups[name], dst)  # fmt: skip
+                                   self.groups[name], dst, device)  # fmt: skip
             except TransferError:  # shm: a server could not map the rings
                 lost += members
                 continue

@@ -376,8 +376,10 @@ def _recv(
         shm.receive(plan, rank, staged, version, dtype, pg, src_ranks)
         return
     relayed = _relay_plan(str(ctl["plan"]), route) if len(parents) > 1 else plan
-    engine.receive(relayed, rank, staged, version, dtype, pg, src_ranks, replica=replica,
-                   dst_ranks=route.dst_ranks(plan))  # fmt: skip
+    # Where the buckets land (rl.ddma.group.link_device): on a GPU only when both ends are.
+    device = group.local(str(ctl.get("device", "cpu")))
+    engine.receive(relayed, rank, staged, version, dtype, pg, src_ranks, device,
+                   replica=replica, dst_ranks=route.dst_ranks(plan))  # fmt: skip
 
 
 @lru_cache(maxsize=4)

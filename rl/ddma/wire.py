@@ -2,9 +2,11 @@
 
 A message is ``HEADER_BYTES`` of int64 header followed by the pieces' bytes at the offsets
 the plan fixed. The header carries the plan digest (both sides planned the same
-transfer), the policy version, the bucket index and an xxh3 checksum of the payload, so a
-receiver never writes bytes it cannot vouch for. xxh3 runs at memory speed (about 27 GB/s
-here against 11 GB/s for memcpy), so verifying costs far less than copying.
+transfer), the policy version, the bucket index and a checksum of the payload, so a
+receiver never writes bytes it cannot vouch for. The checksum is computed where the
+buffer lies (:mod:`rl.ddma.checksum`: xxh3 in host memory, a weighted sum on the device
+of a CUDA buffer), and the magic says which kind, so a receiver on either device verifies
+a sender on either.
 
 The gather-copy (pack) and scatter-copy (unpack) are torch ``narrow().copy_()`` per
 piece: one memcpy-speed pass over the bytes, no intermediate tensors. Casting to the
@@ -18,12 +20,15 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-import xxhash
 
+from rl.ddma import checksum as cks
 from rl.ddma import fp8
 from rl.ddma.plan import ALIGN, HEADER_BYTES, SCALE_SUFFIX, Bucket, Piece, Plan, round_up
 
-MAGIC = 0x44444D41  # "DDMA"
+MAGIC = 0x44444D41  # "DDMA": payload checksum xxh3
+MAGIC_WSUM = 0x44444D57  # "DDMW": payload checksum wsum
+MAGICS = {cks.XXH3.name: MAGIC, cks.WSUM.name: MAGIC_WSUM}
+_KIND_OF = {m: cks.KINDS[k] for k, m in MAGICS.items()}
 # A relay rank whose parent died sends this in place of each bucket it can no longer
 # forward, so the servers below it finish the version at once (and fail it) instead of
 # waiting for bytes that will never come.
@@ -47,22 +52,18 @@ def write_lost(buf: torch.Tensor, bucket: Bucket) -> torch.Tensor:
     return buf[: bucket.nbytes]
 
 
-def checksum(payload: torch.Tensor) -> int:
-    """xxh3-64 of a uint8 tensor's bytes, as a signed int64."""
-    h = xxhash.xxh3_64_intdigest(payload.numpy().data)
-    return h - (1 << 64) if h >= 1 << 63 else h
-
-
 def write_header(
     buf: torch.Tensor, plan: Plan, bucket: Bucket, version: int, payload: bool = True
 ) -> None:
     """Stamp the header; ``payload=False`` leaves the checksum out (0), for a transport
     whose bytes never leave this host's memory (rl/ddma/shm.py, when asked)."""
-    body = buf[HEADER_BYTES : bucket.nbytes]
-    values = (MAGIC, plan.digest, version, bucket.index, bucket.nbytes,
-              checksum(body) if payload else 0)  # fmt: skip
+    kind = cks.for_device(buf.device)
+    values = (MAGICS[kind.name], plan.digest, version, bucket.index, bucket.nbytes, 0,
+              bucket.src, bucket.dst)  # fmt: skip
     head = buf[:HEADER_BYTES].view(torch.int64)
-    head.copy_(torch.tensor([*values, bucket.src, bucket.dst], dtype=torch.int64))
+    head.copy_(torch.tensor(values, dtype=torch.int64))
+    if payload:  # on a device the sum stays there: no host sync to stamp it
+        head[5] = kind.tensor(buf[HEADER_BYTES : bucket.nbytes])
 
 
 def read_header(buf: torch.Tensor) -> dict[str, int]:
@@ -80,7 +81,7 @@ def verify(
     where = f"bucket {bucket.index} (trainer rank {bucket.src} -> generator rank {bucket.dst})"
     if h["magic"] == LOST:
         raise LostUpstream(f"{where}: a relaying server upstream was lost before it")
-    if h["magic"] != MAGIC:
+    if h["magic"] not in _KIND_OF:
         raise BucketError(f"{where}: not a DDMA message (magic {h['magic']:#x})")
     if h["digest"] != plan.digest:
         raise BucketError(
@@ -94,9 +95,12 @@ def verify(
         raise BucketError(f"{where}: got bucket {h['index']} of {h['nbytes']} bytes")
     if not payload:
         return
-    got = checksum(buf[HEADER_BYTES : bucket.nbytes])
+    kind = _KIND_OF[h["magic"]]
+    got = kind(buf[HEADER_BYTES : bucket.nbytes])
     if got != h["checksum"]:
-        raise BucketError(f"{where}: checksum mismatch ({got:#x} != {h['checksum']:#x})")
+        raise BucketError(
+            f"{where}: {kind.name} checksum mismatch ({got:#x} != {h['checksum']:#x})"
+        )
 
 
 def _views(buf: torch.Tensor, offset: int, p: Piece, plan: Plan, dtype: torch.dtype):

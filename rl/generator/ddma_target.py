@@ -49,6 +49,7 @@ import torch.distributed as dist
 from rl.ddma import engine, shm, wire
 from rl.ddma import sglang_receiver as rx
 from rl.ddma.engine import TransferError, TransferStats
+from rl.ddma.group import backend as group_backend
 from rl.ddma.plan import Bucket, Plan
 from rl.ddma.relay import Fanout
 from rl.generator import server_api as api
@@ -83,8 +84,12 @@ class SGLangTarget:
         keys: api.ServerKeys | None = None,
         link: str = "group",
         overlap: bool = False,
+        device: str = "cpu",
     ) -> None:
         self.url, self.plan, self.dtype, self.timeout = url.rstrip("/"), plan, dtype, timeout
+        # Where the p2p buckets lie (rl.ddma.group.link_device): the group's backend and the
+        # server ranks' receive buffers follow it.
+        self.device = device
         # p2p: rollout.weight_sync.link. shm (every trainer rank on the server's host):
         # buckets go through shared-memory rings (rl/ddma/shm.py) and the group only
         # signals, instead of through gloo's TCP.
@@ -231,15 +236,14 @@ class SGLangTarget:
 
     # ------------------------------------------------------------------ controller side
     def open_group(
-        self, name: str, address: str, port: int, position: int = 0, servers: int = 1,
-        backend: str = "gloo",
-    ) -> Future:  # fmt: skip
+        self, name: str, address: str, port: int, position: int = 0, servers: int = 1
+    ) -> Future:
         """Ask every server rank to join the DDMA group ``name`` as the ``position``-th of
         its ``servers`` servers (trainer ranks join with :func:`rl.ddma.group.join` at
         the same time; the call returns once all did)."""
         n, tp = self.plan.src.world, self.plan.dst.tp
-        call = api.init_weights_update_group(address, port, n + position * tp,
-                                             n + servers * tp, name, backend)  # fmt: skip
+        call = api.init_weights_update_group(address, port, n + position * tp, n + servers * tp,
+                                             name, group_backend(self.device))  # fmt: skip
         return self._pool.submit(self._call, call)
 
     def receive(
@@ -258,7 +262,7 @@ class SGLangTarget:
 
     def _receive(self, version: int, name: str, where: dict) -> list[dict]:
         statuses = self._control("recv", version, group=name, link=self.link,
-                                 background=self.overlap, **where)  # fmt: skip
+                                 background=self.overlap, device=self.device, **where)  # fmt: skip
         if self.overlap:
             self._resume()
         return statuses

@@ -121,6 +121,11 @@ class MegatronTrainer:
         # Same seed on every rank: CPU init builds each full weight and splits it.
         torch.manual_seed(t.seed)
         model = build_gpt(model_cfg, t, layout.first_stage, layout.last_stage, layout.pg_collection)
+        # Built on the host (use_cpu_initialization: the same seed gives the same weights on
+        # every device), then moved where it trains: the rank's current CUDA device on GPU.
+        here = torch.cuda.current_device() if t.device == "cuda" else None
+        self.device = torch.device("cpu") if here is None else torch.device("cuda", here)
+        model = model.to(self.device)
         self.config = model.config
         self._padded_vocab = padded_vocab_size(model_cfg)
         ddp_config = DistributedDataParallelConfig(
@@ -266,9 +271,10 @@ class MegatronTrainer:
         own_ce = self.temperature != 1.0 or self._padded_vocab > self.mcfg.vocab_size
 
         def forward_step(data_iterator, model):
-            mb = next(data_iterator)
+            mb = {k: v.to(self.device, non_blocking=True) for k, v in next(data_iterator).items()}
             tokens = mb["tokens"]
-            positions = torch.arange(tokens.shape[1]).unsqueeze(0).expand_as(tokens)
+            positions = torch.arange(tokens.shape[1], device=self.device)
+            positions = positions.unsqueeze(0).expand_as(tokens)
             want_logits = collect in ("logits", "last_logits")
             labels = None if want_logits else torch.roll(tokens, -1, dims=1)
             out = model(tokens, positions, None, labels=None if own_ce else labels)
@@ -283,7 +289,8 @@ class MegatronTrainer:
                         value = output[:, :seq].float()
                     else:
                         value = -output[:, :seq].float()
-                    return output.sum() * 0, torch.tensor(1, dtype=torch.int), {collect: value}
+                    one = torch.tensor(1, dtype=torch.int, device=self.device)
+                    return output.sum() * 0, one, {collect: value}
                 res = loss_fn(-output.float(), mb)
                 stats = {k: v.detach() for k, v in res.stats.items()}
                 stats["loss"] = res.loss_sum.detach()
@@ -313,7 +320,7 @@ class MegatronTrainer:
         first = per_mb[0][key]
         rows = sum(len(g) for g in groups)
         shape = (rows, *first.shape[1:]) if key == "last_logits" else (rows, seq, *first.shape[2:])
-        full = torch.zeros(shape, dtype=first.dtype)
+        full = torch.zeros(shape, dtype=first.dtype, device=first.device)
         for d, idx in zip(per_mb, groups, strict=True):
             value = d[key]
             if key == "last_logits":
@@ -335,14 +342,15 @@ class MegatronTrainer:
         part = logits.shape[-1]
         first_pad = self.mcfg.vocab_size - self.layout.tp_rank * part
         if first_pad < part:  # this shard holds padding columns: they never get mass
-            cols = torch.arange(part) >= max(first_pad, 0)
+            cols = torch.arange(part, device=logits.device) >= max(first_pad, 0)
             logits = logits.masked_fill(cols, -1e9)
         return vocab_parallel_cross_entropy(logits, labels)
 
     def _collect(self, per_mb: list[dict], key: str, shape: tuple[int, ...]) -> torch.Tensor:
-        """Assemble a forward-only result from every DP rank and share it with all ranks."""
+        """Assemble a forward-only result from every DP rank and share it with all ranks
+        (gathered on the trainer's device, returned on the host)."""
         lay = self.layout
-        full = torch.empty(shape, dtype=torch.float32)
+        full = torch.empty(shape, dtype=torch.float32, device=self.device)
         if lay.last_stage:
             mine = torch.cat([d[key] for d in per_mb], dim=0)
             if key in ("logits", "last_logits") and lay.tp > 1:
@@ -354,7 +362,7 @@ class MegatronTrainer:
             full = torch.cat(parts, dim=0)
         if lay.pp > 1:
             dist.broadcast(full, src=lay.last_stage_global_rank(), group=lay.pp_group)
-        return full
+        return full.cpu()
 
     # ------------------------------------------------------------------ public API
     def train_step(self, batch: dict[str, torch.Tensor], loss_fn: LossFn) -> dict[str, float]:

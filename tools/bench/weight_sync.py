@@ -24,6 +24,9 @@ layout the converter tests check against Megatron's own checkpoints).
    rollout.weight_sync.staging option (device, host, none) against device: the server's
    peak extra memory and the sync time (tools/bench/weight_sync_staging.py).
 
+``--device cuda`` runs instead DDMA's device path on ``cuda:0`` against a device-to-device
+copy of the same bytes (tools/bench/weight_sync_device.py; tools/gpu_check.sh runs it).
+
 Prints and writes (JSON) median times, their ratio, effective bandwidth against this
 machine's memcpy bandwidth measured in the same run, bytes sent against the
 destination's size, and each rank's peak extra memory (VmHWM above the rank's resident
@@ -204,7 +207,7 @@ def phases(model: Path, d: km.Dims, bucket_mb: int, reps: int = 3) -> dict:
     """Where a DDMA transfer's CPU time goes, in this process (one thread): trainer rank 0
     packing its buckets (checksum included), the checksum alone, and a generator verifying
     and scattering the same buckets into kept buffers; best of ``reps``."""
-    from rl.ddma import wire
+    from rl.ddma import checksum, wire
 
     plan = make_plan(d, SrcLayout(2), DstLayout(2), 4, bucket_mb * MB)
     shards = trainer_shards(model, d, 2, 0)
@@ -218,7 +221,7 @@ def phases(model: Path, d: km.Dims, bucket_mb: int, reps: int = 3) -> dict:
             t0 = time.perf_counter()
             msg = wire.pack(buf, plan, b, lambda k, i: shards[(k, i)], torch.float32, 1)
             t1 = time.perf_counter()
-            wire.checksum(msg[HEADER_BYTES:])
+            checksum.XXH3(msg[HEADER_BYTES:])
             t2 = time.perf_counter()
             wire.verify(msg, plan, b, 1)
             t3 = time.perf_counter()
@@ -444,8 +447,23 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--skip-server", action="store_true")
     ap.add_argument("--skip-world", action="store_true", help="only the live server")
     ap.add_argument("--server-logs", help="keep the server's log here")
-    ap.add_argument("--out", default=str(ROOT / "tools/bench/results/weight_sync.json"))
+    ap.add_argument("--out", help="default: tools/bench/results/weight_sync[_cuda].json")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                    help="cuda: DDMA's device path on cuda:0 against a device copy "
+                    "(tools/bench/weight_sync_device.py); nothing else runs")  # fmt: skip
     args = ap.parse_args(argv)
+    suffix = "_cuda" if args.device == "cuda" else ""
+    args.out = args.out or str(ROOT / f"tools/bench/results/weight_sync{suffix}.json")
+    if args.device == "cuda":
+        import weight_sync_device
+
+        with tempfile.TemporaryDirectory() as tmp:
+            model = make_model(Path(tmp) / "model")
+            result = {"benchmark": "weight_sync_device", "model": {**SHAPE, "dtype": "fp32"}}
+            result.update(weight_sync_device.run(model, dims(model), args.bucket_mb, args.reps,
+                                                 trainer_shards))  # fmt: skip
+        write_result(result, args.out)
+        return result
 
     memcpy = memcpy_gbps()
     print(f"memcpy bandwidth (1 thread): {memcpy:.2f} GB/s", flush=True)

@@ -1,0 +1,156 @@
+"""DDMA's device path on one CUDA GPU: packing, the device checksum, verification, FP8
+quantization and the scatter all run where the shards lie, give bit-for-bit what the CPU
+path gives (the CPU path is checked against SGLang's own weight loaders in
+tests/servers/test_ddma_sglang_loaders.py), move no bucket through host memory, and a
+bucket handed to another process as a CUDA IPC handle is verified and scattered there.
+
+One GPU: NCCL refuses two ranks on one device, so the p2p group path needs two GPUs and is
+not here; tools/gpu_check.sh says so when it finds one GPU."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.multiprocessing as mp
+
+from rl.ddma import checksum as cks
+from rl.ddma import wire
+from rl.ddma.plan import DstLayout, Plan, SrcLayout, make_plan
+from tests.helpers.ddma_util import hf_state, megatron_globals, megatron_shards, model_dims
+from tests.helpers.hf_models import make_model
+
+CUDA = torch.device("cuda", 0)
+SIZES = [13, 4096 + 5, (2 * cks.CHUNK_WORDS + 3) * 4 + 3, 40 * cks.CHUNK_WORDS * 4 + 1]
+
+
+def test_wsum_is_the_same_on_cuda_and_cpu_and_sees_a_flipped_byte():
+    """The Triton kernel, torch's ops on CUDA and torch's ops on CPU agree exactly."""
+    from rl.ddma import checksum_triton  # noqa: F401  (the fused path must exist on GPU)
+
+    torch_ops = cks.WeightedSum(fused=False)
+    g = torch.Generator().manual_seed(0)
+    for n in SIZES:
+        x = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g)
+        y = x.to(CUDA)
+        want = cks.WSUM(x)
+        assert cks.WSUM(y) == torch_ops(y) == want, n
+        y[n // 2] ^= 0x08
+        assert cks.WSUM(y) != want and torch_ops(y) != want, n
+    assert cks.for_device(CUDA) is cks.WSUM
+
+
+def _getter(shards: dict) -> wire.SrcGetter:
+    return lambda key, layer: shards[(key, layer)]
+
+
+def _transfer(plan: Plan, glob: dict, device: torch.device) -> dict[str, torch.Tensor]:
+    """Every source rank packs its buckets on ``device``; the destination verifies and
+    scatters each into tensors on ``device``."""
+    out = {n: torch.zeros(s, device=device, dtype=wire.dst_dtype(plan, n, torch.float32))
+           for n, s in plan.dst_shapes.items()}  # fmt: skip
+    buf = torch.empty(plan.bucket_bytes, dtype=torch.uint8, device=device)
+    for rank in range(plan.src.world):
+        shards = {k: v.to(device) for k, v in megatron_shards(glob, plan, rank).items()}
+        for b in plan.sends(rank):
+            msg = wire.pack(buf, plan, b, _getter(shards), torch.float32, 5)
+            wire.verify(msg, plan, b, 5)
+            wire.unpack(msg, plan, b, out.__getitem__, torch.float32)
+    wire.zero_fill(plan, 0, out.__getitem__)
+    return out
+
+
+def _plan(path: Path, fp8_block: int | None) -> tuple[Plan, dict]:
+    """Megatron TP=2 -> SGLang TP=1 (a GPU layout), and the trainer's global tensors."""
+    d = model_dims(path, src_tp=2)
+    plan = make_plan(d, SrcLayout(2), DstLayout(1), 4, 3000, fp8_block=fp8_block)
+    return plan, megatron_globals(hf_state(path), d)
+
+
+def _plans(tmp_path: Path) -> list[tuple[Plan, dict]]:
+    path = make_model("llama", tmp_path / "llama")
+    return [_plan(path, None), _plan(path, 8)]
+
+
+def test_pack_verify_scatter_on_cuda_equal_the_cpu_path_bit_for_bit(tmp_path):
+    for plan, glob in _plans(tmp_path):
+        want = _transfer(plan, glob, torch.device("cpu"))
+        got = _transfer(plan, glob, CUDA)
+        for name, t in want.items():
+            g = got[name]
+            assert g.device.type == "cuda", name
+            assert torch.equal(g.cpu().view(torch.uint8), t.view(torch.uint8)), name
+
+
+def test_no_bucket_goes_through_host_memory(tmp_path):
+    """Only headers and checksums (a few bytes each) cross to the host, never a payload:
+    the profiler's device-to-host copies total less than 128 bytes per bucket."""
+    from torch.profiler import ProfilerActivity, profile
+
+    plan, glob = _plans(tmp_path)[1]
+    _transfer(plan, glob, CUDA)  # warm-up: weights cached, kernels loaded
+    with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+        _transfer(plan, glob, CUDA)
+        torch.cuda.synchronize()
+    copies = [e for e in prof.events() if "DtoH" in e.name or "Device -> Pageable" in e.name]
+    moved = sum(int((e.kwinputs or {}).get("bytes", 0)) for e in copies)
+    buckets = len(plan.buckets)
+    assert copies, "the profiler saw no copy at all: it did not trace CUDA"
+    assert len(copies) <= 3 * buckets, (len(copies), buckets)
+    assert moved <= 128 * buckets, (moved, buckets)
+
+
+def _ipc_receiver(path: str, queue, results) -> None:
+    """Another process: map each bucket from its CUDA IPC handle, verify, scatter."""
+    plan, _ = _plan(Path(path), None)
+    out = {n: torch.zeros(s, device=CUDA, dtype=wire.dst_dtype(plan, n, torch.float32))
+           for n, s in plan.dst_shapes.items()}  # fmt: skip
+    seen = 0
+    while (item := queue.get()) is not None:
+        index, msg = item
+        b = plan.buckets[index]
+        wire.verify(msg, plan, b, 9)
+        wire.unpack(msg, plan, b, out.__getitem__, torch.float32)
+        seen += 1
+        del msg
+        results.put(("ack", index))
+    wire.zero_fill(plan, 0, out.__getitem__)
+    torch.cuda.synchronize()
+    # Bytes, not tensors: a CPU tensor would travel as a file descriptor that this process,
+    # having exited, could no longer hand over.
+    results.put(("done", seen, {n: t.cpu().view(torch.uint8).numpy().tobytes()
+                                for n, t in out.items()}))  # fmt: skip
+
+
+def test_a_bucket_shared_as_a_cuda_ipc_handle_is_scattered_in_another_process(tmp_path):
+    path = make_model("llama", tmp_path / "llama")
+    plan, glob = _plan(path, None)
+    want = _transfer(plan, glob, torch.device("cpu"))
+    ctx = mp.get_context("spawn")
+    queue, results = ctx.Queue(), ctx.Queue()
+    child = ctx.Process(target=_ipc_receiver, args=(str(path), queue, results))
+    child.start()
+    try:
+        slots = [torch.empty(plan.bucket_bytes, dtype=torch.uint8, device=CUDA) for _ in range(2)]
+        sent = 0
+        for rank in range(plan.src.world):
+            shards = {k: v.to(CUDA) for k, v in megatron_shards(glob, plan, rank).items()}
+            for b in plan.sends(rank):
+                if sent >= 2:  # the slot is free once the receiver has scattered from it
+                    assert results.get(timeout=120)[0] == "ack"
+                msg = wire.pack(slots[sent % 2], plan, b, _getter(shards),
+                                torch.float32, 9)  # fmt: skip
+                torch.cuda.current_stream().synchronize()  # packed before the handle goes
+                queue.put((b.index, msg))
+                sent += 1
+        queue.put(None)
+        while (item := results.get(timeout=120))[0] == "ack":
+            pass
+        _, seen, got = item
+    finally:
+        child.join(timeout=60)
+        if child.is_alive():
+            child.kill()
+    assert seen == sent == len(plan.buckets)
+    for name, t in want.items():
+        assert got[name] == t.view(torch.uint8).numpy().tobytes(), name

@@ -35,8 +35,9 @@ from typing import Protocol
 import torch
 import xxhash
 
-CHUNK_WORDS = 1 << 20  # int32 words per reduction: 4 MiB of weights cached per device
-_MASK = (1 << 64) - 1
+# int32 words per reduction: 4 MiB of weights cached per device. It and the number of chunk
+# factors are powers of two (rl/ddma/checksum_triton.py masks and shifts by them).
+CHUNK_WORDS = 1 << 20
 
 
 def _signed(h: int, bits: int = 64) -> int:
@@ -82,7 +83,6 @@ def _mix(i: torch.Tensor) -> torch.Tensor:
 # Each chunk's sum is weighted by an odd factor of its own, so a chunk's words are not
 # interchangeable with the same positions of another chunk.
 _CHUNK_FACTOR = [int(f) for f in _mix(torch.arange(1, 4097, dtype=torch.int64)).tolist()]
-assert not CHUNK_WORDS & (CHUNK_WORDS - 1) and not len(_CHUNK_FACTOR) & (len(_CHUNK_FACTOR) - 1)
 _TAIL_FACTOR = _signed(0x2545F4914F6CDD1D, 32) | 1
 
 

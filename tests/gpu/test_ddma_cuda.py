@@ -84,7 +84,9 @@ def test_pack_verify_scatter_on_cuda_equal_the_cpu_path_bit_for_bit(tmp_path):
 
 def test_no_bucket_goes_through_host_memory(tmp_path):
     """Only headers and checksums (a few bytes each) cross to the host, never a payload:
-    the profiler's device-to-host copies total less than 128 bytes per bucket."""
+    the device-to-host copies in the profiler's trace total at most 128 bytes per bucket."""
+    import json
+
     from torch.profiler import ProfilerActivity, profile
 
     plan, glob = _plans(tmp_path)[1]
@@ -92,11 +94,13 @@ def test_no_bucket_goes_through_host_memory(tmp_path):
     with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
         _transfer(plan, glob, CUDA)
         torch.cuda.synchronize()
-    copies = [e for e in prof.events() if "DtoH" in e.name or "Device -> Pageable" in e.name]
-    moved = sum(int((e.kwinputs or {}).get("bytes", 0)) for e in copies)
+    prof.export_chrome_trace(str(tmp_path / "trace.json"))
+    events = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
+    copies = [e for e in events if "DtoH" in e.get("name", "")]
+    moved = sum(int(e.get("args", {}).get("bytes", 0)) for e in copies)
     buckets = len(plan.buckets)
-    assert copies, "the profiler saw no copy at all: it did not trace CUDA"
-    assert len(copies) <= 3 * buckets, (len(copies), buckets)
+    print(f"{len(copies)} device-to-host copies, {moved} bytes, for {buckets} buckets")
+    assert copies and all("bytes" in e.get("args", {}) for e in copies), copies[:3]
     assert moved <= 128 * buckets, (moved, buckets)
 
 

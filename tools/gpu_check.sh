@@ -52,6 +52,8 @@ result = {
     "tests": tests,
     "passed": sum(t["outcome"] == "passed" for t in tests.values()),
     "failed": sum(t["outcome"] in ("failure", "error") for t in tests.values()),
+    # On a GPU nothing may be skipped: a skip here would be a GPU path that did not run.
+    "skipped": sum(t["outcome"] == "skipped" for t in tests.values()),
     "weight_sync_device": json.loads((tmp / "bench.json").read_text()),
     "not_run": {
         "nccl_p2p": "needs two GPUs (NCCL refuses two ranks on one device)"
@@ -61,6 +63,7 @@ result = {
     },
 }
 dest.write_text(json.dumps(result, indent=2) + "\n")
-print(f"wrote {dest}: {result['passed']} passed, {result['failed']} failed on {result['device']}")
-sys.exit(1 if result["failed"] or not tests else 0)
+print(f"wrote {dest}: {result['passed']} passed, {result['failed']} failed, "
+      f"{result['skipped']} skipped on {result['device']}")
+sys.exit(1 if result["failed"] or result["skipped"] or not tests else 0)
 PY

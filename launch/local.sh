@@ -8,5 +8,5 @@ set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 venv="$("$root/tools/setup_env.sh")"
 export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}"
-nproc="$("$venv/bin/python" -m rl.config.world_size "$@")"
+nproc="$("$venv/bin/python" -m rl.world_size "$@")"
 exec "$venv/bin/torchrun" --standalone --nproc-per-node "$nproc" -m rl.train "$@"

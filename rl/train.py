@@ -27,7 +27,8 @@ from typing import TYPE_CHECKING, NoReturn
 import hydra
 from omegaconf import OmegaConf
 
-from rl.config import ConfigError, check_task, register, resolve_model, validate
+from rl.checks import check
+from rl.config import ConfigError, check_task, register, resolve_model
 from rl.config.prelaunch import prelaunch
 from rl.config.roles import RoleMap
 from rl.dist.launch import (
@@ -93,7 +94,7 @@ def main(cfg: RootConfig) -> None:
 
     try:  # under a launcher, its world must be exactly the role map's
         resolve_model(cfg)  # model.hf_checkpoint: the architecture from its config.json
-        validate(cfg, world_size=int(os.environ["WORLD_SIZE"]) if under_launcher() else None)
+        check(cfg, world_size=int(os.environ["WORLD_SIZE"]) if under_launcher() else None)
         check_task(cfg)  # reads and renders the data: bad rows fail here
         prelaunch(cfg)  # the files it names: model dirs, trainer.load_dir, run.output_dir
     except ConfigError as e:

@@ -165,9 +165,11 @@ class SamplingConfig:
 class WeightSyncConfig:
     """DDMA: trainer shards straight into the generator's shards after each step (rl/ddma)."""
 
-    # ipc: buckets posted through the servers' HTTP API by reference (shared memory on
-    # CPU, CUDA IPC on GPU; trainer and servers on one host). p2p: the servers join a
-    # process group with the trainer ranks and receive point to point (any host).
+    # How the buckets travel, one of rl/ddma/transports/ (README, "DDMA transports"):
+    # ipc: host shared-memory rings named in the servers' HTTP API (one host); cuda_ipc:
+    # GPU buckets handed over as CUDA IPC handles (one host, CUDA both ends); p2p: point to
+    # point over a process group, NCCL GPU to GPU, else gloo (any hosts; relays); p2p_shm:
+    # signals over the group, bytes through shared-memory rings (one host).
     transport: str = "ipc"
     bucket_mb: int = 64  # per-rank extra memory of a sync is two buckets
     # Blockwise FP8 (e4m3, this block size) for the linear weights, for GPU engines started
@@ -188,13 +190,10 @@ class WeightSyncConfig:
     relay: str = "none"
     relay_roots: int = 0  # 0: as many as keep a trainer rank no busier than a server GPU
     relay_fanout: int = 2  # tree only: servers each server forwards to
-    # p2p only. group: the buckets travel over the DDMA process group (any host). shm: every
-    # trainer rank and server on one host; buckets go through shared-memory rings the
-    # servers map, and the group carries only which slot holds what.
-    link: str = "group"
-    # p2p with staging device or host: the servers keep generating (on the previous
-    # version) while the buckets arrive, and pause only to open the version and to commit
-    # it. false: paused for the whole sync, as ipc and staging none always are.
+    # A group transport (p2p, p2p_shm) with staging device or host: the servers keep
+    # generating (on the previous version) while the buckets arrive, and pause only to open
+    # the version and to commit it. false: paused for the whole sync, as staged transports
+    # (ipc, cuda_ipc) and staging none always are.
     overlap: bool = True
 
 

@@ -11,9 +11,6 @@ from rl.config.dtypes import PARAM_DTYPES
 # Where a server's DDMA receiver (rl/ddma/sglang_receiver.py) stages an incoming version:
 # rollout.weight_sync.staging.
 WEIGHT_STAGINGS = ("device", "host", "none")
-# rollout.weight_sync.link: how p2p buckets travel (rl/ddma/engine.py over the group, or
-# rl/ddma/shm.py rings on one host with the group carrying only signals).
-P2P_LINKS = ("group", "shm")
 
 
 def layout_problem(device: str, tp: int, dtype: str, where: str) -> str | None:

@@ -15,7 +15,7 @@ from rl.config.errors import ConfigError, at_least, positive, require
 from rl.config.model_checks import validate_model, validate_optim, validate_trainer
 from rl.config.roles import RoleError, RoleMap
 from rl.config.sampling import RequestError, SamplingParams
-from rl.config.sglang import P2P_LINKS, WEIGHT_STAGINGS, layout_problem
+from rl.config.sglang import WEIGHT_STAGINGS, layout_problem
 from rl.tasks import scoring
 
 if TYPE_CHECKING:  # a task is built (data files, tokenizers) only where it is checked
@@ -119,11 +119,7 @@ def validate_rollout(r: RolloutConfig) -> None:
         SamplingParams.from_config(r.sampling)
     except RequestError as e:
         raise ConfigError(f"rollout.{e}") from None
-    w = r.weight_sync
-    require(
-        w.transport in ("ipc", "p2p"),
-        f"rollout.weight_sync.transport={w.transport!r} must be 'ipc' or 'p2p'",
-    )
+    w = r.weight_sync  # its transport: rl.ddma.transport.check (rl/checks.py)
     require(w.bucket_mb >= 1, f"rollout.weight_sync.bucket_mb={w.bucket_mb} must be >= 1")
     why = f"rollout.weight_sync.staging={w.staging!r} must be one of {WEIGHT_STAGINGS}"
     require(w.staging in WEIGHT_STAGINGS, why)
@@ -136,12 +132,6 @@ def validate_rollout(r: RolloutConfig) -> None:
         f"rollout.weight_sync.relay_roots={w.relay_roots} must be >= 0 (0: chosen per plan)",
     )
     require(w.relay_fanout >= 1, f"rollout.weight_sync.relay_fanout={w.relay_fanout} must be >= 1")
-    require(w.link in P2P_LINKS, f"rollout.weight_sync.link={w.link!r} must be one of {P2P_LINKS}")
-    require(
-        w.relay == "none" or (w.transport == "p2p" and w.link == "group"),
-        f"rollout.weight_sync.relay={w.relay!r} needs transport=p2p and link=group (servers "
-        f"forward over the DDMA group), not transport={w.transport!r} link={w.link!r}",
-    )
     fp8 = w.fp8_block
     require(
         fp8 is None or (fp8 >= 1 and r.device == "cuda"),
@@ -193,12 +183,7 @@ def validate_weight_sync(cfg: RootConfig) -> None:
     """Can the trainer's shards be planned into the generator's layout? (rl/ddma/plan.py)"""
     from rl.ddma.plan import PlanError, plan_for
 
-    t, m, link = cfg.trainer, cfg.model, cfg.rollout.weight_sync.link
-    require(
-        link == "group" or cfg.cluster.nodes == 1,
-        f"rollout.weight_sync.link={link!r} needs every trainer rank and server on one host, "
-        f"not cluster.nodes={cfg.cluster.nodes}",
-    )
+    t, m = cfg.trainer, cfg.model
     # Every check of the plan (each tensor's split on both sides, vocab padding, FP8 block
     # alignment) is per tensor shape and layout; further layers and experts only repeat the
     # same tensors. So one layer per pipeline stage and one expert per EP rank check them

@@ -3,16 +3,18 @@
 The one place that knows both sides. It owns ``weight_version`` (what every server serves
 since the last sync) and brackets each new version on every server: pause generation and
 begin (:meth:`SGLangTarget.begin`), let the trainer ranks send their own shards (through
-the trainer's handle: ``connect`` once, ``join`` for p2p, ``push`` per version), then
-commit on every server, which swaps the version in only if every rank holds every bucket.
-A failed sync leaves every server on its previous version, and generation resumes on it.
-With p2p and a staging copy (rollout.weight_sync.overlap), generation resumes as soon as
-the servers start receiving, and pauses again only for the commit.
+the trainer's handle: ``connect`` once, ``join`` for a group transport, ``push`` per
+version), then commit on every server, which swaps the version in only if every rank
+holds every bucket. A failed sync leaves every server on its previous version, and
+generation resumes on it. With a group transport and a staging copy
+(rollout.weight_sync.overlap), generation resumes as soon as the servers start
+receiving, and pauses again only for the commit.
 
-For p2p, the servers sit in DDMA groups with the trainer ranks: one group per server, or,
-with relays (rollout.weight_sync.relay), one group for all of them, in which the trainer
-ranks feed the root servers and every other server gets the buckets from its parent
-server (rl/ddma/relay.py). Each push forms the topology over the servers it reaches.
+For a group transport (rl/ddma/transport.py), the servers sit in DDMA groups with the
+trainer ranks: one group per server, or, with relays (rollout.weight_sync.relay), one
+group for all of them, in which the trainer ranks feed the root servers and every other
+server gets the buckets from its parent server (rl/ddma/relay.py). Each push forms the
+topology over the servers it reaches.
 
 A server that stops answering during a sync (:class:`TransferError`: it died) is left out
 of that version and reported in ``lost``, and the version still lands on the others
@@ -33,8 +35,9 @@ from typing import TYPE_CHECKING
 
 from rl.config.dtypes import torch_dtype
 from rl.ddma import relay
+from rl.ddma import transport as transports
 from rl.ddma.engine import TransferError
-from rl.ddma.group import group_name, link_device
+from rl.ddma.group import group_name
 from rl.ddma.plan import Plan, plan_for
 from rl.generator.ddma_target import SGLangTarget, UpstreamLost
 
@@ -42,27 +45,24 @@ if TYPE_CHECKING:
     from rl.config.schema import RootConfig
     from rl.trainer.service import TrainerHandle
 
-TRANSPORTS = ("ipc", "p2p")
-
 
 class WeightSync:
-    """Pushes the trainer's weights into the servers behind ``targets`` over
-    ``transport``; ``push`` makes them the next version everywhere or nowhere."""
+    """Pushes the trainer's weights into the servers behind ``targets`` (over their
+    transport); ``push`` makes them the next version everywhere or nowhere."""
 
     def __init__(
         self,
         trainer: TrainerHandle,
         targets: list[SGLangTarget],
-        transport: str,
         weight_version: int,
         relaying: relay.Relaying = relay.NO_RELAY,
     ) -> None:
-        if transport not in TRANSPORTS:
-            raise ValueError(f"rollout.weight_sync.transport={transport!r} not in {TRANSPORTS}")
-        self.trainer, self.targets, self.transport = trainer, targets, transport
+        self.trainer, self.targets = trainer, targets
+        # Servers join DDMA groups (else the trainer ranks stage into each through its API).
+        self.grouped = isinstance(targets[0].transport, transports.GroupTransport)
         self.weight_version = weight_version
         self.relaying = relaying
-        # p2p: each server's DDMA group and its position there.
+        # A group transport: each server's DDMA group and its position there.
         self.where: list[tuple[str, int]] = [("", 0)] * len(targets)
         self.lock = threading.RLock()
 
@@ -75,24 +75,25 @@ class WeightSync:
         cls, cfg: RootConfig, trainer: TrainerHandle, urls: list[str], weight_version: int
     ) -> WeightSync:
         """Set up DDMA from the trainer into the servers at ``urls``: the same plan on both
-        sides, and for p2p every group joined. ``weight_version``: the version the servers
-        were last given (the next :meth:`push` publishes the one after it)."""
+        sides, and for a group transport every group joined. ``weight_version``: the
+        version the servers were last given (the next :meth:`push` publishes the one after
+        it)."""
         w, t = cfg.rollout.weight_sync, cfg.trainer
         plan = plan_for(cfg.model, t, cfg.rollout, dp=t.dp)
         dtype = torch_dtype(t.params_dtype)
-        overlap = w.overlap and w.transport == "p2p"
-        targets = [SGLangTarget(u, plan, dtype, w.timeout, staging=w.staging, link=w.link,
-                                overlap=overlap, device=link_device(t.device, cfg.rollout.device))
+        device = transports.get(w.transport).bucket_device(t.device, cfg.rollout.device)
+        targets = [SGLangTarget(u, plan, dtype, w.timeout, staging=w.staging,
+                                transport=w.transport, overlap=w.overlap, device=device)
                    for u in urls]  # fmt: skip
-        sync = cls(trainer, targets, w.transport, weight_version, relay.Relaying.of(w))
+        sync = cls(trainer, targets, weight_version, relay.Relaying.of(w))
         where = trainer.connect(urls)
-        if w.transport == "p2p":
+        if sync.grouped:
             sync._join(where["address"], where["ports"], list(range(len(urls))))
         return sync
 
     def _join(self, address: str, ports: list[int], servers: list[int]) -> None:
-        """p2p: put ``servers`` in new DDMA groups (each its own, or, relaying, all in one)
-        and have their ranks and the trainer ranks join them."""
+        """A group transport: put ``servers`` in new DDMA groups (each its own, or,
+        relaying, all in one) and have their ranks and the trainer ranks join them."""
         groups = self._groups(servers)
         joined = []
         for k, (port, members) in enumerate(zip(ports, groups, strict=False)):
@@ -122,10 +123,10 @@ class WeightSync:
 
     def repush(self, servers: list[int]) -> dict[str, float | list[int]]:
         """Give restarted ``servers`` the version every other server serves, which is what
-        the trainer holds between steps (p2p: their DDMA groups died with them: join new
-        ones first)."""
+        the trainer holds between steps (a group transport: their DDMA groups died with
+        them: join new ones first)."""
         with self.lock:
-            if self.transport == "p2p":
+            if self.grouped:
                 where = self.trainer.reserve(len(self._groups(servers)))
                 self._join(where["address"], where["ports"], servers)
             return self._push(self.weight_version, servers)
@@ -146,7 +147,7 @@ class WeightSync:
             t_begun = time.perf_counter()
             received = {}
             relayed = 0  # servers fed by another server, not by the trainer ranks
-            if self.transport == "p2p":
+            if self.grouped:
                 for name, route, members in relay.routes(self.plan, self.where, begun,
                                                          self.relaying):  # fmt: skip
                     relayed += len(members) - route.parents.count(relay.TRAINER)

@@ -138,12 +138,11 @@ def plan_with_relay(
     bucket_bytes: int | None = None,
     schedule: bool = True,
 ) -> Plan:
-    """The plan of one sync into every server of ``rollout`` (relays for p2p; ipc posts
-    into servers on the trainer's own host, from the trainer)."""
+    """The plan of one sync into every server of ``rollout``, relayed as configured (only a
+    relaying transport may be: rl.ddma.transport.check)."""
     w = rollout.weight_sync
     plan = plan_for(model, trainer, rollout, dp, bucket_bytes)
-    relay = w.relay if w.transport == "p2p" else "none"
-    return attach(plan, rollout.servers, relay, w.relay_roots, w.relay_fanout, schedule)
+    return attach(plan, rollout.servers, w.relay, w.relay_roots, w.relay_fanout, schedule)
 
 
 class Relaying(NamedTuple):

@@ -3,12 +3,13 @@
 Runs on every trainer rank. The shard map (views of the live parameters) is built once,
 so a push copies nothing before packing. What a server is, and how bytes reach it, is the
 :class:`Target` the entry point injects (rl/train.py passes the SGLang target of
-rl/generator/ddma_target.py), so neither this engine nor the trainer knows the generator:
-``ipc`` stages each bucket into the server through the target, ``p2p`` sends it over
-process groups this rank joined with the servers' ranks (:meth:`Sender.join`): one per
-server, or with relays one for many, the trainer ranks feeding the roots and the servers
-forwarding to the others (rl/ddma/relay.py). The controller brackets every version on
-every server (rl/controller/weight_sync.py).
+rl/generator/ddma_target.py), so neither this engine nor the trainer knows the generator.
+How bytes travel is the transport's (rl/ddma/transport.py): a staged one (``ipc``,
+``cuda_ipc``) stages each bucket into the server through the target; a group one
+(``p2p``, ``p2p_shm``) sends over process groups this rank joined with the servers' ranks
+(:meth:`Sender.join`): one per server, or with relays one for many, the trainer ranks
+feeding the roots and the servers forwarding to the others (rl/ddma/relay.py). The
+controller brackets every version on every server (rl/controller/weight_sync.py).
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
-from rl.ddma import engine, group, relay, shm, wire
+from rl.ddma import group, relay, wire
+from rl.ddma import transport as transports
 from rl.ddma.engine import TransferError, TransferStats
 from rl.ddma.megatron_source import ParallelRank, shard_getter, source_rank
 from rl.ddma.plan import Plan
@@ -35,13 +37,16 @@ class Target(Protocol):
 class TargetFactory(Protocol):
     """Builds the :class:`Target` of the server at ``url`` (e.g. the target's class)."""
 
-    def __call__(self, url: str, plan: Plan, dtype: torch.dtype, timeout: float) -> Target: ...
+    def __call__(
+        self, url: str, plan: Plan, dtype: torch.dtype, timeout: float, *, transport: str,
+        device: str,
+    ) -> Target: ...  # fmt: skip
 
 
 class Sender:
     """This trainer rank's sender: its live shards under ``plan`` -> the servers at
-    ``urls``, as ``dtype``; p2p over ``link`` (rollout.weight_sync.link), ``relaying``
-    in each group, in buckets on ``device`` (:func:`rl.ddma.group.link_device`)."""
+    ``urls``, as ``dtype``, over ``transport`` (rollout.weight_sync.transport), ``relaying``
+    in each group, in buckets on ``device`` (the transport's ``bucket_device``)."""
 
     def __init__(
         self,
@@ -52,20 +57,21 @@ class Sender:
         urls: list[str],
         make_target: TargetFactory,
         timeout: float,
-        link: str = "group",
+        transport: str = "ipc",
         relaying: relay.Relaying = relay.NO_RELAY,
         device: str = "cpu",
     ) -> None:
         self.plan, self.dtype, self.timeout = plan, dtype, timeout
-        self.link, self.relaying = link, relaying
+        self.transport, self.relaying = transports.get(transport), relaying
         self.rank = source_rank(layout, plan.src)
         self.getter = shard_getter(model, plan, self.rank)
-        # Where the buckets lie (group.link_device): their checksum and the group's backend
-        # follow; packing reads the shards from wherever they are.
+        # Where the buckets lie: their checksum and the group's backend follow; packing
+        # reads the shards from wherever they are.
         self.device = group.local(device)
-        self.targets = [make_target(u, plan, dtype, timeout) for u in urls]
+        self.targets = [make_target(u, plan, dtype, timeout, transport=transport, device=device)
+                        for u in urls]  # fmt: skip
         self.groups: dict[str, dist.ProcessGroup] = {}
-        # p2p: each server's DDMA group and its position there (None: stage through ipc).
+        # A group transport: each server's DDMA group and its position there.
         self.where: list[tuple[str, int]] | None = None
 
     def join(self, address: str, ports: list[int], groups: list[list[int]]) -> None:
@@ -90,23 +96,22 @@ class Sender:
         the others still get the version."""
         which = list(range(len(self.targets))) if servers is None else servers
         total, lost = TransferStats(), []
-        if self.where is None:  # ipc: one server after the other
+        moves = self.transport
+        if not isinstance(moves, transports.GroupTransport):  # one server after the other
             for i in which:
                 try:
                     _add(total, self.targets[i].stage(self.rank, self.getter, version))
                 except TransferError:
                     lost.append(i)
             return total, lost
-        transport = shm if self.link == "shm" else engine
-        # shm rings are host memory: the pack copies into them from wherever the shards lie.
-        device = "cpu" if self.link == "shm" else self.device
+        assert self.where is not None, "a group transport pushes after join"
         for name, route, members in relay.routes(self.plan, self.where, which, self.relaying):
             plan = route.plan(self.plan)
             dst = route.dst_ranks(self.plan)
             try:
-                s = transport.send(plan, self.rank, self.getter, version, self.dtype,
-                                   self.groups[name], dst, device)  # fmt: skip
-            except TransferError:  # shm: a server could not map the rings
+                s = moves.send(plan, self.rank, self.getter, version, self.dtype,
+                               self.groups[name], dst, self.device)  # fmt: skip
+            except TransferError:  # p2p_shm: a server could not map the rings
                 lost += members
                 continue
             _add(total, s)

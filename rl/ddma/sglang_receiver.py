@@ -23,16 +23,17 @@ the ``discard`` that opens a weight update):
   every status reports ``torn``, and the DDMA target keeps such a server paused and out of
   routing rather than let it serve a half-updated model.
 
-Two transports fill the staging. ``stage``: one bucket message, either in a slot of the
-sender's shared-memory ring (``ring``, ``slot``: same host, mapped once and kept) or as
-the entry's tensor. ``recv``: this rank receives all its buckets
-point to point from the trainer ranks over a group SGLang created with
+Two kinds of transport fill the staging (rl/ddma/transport.py; ``transport`` names it).
+``stage`` (a staged transport): one bucket message, in a slot of the sender's that the
+transport locates (``ipc``: a shared-memory ring, mapped once and kept; ``cuda_ipc``: the
+entry's tensor, a CUDA IPC handle). ``recv`` (a group transport): this rank receives all
+its buckets point to point from the trainer ranks over a group SGLang created with
 ``/init_weights_update_group`` (found by name; trainer ranks first), which works across
-hosts and at any SGLang TP, each rank receiving only its own shards; with ``link: shm``
-(trainer ranks on this host) the buckets come through their shared-memory rings and the
-group carries only signals (rl/ddma/shm.py). A ``recv`` with ``background`` (staging
-device or host) returns at once and receives on a thread of its own while SGLang's
-scheduler goes on generating with the live weights; every later op first waits for it.
+hosts and at any SGLang TP, each rank receiving only its own shards (``p2p_shm``: through
+the trainer ranks' shared-memory rings, the group carrying only signals). A ``recv`` with
+``background`` (staging device or host) returns at once and receives on a thread of its
+own while SGLang's scheduler goes on generating with the live weights; every later op
+first waits for it.
 
 Protocol: each entry is ``(json control, tensor)``. ``op`` is ``stage``, ``recv``,
 ``prepare``, ``commit``, ``discard``, ``state`` or ``noop`` (a rank with nothing in this
@@ -58,8 +59,8 @@ from pathlib import Path
 import torch
 
 from rl.config.dtypes import dtype_name, torch_dtype
-from rl.config.sglang import P2P_LINKS, WEIGHT_STAGINGS
-from rl.ddma import engine, group, relay, shm, wire
+from rl.config.sglang import WEIGHT_STAGINGS
+from rl.ddma import engine, group, relay, transport, wire
 from rl.ddma.plan import DstLayout, Plan, SrcLayout, make_plan
 from rl.weights.keymap import Dims
 
@@ -264,13 +265,12 @@ class Receiver:
             st.received.update(expected)
             return {"ok": True, "received": len(st.received)}
         if op == "stage":
-            if "ring" in ctl:  # the bucket lies in the sender's ring (rl/ddma/shm.py)
-                try:
-                    ring = shm.map_ring(str(ctl["ring"]), int(ctl["ring_bytes"]))
-                except FileNotFoundError:  # unlinked before this server (re)started
-                    gone = f"ring {ctl['ring']} is gone; the sender makes another"
-                    return {"ok": False, "ring_missing": True, "error": gone}
-                tensor = ring[int(ctl["slot"]) * plan.bucket_bytes :][: plan.bucket_bytes]
+            staged = transport.staged(str(ctl.get("transport", "ipc")))
+            try:  # where the bucket lies: the sender's slots (rl/ddma/transports/)
+                tensor = staged.locate(ctl, tensor, plan.bucket_bytes)
+            except FileNotFoundError:  # unlinked before this server (re)started
+                gone = f"the slots of {staged.name} are gone; the sender makes others"
+                return {"ok": False, "ring_missing": True, "error": gone}
             head = wire.read_header(tensor)
             b = expected.get(head["index"])
             if b is None or head["dst"] != rank:
@@ -281,6 +281,7 @@ class Receiver:
             wire.verify(tensor, plan, b, version)
             self._writing(st)
             wire.unpack(tensor, plan, b, st.staged.__getitem__, dtype)
+            staged.release(tensor)
             st.received.add(b.index)
             return {"ok": True, "received": len(st.received)}
         missing = sorted(set(expected) - st.received)
@@ -359,27 +360,21 @@ def _recv(
     then servers of ``plan.dst.tp`` ranks each, this one at ``positions[replica]``. A relay
     sync (``relay``, ``parents``: rl/ddma/relay.py) feeds the servers ``positions`` names,
     in that order, from the roots down; this rank forwards what it gets to its children."""
-    link = ctl.get("link", "group")  # rl/ddma/shm.py rings (same host) or the group itself
-    if link not in P2P_LINKS:
-        raise ValueError(f"link {link!r} is not one of {P2P_LINKS}")
+    moves = transport.grouped(str(ctl.get("transport", "p2p")))
     parents = tuple(int(p) for p in ctl.get("parents", (relay.TRAINER,)))
     route = relay.Fanout(str(ctl.get("relay", "none")), parents,
                          tuple(int(p) for p in ctl.get("positions", (0,))))  # fmt: skip
     replica = int(ctl.get("replica", 0))
     if len(route.positions) != len(parents) or not 0 <= replica < len(parents):
         raise ValueError(f"replica {replica} of {route}")
-    src_ranks = list(range(plan.src.world))
-    pg = group.find(ctl["group"])
-    if link == "shm":  # the rings are the trainer's: every server reads them directly
-        if len(parents) > 1:
-            raise ValueError("a relay sync runs over the group link, not shm")
-        shm.receive(plan, rank, staged, version, dtype, pg, src_ranks)
-        return
+    if len(parents) > 1 and not moves.relays:
+        raise ValueError(f"a relay sync runs over a relaying transport, not {moves.name}")
     relayed = _relay_plan(str(ctl["plan"]), route) if len(parents) > 1 else plan
-    # Where the buckets land (rl.ddma.group.link_device): on a GPU only when both ends are.
+    # Where the buckets land (the transport's bucket_device): on a GPU only when both ends are.
     device = group.local(str(ctl.get("device", "cpu")))
-    engine.receive(relayed, rank, staged, version, dtype, pg, src_ranks, device,
-                   replica=replica, dst_ranks=route.dst_ranks(plan))  # fmt: skip
+    moves.receive(relayed, rank, staged, version, dtype, group.find(ctl["group"]),
+                  list(range(plan.src.world)), device, replica=replica,
+                  dst_ranks=route.dst_ranks(plan))  # fmt: skip
 
 
 @lru_cache(maxsize=4)

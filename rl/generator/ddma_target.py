@@ -1,24 +1,23 @@
 """DDMA into a live SGLang server through its weight-update API (rl/generator/server_api.py).
 
-Two transports, one receiver (:mod:`rl.ddma.sglang_receiver`, staging then commit):
+Every transport (rl/ddma/transport.py, ``rollout.weight_sync.transport``) ends in one
+receiver (:mod:`rl.ddma.sglang_receiver`, staging then commit):
 
-* ``ipc`` (:meth:`SGLangTarget.stage`, same host): every trainer rank packs its own
-  buckets (already in SGLang's layout, one per server TP rank per request) into a
-  shared-memory ring (rl/ddma/shm.py: two slots per server rank) and posts where each
-  lies to ``/update_weights_from_tensor`` with our custom load format. Packing the next
-  bucket overlaps the server's verify-and-scatter of the current one, and a bucket's
-  bytes are copied once by the trainer and once by the server. The ring is kept across
-  versions (the server keeps it mapped; its file is unlinked once mapped) and is a plain
-  file, not a torch shared tensor: a server that frees a dead trainer process's torch
-  tensor aborts (its ``torch_shm_manager`` is gone: "Broken pipe").
-* ``p2p`` (:meth:`open_group`, :meth:`receive`; any host): trainer ranks and the
-  servers' ranks join a process group through ``/init_weights_update_group`` (one per
-  server, or one for many with relays) and every server rank receives only its own
-  buckets point to point, in one request per version, from the trainer ranks or,
+* staged transports (``ipc``, ``cuda_ipc``; :meth:`SGLangTarget.stage`, same host):
+  every trainer rank packs its own buckets (already in SGLang's layout, one per server TP
+  rank per request) into slots of its own (two per server rank: a host shared-memory
+  ring, or GPU memory handed over as CUDA IPC handles) and names each slot in a
+  ``/update_weights_from_tensor`` request with our custom load format. Packing the next
+  round overlaps the server's verify-and-scatter of the current one, and a bucket's bytes
+  are copied once by the trainer and once by the server. The slots are kept across
+  versions.
+* group transports (``p2p``, ``p2p_shm``; :meth:`open_group`, :meth:`receive`): trainer
+  ranks and the servers' ranks join a process group through ``/init_weights_update_group``
+  (one per server, or one for many with relays) and every server rank receives only its
+  own buckets point to point, in one request per version, from the trainer ranks or,
   relayed, from the same rank of its parent server, forwarding them to its children
-  (rl/ddma/relay.py). With ``link`` shm the buckets go through shared-memory rings the
-  server's ranks map (rl/ddma/shm.py) and the group carries only their slots: no HTTP
-  request and no TCP per bucket.
+  (rl/ddma/relay.py). With ``p2p_shm`` the buckets go through shared-memory rings the
+  server's ranks map (rl/ddma/shm.py) and the group carries only their slots.
 
 Trainer ranks call :meth:`SGLangTarget.stage` through the generic sender
 (rl/ddma/sender.py, which gets this class injected, and sends p2p itself; :meth:`send`
@@ -46,8 +45,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from rl.ddma import engine, shm, wire
 from rl.ddma import sglang_receiver as rx
+from rl.ddma import transport as transports
+from rl.ddma import wire
 from rl.ddma.engine import TransferError, TransferStats
 from rl.ddma.group import backend as group_backend
 from rl.ddma.plan import Bucket, Plan
@@ -71,8 +71,9 @@ class UpstreamLost(SyncError):
 
 
 class SGLangTarget:
-    """One SGLang server (``plan.dst.tp`` ranks) at ``url``, fed under ``plan``; ``keys``:
-    the server's (None: the job's)."""
+    """One SGLang server (``plan.dst.tp`` ranks) at ``url``, fed under ``plan`` over
+    ``transport`` with buckets on ``device`` (its :meth:`~Transport.bucket_device`);
+    ``keys``: the server's (None: the job's)."""
 
     def __init__(
         self,
@@ -82,21 +83,20 @@ class SGLangTarget:
         timeout: float = 120.0,
         staging: str = "device",
         keys: api.ServerKeys | None = None,
-        link: str = "group",
+        transport: str = "ipc",
         overlap: bool = False,
         device: str = "cpu",
     ) -> None:
         self.url, self.plan, self.dtype, self.timeout = url.rstrip("/"), plan, dtype, timeout
-        # Where the p2p buckets lie (rl.ddma.group.link_device): the group's backend and the
-        # server ranks' receive buffers follow it.
+        self.transport = transports.get(transport)
+        # Where the buckets lie: the group's backend, the slots and the server ranks'
+        # receive buffers follow it.
         self.device = device
-        # p2p: rollout.weight_sync.link. shm (every trainer rank on the server's host):
-        # buckets go through shared-memory rings (rl/ddma/shm.py) and the group only
-        # signals, instead of through gloo's TCP.
-        self.link = link
-        # p2p with a staging copy: generation is paused only to open the version and to
-        # commit it, and goes on while the buckets arrive (rollout.weight_sync.overlap).
-        self.overlap = overlap and staging != "none"
+        # A group transport with a staging copy: generation is paused only to open the
+        # version and to commit it, and goes on while the buckets arrive
+        # (rollout.weight_sync.overlap).
+        grouped = isinstance(self.transport, transports.GroupTransport)
+        self.overlap = overlap and grouped and staging != "none"
         self._session = False  # SGLang's weight-update session is open (generation paused)
         self.keys = keys or api.job_keys()
         self.staging = staging  # rollout.weight_sync.staging: sent with every begin
@@ -107,7 +107,7 @@ class SGLangTarget:
         self.spec = rx.plan_spec(plan, dtype)
         use_file_system_sharing()  # else SGLang's scheduler dies unpickling any tensor
         self._pool = ThreadPoolExecutor(2, thread_name_prefix="ddma-control")
-        self._ring: shm.Ring | None = None  # ipc: two slots per server rank
+        self._slots: transports.Slots | None = None  # staged: two per server rank
         self.server_seconds = 0.0  # ipc: summed over the requests this target made
         self.requests = 0
         self.status_dir = rx.status_dir()  # the only place the server writes statuses
@@ -155,30 +155,34 @@ class SGLangTarget:
 
     # ------------------------------------------------------------------ trainer side
     def stage(self, src_rank: int, shards: wire.SrcGetter, version: int) -> TransferStats:
-        """Send this trainer rank's buckets for ``version`` into the server's staging."""
+        """Send this trainer rank's buckets for ``version`` into the server's staging
+        (a staged transport)."""
         plan, tp = self.plan, self.plan.dst.tp
+        staged = self.transport
+        assert isinstance(staged, transports.StagedTransport), staged.name
         mine = plan.sends(src_rank)
         stats = TransferStats(buckets=len(mine))
         # Requests carry one bucket per server rank: group this rank's buckets by round.
         rounds: dict[int, list[Bucket]] = {}
         for b in mine:
             rounds.setdefault(b.round, []).append(b)
-        if self._ring is None:
-            self._ring = shm.create_ring(plan.bucket_bytes, 2 * tp)
-        stats.buffer_bytes = 2 * tp * plan.bucket_bytes
+        if self._slots is None:
+            self._slots = staged.slots(plan.bucket_bytes, 2 * tp, self.device)
+        slots = self._slots
+        stats.buffer_bytes = slots.nbytes
+        noop: tuple[dict, torch.Tensor] = ({"op": "noop"}, torch.zeros(1, dtype=torch.uint8))
+        head = {"op": "stage", "plan": self.spec, "version": version,
+                "transport": staged.name}  # fmt: skip
 
         def pack(i: int, group: list[Bucket]) -> list[tuple[dict, torch.Tensor]]:
-            assert self._ring is not None
-            ring, entries = self._ring, [noop] * tp
+            entries = [noop] * tp
             for b in group:
                 slot = (i % 2) * tp + b.dst
-                wire.pack(ring.slot(slot), plan, b, shards, self.dtype, version)
-                where = {"ring": ring.path, "ring_bytes": ring.data.numel(), "slot": slot}
-                ctl = {"op": "stage", "plan": self.spec, "version": version, **where}
-                entries[b.dst] = (ctl, torch.zeros(1, dtype=torch.uint8))
+                wire.pack(slots.slot(slot), plan, b, shards, self.dtype, version)
+                where, tensor = slots.entry(slot, b.nbytes)
+                entries[b.dst] = ({**head, **where}, tensor)
             return entries
 
-        noop: tuple[dict, torch.Tensor] = ({"op": "noop"}, torch.zeros(1, dtype=torch.uint8))
         t0 = time.perf_counter()
         pending = None
         try:
@@ -189,12 +193,13 @@ class SGLangTarget:
                         stats.count(plan, b)
                     if pending is not None:
                         self._check_stage(pending.result())
-                    if i == 0 and not self._ring.linked:
-                        # The server mapped the ring when it was linked, unless it restarted
-                        # since: then it cannot open it any more, and gets a new one.
+                    if i == 0 and slots.may_be_gone:
+                        # A server that restarted since it mapped the slots cannot find
+                        # them any more: it gets new ones.
                         statuses = self._request(entries)
                         if any(s.get("ring_missing") for s in statuses):
-                            self._ring = shm.create_ring(plan.bucket_bytes, 2 * tp)
+                            slots = self._slots = staged.slots(plan.bucket_bytes, 2 * tp,
+                                                               self.device)  # fmt: skip
                             statuses = self._request(pack(i, group))
                         self._check_stage(statuses)
                         self.requests += 1
@@ -204,9 +209,9 @@ class SGLangTarget:
                 if pending is not None:
                     self._check_stage(pending.result())
         finally:
-            # Mapped by every server rank (or the server cannot map it any more: the next
-            # stage makes another), so a process that dies leaves nothing in /dev/shm.
-            self._ring.unlink()
+            # Held by every server rank now (or the server cannot hold them any more: the
+            # next stage makes others), so a process that dies leaves nothing behind.
+            slots.posted()
         stats.seconds = time.perf_counter() - t0
         return stats
 
@@ -228,8 +233,10 @@ class SGLangTarget:
         if it is lost."""
         n = self.plan.src.world
         dst = [n + r for r in range(self.plan.dst.tp)]
-        transport = shm if self.link == "shm" else engine
-        stats = transport.send(self.plan, src_rank, shards, version, self.dtype, pg, dst)
+        transport = self.transport
+        assert isinstance(transport, transports.GroupTransport), transport.name
+        stats = transport.send(self.plan, src_rank, shards, version, self.dtype, pg, dst,
+                               self.device)  # fmt: skip
         if stats.lost:
             raise TransferError(stats.error)
         return stats
@@ -261,7 +268,7 @@ class SGLangTarget:
         return self._pool.submit(self._receive, version, name, where)
 
     def _receive(self, version: int, name: str, where: dict) -> list[dict]:
-        statuses = self._control("recv", version, group=name, link=self.link,
+        statuses = self._control("recv", version, group=name, transport=self.transport.name,
                                  background=self.overlap, device=self.device, **where)  # fmt: skip
         if self.overlap:
             self._resume()

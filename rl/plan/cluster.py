@@ -8,7 +8,8 @@ exceeded (GPU memory, KV cache) are collected as ``problems`` so the CLI can pri
 breakdown that explains them before refusing.
 
 The config is first checked by the torch-free checks of rl.config (model, trainer,
-rollout); ``validate()`` as a whole runs at launch and in tests/unit/test_config.py.
+rollout) and by its DDMA transport's (rl/ddma/transport.py); ``rl.checks.check`` as a
+whole runs at launch and in tests/unit/test_config.py.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import TYPE_CHECKING
 
 from rl.config.model_checks import validate_model, validate_trainer
 from rl.config.validate import validate_rollout
+from rl.ddma import transport
 from rl.models.shapes import param_count
 from rl.plan.memory import (
     GIB,
@@ -153,6 +155,7 @@ def plan_cluster(cfg: RootConfig, strict: bool = True) -> ClusterPlan:
     validate_model(cfg.model)
     validate_trainer(cfg.trainer, cfg.model)
     validate_rollout(cfg.rollout)
+    transport.check(cfg)
     placement = place(cfg)
     busy = check_cpus(cfg, placement)
     gpus = cfg.cluster.gpus_per_node
@@ -163,11 +166,12 @@ def plan_cluster(cfg: RootConfig, strict: bool = True) -> ClusterPlan:
     host_staging = 0
     if cfg.rl.steps > 0:
         w = cfg.rollout.weight_sync
+        crossing = [n for n, t in transport.registry().items() if not t.one_host]
         refuse(
-            not placement.split or w.transport == "p2p",
+            not placement.split or not transport.get(w.transport).one_host,
             f"rollout.weight_sync.transport={w.transport!r} needs the trainer and the servers "
             "on one host; with separate training and generation nodes use "
-            "rollout.weight_sync.transport=p2p",
+            f"rollout.weight_sync.transport={' or '.join(crossing)}",
         )
         sync = transfer(cfg, ddma_plan(cfg), placement.split)
         gen = generator_gpu(cfg, sync.server_weight_bytes, budget)

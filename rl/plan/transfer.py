@@ -99,8 +99,7 @@ def transfer(cfg: RootConfig, plan: Plan, split: bool) -> Transfer:
     received = {j: got.get(j, 0) for j in range(tp)}  # replica 0's GPUs (all alike)
     out = {j: max(fwd.get(r * tp + j, 0) for r in range(plan.replicas)) for j in range(tp)}
     seconds = None
-    w = cfg.rollout.weight_sync
-    if split and w.transport == "p2p" and cfg.cluster.gpus_per_node:
+    if split and cfg.cluster.gpus_per_node:  # over the interconnect (split: a group transport)
         rate = cfg.cluster.interconnect_gbps * 1e9 / 8
         busiest = max([*sent.values(), *got.values(), *fwd.values()])
         seconds = busiest / rate

@@ -210,7 +210,7 @@ def serve(cfg: RootConfig, job: Job, make_target: TargetFactory) -> None:
     os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")  # Megatron's advice for TP
     from rl.algorithms.losses import loss_from_config
     from rl.config.dtypes import torch_dtype
-    from rl.ddma.group import link_device
+    from rl.ddma import transport
     from rl.ddma.plan import plan_for
     from rl.ddma.relay import Relaying
     from rl.ddma.sender import Sender
@@ -235,9 +235,10 @@ def serve(cfg: RootConfig, job: Job, make_target: TargetFactory) -> None:
             elif isinstance(msg, Connect):
                 plan = plan_for(cfg.model, cfg.trainer, cfg.rollout, dp=tr.layout.dp)
                 w = cfg.rollout.weight_sync
-                device = link_device(cfg.trainer.device, cfg.rollout.device)
+                device = transport.get(w.transport).bucket_device(cfg.trainer.device,
+                                                                  cfg.rollout.device)  # fmt: skip
                 sender = Sender(tr.model.module, tr.layout, plan, dtype, msg.urls, make_target,
-                                w.timeout, w.link, Relaying.of(w), device)  # fmt: skip
+                                w.timeout, w.transport, Relaying.of(w), device)  # fmt: skip
                 answer(Done({"address": _address(), "ports": _ports(len(msg.urls))}))
             elif isinstance(msg, Join):
                 assert sender is not None, "Join before Connect"

@@ -12,7 +12,15 @@ import torch
 import torch.distributed as dist
 
 if TYPE_CHECKING:
+    from rl.ddma.transport import GroupTransport
     from rl.generator.server_api import ServerKeys
+
+
+def _transport(name: str = "p2p") -> GroupTransport:
+    """The DDMA engine as the job reaches it: through its transport (rl/ddma/transport.py)."""
+    from rl.ddma import transport
+
+    return transport.grouped(name)
 
 
 def ddma_rank(
@@ -54,7 +62,7 @@ def ddma_rank(
             if fault == "corrupt":
                 corrupt_second_bucket(rank)
             getter = shards.__getitem__
-            stats = engine.send(
+            stats = _transport().send(
                 plan, rank, lambda k, i: getter((k, i)), version, torch.float32,
                 dist.group.WORLD, dst_ranks,
             )  # fmt: skip
@@ -69,7 +77,7 @@ def ddma_rank(
         }
         if fault == "disconnect" and me == 0:
             exit_after_first_bucket(report)
-        stats = engine.receive(
+        stats = _transport().receive(
             plan, me, out.__getitem__, 1, torch.float32, dist.group.WORLD, src_ranks
         )
         report("ok")
@@ -117,7 +125,7 @@ def relay_rank(
     glob = megatron_globals(hf_state(Path(model_dir)), d)
     if rank < n_src:
         shards = megatron_shards(glob, plan, rank)
-        stats = engine.send(
+        stats = _transport().send(
             plan, rank, lambda k, i: shards[(k, i)], 1, torch.float32, dist.group.WORLD,
             dst_ranks,
         )  # fmt: skip
@@ -128,7 +136,7 @@ def relay_rank(
     replica, me = divmod(rank - n_src, dst_tp)
     out = {n: torch.full(s, float("nan")) for n, s in plan.dst_shapes.items()}
     if dies is None:
-        stats = engine.receive(
+        stats = _transport().receive(
             plan, me, out.__getitem__, 1, torch.float32, dist.group.WORLD, src_ranks,
             replica=replica, dst_ranks=dst_ranks,
         )  # fmt: skip
@@ -138,7 +146,7 @@ def relay_rank(
     if replica == dies:
         exit_after_first_bucket(report)
     try:
-        stats = engine.receive(
+        stats = _transport().receive(
             plan, me, out.__getitem__, 1, torch.float32, dist.group.WORLD, src_ranks,
             replica=replica, dst_ranks=dst_ranks,
         )  # fmt: skip
@@ -268,7 +276,7 @@ def p2p_sync(
     receive, commit). ``during``: the servers overlap the sync with generation; once they
     have started receiving, and before any byte is sent, rank 0 has each server generate
     greedily from this prompt (returned as ``during``)."""
-    from rl.ddma import engine, group
+    from rl.ddma import group, transport
     from rl.ddma import relay as relays
     from rl.ddma.plan import DstLayout, SrcLayout, make_plan
     from rl.generator import server_api as api
@@ -279,7 +287,8 @@ def p2p_sync(
     plan = make_plan(model_dims(Path(model_dir), 2), SrcLayout(2), DstLayout.sglang(1, "cpu"),
                      4, 1 << 14)  # fmt: skip
     overlap = during is not None
-    targets = [SGLangTarget(u, plan, torch.float32, keys=keys, overlap=overlap) for u in urls]
+    targets = [SGLangTarget(u, plan, torch.float32, keys=keys, transport="p2p", overlap=overlap)
+               for u in urls]  # fmt: skip
     name = f"ddma-test-{port}"
     opened = [t.open_group(name, "127.0.0.1", port, i, len(urls)) for i, t in
               enumerate(targets)] if rank == 0 else []  # fmt: skip
@@ -303,8 +312,9 @@ def p2p_sync(
             outputs.append(api.generate_results(reply, 1)[0]["output_ids"])
         dist.barrier()
     shards = megatron_shards(glob, plan, rank)
-    stats = engine.send(route.plan(plan), rank, lambda k, i: shards[(k, i)], version,
-                        torch.float32, pg, route.dst_ranks(plan))  # fmt: skip
+    p2p = transport.grouped("p2p")
+    stats = p2p.send(route.plan(plan), rank, lambda k, i: shards[(k, i)], version,
+                     torch.float32, pg, route.dst_ranks(plan))  # fmt: skip
     for f in received:
         f.result()
     if rank == 0:

@@ -222,6 +222,26 @@ def test_same_host_point_to_point_through_shared_memory(client, model_dir, synce
     _assert_serves(client, ref, version + 1)
 
 
+def test_buckets_handed_over_as_shared_tensors_cuda_ipc_path_on_cpu(client, synced, fresh):
+    """The cuda_ipc transport's code on CPU tensors: each bucket stays in the trainer
+    rank's slots and the request carries the slot itself (torch shares a CPU tensor
+    through a file where it shares a CUDA one by IPC handle); the server verifies and
+    scatters from it. Two versions through the same slots."""
+    d, glob, hf = fresh
+    plan = make_plan(d, SrcLayout(2), CPU_DST, 4, 1 << 14)
+    target = SGLangTarget(client.urls[0], plan, torch.float32, keys=client.keys,
+                          transport="cuda_ipc", device="cpu")  # fmt: skip
+    other = megatron_globals({n: t + 0.02 * torch.randn_like(t) for n, t in hf.items()}, d)
+    version = client.weight_versions()[0]
+    for v, g in ((version + 1, other), (version + 2, glob)):
+        target.begin(v)
+        _stage_all(target, g, v)
+        target.commit(v)
+    ref = synced["ref"]
+    ref.load_weights(hf.items())
+    _assert_serves(client, ref, version + 2)
+
+
 def test_trainers_disagreeing_on_the_version_fail_it(client, synced, fresh):
     d, glob, _ = fresh
     plan = make_plan(d, SrcLayout(2), CPU_DST, 4, 1 << 14)

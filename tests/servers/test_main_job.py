@@ -95,7 +95,7 @@ def test_torchrun_launch_runs_the_same_job(tmp_path):
 
 def test_world_size_helper_rejects_bad_config():
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    cmd = [sys.executable, "-m", "rl.config.world_size"]
+    cmd = [sys.executable, "-m", "rl.world_size"]
     ok = subprocess.run(
         [*cmd, "trainer.tp=2", "trainer.dp=2", "trainer.micro_batch_size=32"],
         env=env,

@@ -108,13 +108,12 @@ def test_sync_job_trains_on_exactly_the_sampled_distribution(tmp_path):
     that sampled it, and the trainer's log-prob of it (Megatron TP=2, after DDMA) equals
     SGLang's behaviour log-prob, so the train/rollout mismatch is numerical noise. With a
     KL penalty the reference is the policy RL started from: KL 0 at the first step only.
-    The weights go point to point with the bytes through shared memory (link=shm; the
+    The weights go point to point with the bytes through shared memory (transport p2p_shm; the
     other jobs here use ipc)."""
     out = tmp_path / "run"
     res = _run(
         *SHORT,
-        "rollout.weight_sync.transport=p2p",
-        "rollout.weight_sync.link=shm",
+        "rollout.weight_sync.transport=p2p_shm",
         "sft.steps=150",  # some answers right (~6%), so most batches have a gradient
         "rl.steps=3",
         "rl.mode=sync",

@@ -8,6 +8,7 @@ from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
+from rl.checks import check
 from rl.config import CONF_DIR, ConfigError, compose, validate
 from rl.config.model_checks import validate_model
 from rl.config.schema import ModelConfig, RootConfig
@@ -68,24 +69,26 @@ def test_llama_param_counts_match_published(preset: str, published: float) -> No
         (["rollout.threads=0"], ["rollout.threads=0"]),
         (["rollout.sampling.temperature=-1"], ["rollout.sampling.temperature=-1"]),
         (["rollout.sampling.max_new_tokens=-4"], ["rollout.sampling.max_new_tokens=-4"]),
-        (["rollout.weight_sync.transport=nccl"], ["rollout.weight_sync.transport='nccl'"]),
+        (
+            ["rollout.weight_sync.transport=nccl"],
+            ["rollout.weight_sync.transport='nccl'", "cuda_ipc, ipc, p2p, p2p_shm"],
+        ),
         (["rollout.weight_sync.bucket_mb=0"], ["rollout.weight_sync.bucket_mb=0"]),
         (["rollout.weight_sync.relay=ring"], ["rollout.weight_sync.relay='ring'", "chain"]),
         (["rollout.weight_sync.relay_roots=-1"], ["rollout.weight_sync.relay_roots=-1"]),
         (["rollout.weight_sync.relay_fanout=0"], ["rollout.weight_sync.relay_fanout=0"]),
-        (["rollout.weight_sync.link=rdma"], ["rollout.weight_sync.link='rdma'", "'shm'"]),
-        (["rollout.weight_sync.relay=chain"], ["relay='chain'", "transport=p2p", "'ipc'"]),
+        (["rollout.weight_sync.relay=chain"], ["relay='chain'", "(p2p)", "transport='ipc'"]),
         (
-            [
-                "rollout.weight_sync.transport=p2p",
-                "rollout.weight_sync.link=shm",
-                "rollout.weight_sync.relay=tree",
-            ],
-            ["relay='tree'", "link=group", "link='shm'"],
+            ["rollout.weight_sync.transport=p2p_shm", "rollout.weight_sync.relay=tree"],
+            ["relay='tree'", "(p2p)", "transport='p2p_shm'"],
         ),
         (
-            ["experiment=tiny_arithmetic_slurm", "rollout.weight_sync.link=shm"],
-            ["rollout.weight_sync.link='shm'", "one host", "cluster.nodes=2"],
+            ["experiment=tiny_arithmetic_slurm", "rollout.weight_sync.transport=p2p_shm"],
+            ["rollout.weight_sync.transport='p2p_shm'", "one host", "cluster.nodes=2"],
+        ),
+        (
+            ["rollout.weight_sync.transport=cuda_ipc"],
+            ["transport='cuda_ipc'", "trainer.device=cuda and rollout.device=cuda", "cpu, cpu"],
         ),
         (["rollout.weight_sync.fp8_block=128"], ["fp8_block=128", "rollout.device=cuda"]),
         (["rollout.device=cuda", "rollout.tp=4"], ["rollout.tp=4", "num_attention_heads=6"]),
@@ -162,10 +165,10 @@ def test_llama_param_counts_match_published(preset: str, published: float) -> No
         "sync-relay",
         "sync-relay-roots",
         "sync-relay-fanout",
-        "sync-link",
         "relay-needs-p2p",
-        "relay-needs-group-link",
-        "shm-link-one-host",
+        "relay-needs-p2p-not-shm",
+        "p2p-shm-one-host",
+        "cuda-ipc-needs-cuda",
         "sync-fp8-cpu",
         "sync-dst-tp-heads",
         "sync-fp8-blocks",
@@ -206,7 +209,7 @@ def test_validation_error_names_field_and_value(overrides: list[str], fragments:
     """A bad launch must fail in the launcher with a message that says what to change."""
     cfg = composed(overrides)
     with pytest.raises(ConfigError) as info:
-        validate(cfg)
+        check(cfg)
     msg = str(info.value)
     for fragment in fragments:
         assert fragment in msg, f"{fragment!r} not in {msg!r}"

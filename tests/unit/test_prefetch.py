@@ -140,7 +140,7 @@ class SlowTrainer(FakeTrainer):
 
 def test_the_sync_reports_its_parts():
     log: list[str] = []
-    sync = WeightSync(SlowTrainer(log), [FakeTarget(log, "s0")], "ipc", weight_version=1)  # type: ignore[arg-type]
+    sync = WeightSync(SlowTrainer(log), [FakeTarget(log, "s0")], weight_version=1)  # type: ignore[arg-type]
     stats = sync.push()
     parts = [stats[k] for k in ("sync_begin_s", "sync_send_s", "sync_commit_s")]
     assert all(isinstance(p, float) and p >= 0 for p in parts)

@@ -9,6 +9,7 @@ from concurrent.futures import Future
 import pytest
 
 from rl.controller.weight_sync import WeightSync
+from rl.ddma import transport
 from rl.ddma.engine import TransferError
 from rl.ddma.plan import DstLayout, SrcLayout, make_plan
 from rl.ddma.relay import Fanout, Relaying
@@ -24,10 +25,12 @@ PLAN = make_plan(D, SrcLayout(1), DstLayout(1), 4, 1 << 16)
 
 class FakeTarget:
     def __init__(
-        self, log: list[str], name: str, fail: str | None = None, lost: str | None = None
-    ) -> None:
+        self, log: list[str], name: str, fail: str | None = None, lost: str | None = None,
+        grouped: bool = False,
+    ) -> None:  # fmt: skip
         self.log, self.name, self.fail, self.lost = log, name, fail, lost
         self.plan = PLAN
+        self.transport = transport.get("p2p" if grouped else "ipc")
 
     def _do(self, op: str, version: int) -> None:
         self.log.append(f"{self.name}.{op}({version})")
@@ -89,7 +92,7 @@ class FakeTrainer:
 def test_each_push_is_the_next_version_on_every_server():
     log: list[str] = []
     targets = [FakeTarget(log, "s0"), FakeTarget(log, "s1")]
-    sync = WeightSync(FakeTrainer(log), targets, "ipc", weight_version=4)  # type: ignore[arg-type]
+    sync = WeightSync(FakeTrainer(log), targets, weight_version=4)  # type: ignore[arg-type]
     stats = sync.push()
     assert sync.weight_version == 5 and stats["sync_bytes"] == 10.0 and stats["sync_s"] >= 0
     assert log == ["s0.begin(5)", "s1.begin(5)", "push(5, [0, 1])", "s0.commit(5)", "s1.commit(5)"]
@@ -100,7 +103,7 @@ def test_each_push_is_the_next_version_on_every_server():
 def test_a_failed_commit_leaves_the_version_and_aborts_the_servers_not_committed():
     log: list[str] = []
     targets = [FakeTarget(log, "s0"), FakeTarget(log, "s1", fail="commit"), FakeTarget(log, "s2")]
-    sync = WeightSync(FakeTrainer(log), targets, "ipc", weight_version=1)  # type: ignore[arg-type]
+    sync = WeightSync(FakeTrainer(log), targets, weight_version=1)  # type: ignore[arg-type]
     with pytest.raises(RuntimeError, match="s1 commit failed"):
         sync.push()
     assert sync.weight_version == 1
@@ -110,9 +113,9 @@ def test_a_failed_commit_leaves_the_version_and_aborts_the_servers_not_committed
 
 def test_p2p_opens_every_group_while_the_trainer_joins_then_servers_receive():
     log: list[str] = []
-    targets = [FakeTarget(log, "s0"), FakeTarget(log, "s1")]
+    targets = [FakeTarget(log, "s0", grouped=True), FakeTarget(log, "s1", grouped=True)]
     trainer = FakeTrainer(log)
-    sync = WeightSync(trainer, targets, "p2p", weight_version=0)  # type: ignore[arg-type]
+    sync = WeightSync(trainer, targets, weight_version=0)  # type: ignore[arg-type]
     where = trainer.connect(["a", "b"])
     sync._join(where["address"], where["ports"], [0, 1])
     assert sync.where == [("ddma-7000-0", 0), ("ddma-7000-1", 0)]  # a group per server
@@ -128,9 +131,9 @@ def test_relayed_servers_share_a_group_and_each_push_forms_the_chain_over_those_
     over the servers that began the version. A server starved by a lost relay above it
     misses the version (aborted: it keeps the previous one), reported lost."""
     log: list[str] = []
-    targets = [FakeTarget(log, f"s{i}") for i in range(3)]
+    targets = [FakeTarget(log, f"s{i}", grouped=True) for i in range(3)]
     trainer = FakeTrainer(log)
-    sync = WeightSync(trainer, targets, "p2p", 0, Relaying("chain", 1))  # type: ignore[arg-type]
+    sync = WeightSync(trainer, targets, 0, Relaying("chain", 1))  # type: ignore[arg-type]
     sync._join("127.0.0.1", [7000, 7001, 7002], [0, 1, 2])
     assert sync.where == [("ddma-7000-0", i) for i in range(3)]
     assert log == ["s0.open(ddma-7000-0 0/3)", "s1.open(ddma-7000-0 1/3)",
@@ -159,17 +162,12 @@ def test_relayed_servers_share_a_group_and_each_push_forms_the_chain_over_those_
                    "push(2, [0, 2])", "s0.commit(2)", "s2.commit(2)"]  # fmt: skip
 
 
-def test_unknown_transport_is_refused():
-    with pytest.raises(ValueError, match=r"transport='nccl' not in \('ipc', 'p2p'\)"):
-        WeightSync(FakeTrainer([]), [], "nccl", weight_version=0)  # type: ignore[arg-type]
-
-
 def test_a_server_lost_during_a_push_is_left_out_and_the_others_get_the_version():
     """A server that stops answering (it died) at begin, or on a trainer rank while the
     bytes go, is reported lost; the version lands on every other server."""
     log: list[str] = []
     targets = [FakeTarget(log, "s0", lost="begin"), FakeTarget(log, "s1"), FakeTarget(log, "s2")]
-    sync = WeightSync(FakeTrainer(log, lost=[2]), targets, "ipc", weight_version=3)  # type: ignore[arg-type]
+    sync = WeightSync(FakeTrainer(log, lost=[2]), targets, weight_version=3)  # type: ignore[arg-type]
     stats = sync.push()
     assert sync.weight_version == 4 and stats["lost"] == [0, 2]
     assert log == ["s0.begin(4)", "s1.begin(4)", "s2.begin(4)", "push(4, [1, 2])",
@@ -179,14 +177,15 @@ def test_a_server_lost_during_a_push_is_left_out_and_the_others_get_the_version(
 def test_a_restarted_server_gets_the_current_version_again():
     log: list[str] = []
     targets = [FakeTarget(log, "s0"), FakeTarget(log, "s1")]
-    sync = WeightSync(FakeTrainer(log), targets, "ipc", weight_version=7)  # type: ignore[arg-type]
+    sync = WeightSync(FakeTrainer(log), targets, weight_version=7)  # type: ignore[arg-type]
     stats = sync.repush([1])
     assert sync.weight_version == 7 and stats["lost"] == []
     assert log == ["s1.begin(7)", "push(7, [1])", "s1.commit(7)"]
     # p2p: the restarted server's group died with it; it and the trainer ranks join a new
     # one (a fresh port) before the bytes go.
     log.clear()
-    p2p = WeightSync(FakeTrainer(log), targets, "p2p", weight_version=7)  # type: ignore[arg-type]
+    grouped = [FakeTarget(log, "s0", grouped=True), FakeTarget(log, "s1", grouped=True)]
+    p2p = WeightSync(FakeTrainer(log), grouped, weight_version=7)  # type: ignore[arg-type]
     p2p.where = [("ddma-7000-0", 0), ("ddma-7000-1", 0)]
     p2p.repush([1])
     assert p2p.where == [("ddma-7000-0", 0), ("ddma-8000-0", 0)]

@@ -257,8 +257,8 @@ def server_rank(
     plan = make_plan(d, SrcLayout(tp), DstLayout.sglang(1, "cpu"), 4, bucket_mb * MB)
     shards = trainer_shards(path, d, tp, rank)
     get = lambda k, i: shards[(k, i)]  # noqa: E731
-    link = "shm" if mode == "p2p_shm" else "group"
-    target = SGLangTarget(url, plan, torch.float32, timeout=600, keys=keys, link=link)
+    transport = mode if mode in DDMA_MODES else "ipc"  # rl/ddma/transports/
+    target = SGLangTarget(url, plan, torch.float32, timeout=600, keys=keys, transport=transport)
     limits = ModelLimits.from_model_dir(path)
     client = GeneratorClient([url], limits, keys=keys) if rank == 0 else None
     version = [client.weight_versions()[0] if client else 0]

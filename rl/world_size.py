@@ -1,21 +1,22 @@
 """Print the number of ranks a config's job needs (its role map), after validating it.
 
 Used by launch scripts so that the rank count given to torchrun/srun comes from the same
-composed config the ranks will read: ``python -m rl.config.world_size [overrides...]``.
+composed config the ranks will read: ``python -m rl.world_size [overrides...]``.
 """
 
 from __future__ import annotations
 
 import sys
 
-from rl.config import ConfigError, compose, validate
+from rl.checks import check
+from rl.config import ConfigError, compose
 from rl.config.roles import RoleMap
 
 
 def main(argv: list[str]) -> int:
     cfg = compose(argv)
     try:
-        validate(cfg)
+        check(cfg)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2

@@ -1,0 +1,1 @@
+"""One module per DDMA transport, each defining ``TRANSPORT`` (see rl/ddma/transport.py)."""

@@ -7,7 +7,8 @@
 # Runs tests/gpu (the trainer on cuda:0 against transformers and its own CPU step; DDMA's
 # device path: packing, the device checksum, FP8 quantization and the scatter on the GPU,
 # bit-exact with the CPU path, no payload through host memory, a bucket handed to another
-# process as a CUDA IPC handle), then tools/bench/weight_sync.py --device cuda, and writes
+# process as a CUDA IPC handle; the cuda_ipc transport into a live bf16 and a live FP8
+# SGLang server), then tools/bench/weight_sync.py --device cuda, and writes
 # one JSON, tools/bench/results/gpu_check.json, naming the device, each test's outcome, the
 # benchmark's figures and what this check did not run. Exits non-zero if a test failed.
 set -euo pipefail
@@ -58,8 +59,7 @@ result = {
     "not_run": {
         "nccl_p2p": "needs two GPUs (NCCL refuses two ranks on one device)"
         if torch.cuda.device_count() < 2 else "not built yet: no NCCL p2p case in tests/gpu",
-        "sglang_servers": "bf16 and FP8 SGLang servers, DDMA into them, and the 30-step "
-        "smollm2_arith_gpu job are not in this check yet",
+        "rl_job": "the 30-step smollm2_arith_gpu job is not in this check yet",
     },
 }
 dest.write_text(json.dumps(result, indent=2) + "\n")

@@ -48,9 +48,35 @@ if TYPE_CHECKING:
 
 __all__ = ["DstLayout", "PlanError", "SrcLayout", "make_plan", "plan_for", "round_up"]
 
-# Linear weights an FP8 engine holds quantized (embeddings, norms, lm_head stay in dtype).
-FP8_WEIGHTS = ("qkv_proj.weight", "o_proj.weight", "gate_up_proj.weight", "down_proj.weight")
+# Linear weights an FP8 engine holds quantized (embeddings, norms, lm_head, the MoE router
+# stay in dtype): dense and shared-expert projections, and each routed expert's slab of
+# FusedMoE's ``w13_weight`` / ``w2_weight`` (``...experts.w13_weight[e]``).
+FP8_WEIGHTS = (
+    "qkv_proj.weight", "o_proj.weight", "gate_up_proj.weight", "down_proj.weight",
+    "experts.w13_weight", "experts.w2_weight",
+)  # fmt: skip
 SCALE_SUFFIX = "_scale_inv"
+
+
+def _slab(name: str) -> tuple[str, str]:
+    """``a.w13_weight[3]`` -> (``a.w13_weight``, ``[3]``); other names -> (name, "")."""
+    if name.endswith("]"):
+        base, _, index = name.rpartition("[")
+        return base, "[" + index
+    return name, ""
+
+
+def scale_name(name: str) -> str:
+    """Where an FP8 weight's block scales go: ``<name>_scale_inv``, and for an expert slab
+    the same slab of the fused scale (``a.w13_weight_scale_inv[3]``), as SGLang names them."""
+    base, index = _slab(name)
+    return base + SCALE_SUFFIX + index
+
+
+def is_scale(name: str) -> bool:
+    return _slab(name)[0].endswith(SCALE_SUFFIX)
+
+
 HEADER_BYTES = 64  # room for the bucket header in front of every bucket's payload
 ALIGN = 64  # every piece starts on a 64-byte boundary of its bucket
 
@@ -119,11 +145,13 @@ class Plan:
     def quantized(self, name: str) -> bool:
         """Is ``name`` sent as FP8 (plus ``<name>_scale_inv``, float32 per block)?"""
         return (
-            self.fp8_block is not None and name in self.dst_shapes and (name.endswith(FP8_WEIGHTS))
+            self.fp8_block is not None
+            and name in self.dst_shapes
+            and _slab(name)[0].endswith(FP8_WEIGHTS)
         )
 
     def elem_bytes(self, name: str) -> int:
-        if name.endswith(SCALE_SUFFIX):
+        if is_scale(name):
             return 4
         return 1 if self.quantized(name) else self.itemsize
 
@@ -203,10 +231,8 @@ def make_plan(
     check_layouts(d, src, dst)
     if bucket_bytes < HEADER_BYTES + ALIGN:
         raise PlanError(f"bucket_bytes={bucket_bytes} is below the minimum {HEADER_BYTES + ALIGN}")
-    if fp8_block is not None and (fp8_block < 1 or dst.ffn_multiple > 1 or d.experts):
-        raise PlanError(
-            f"fp8_block={fp8_block}: needs a block >= 1, a GPU layout and a dense model"
-        )
+    if fp8_block is not None and (fp8_block < 1 or dst.ffn_multiple > 1):
+        raise PlanError(f"fp8_block={fp8_block}: needs a block >= 1 and a GPU layout")
     names = sglang_names(d)
     specs = {name: km.spec(key, d) for name, (key, _, _) in names.items()}
     dst_shapes = {}
@@ -214,8 +240,8 @@ def make_plan(
         shape = list(km.megatron_shape(key, d))
         shape[dim] = sum(n for _, n in dst_runs(d, dst, specs[name], 0))
         dst_shapes[name] = tuple(shape)
-        if fp8_block is not None and name.endswith(FP8_WEIGHTS):
-            dst_shapes[name + SCALE_SUFFIX] = tuple(-(-n // fp8_block) for n in shape)
+        if fp8_block is not None and _slab(name)[0].endswith(FP8_WEIGHTS):
+            dst_shapes[scale_name(name)] = tuple(-(-n // fp8_block) for n in shape)
     plan = Plan(d, src, dst, itemsize, bucket_bytes, dst_shapes, src_shapes(d, src))
     plan.fp8_block = fp8_block
     runs: list[balance.Run] = []
@@ -411,7 +437,7 @@ def _coverage(plan: Plan, buckets: list[Bucket]) -> list[str]:
     errors = []
     for rank in range(plan.dst.tp):
         for name, shape in plan.dst_shapes.items():
-            if name.endswith(SCALE_SUFFIX):
+            if is_scale(name):
                 continue  # written with their FP8 weight's pieces (block-aligned, checked)
             dim = sglang_names(plan.dims)[name][2]
             at = 0

@@ -64,6 +64,10 @@ from rl.ddma import engine, group, relay, transport, wire
 from rl.ddma.plan import DstLayout, Plan, SrcLayout, make_plan
 from rl.weights.keymap import Dims
 
+# Parameters an FP8 server holds that are not weights: its KV cache's scales (SGLang's
+# BaseKVCacheMethod, on every attention layer built with an FP8 quant config), which keep
+# SGLang's defaults and are never sent.
+KV_SCALES = (".attn.k_scale", ".attn.v_scale")
 # The only directory status files go to; the DDMA target reads them from the same place.
 STATUS_DIR_ENV = "MSRL_DDMA_STATUS_DIR"
 log = logging.getLogger(__name__)
@@ -171,7 +175,7 @@ def architecture_errors(plan: Plan, params: dict[str, torch.Tensor], dtype: torc
         elif p.dtype != wire.dst_dtype(plan, name, dtype):
             want = wire.dst_dtype(plan, name, dtype)
             problems.append(f"{name}: trainer sends {want}, generator holds {p.dtype}")
-    extra = sorted(set(params) - set(plan.dst_shapes))
+    extra = sorted(n for n in set(params) - set(plan.dst_shapes) if not n.endswith(KV_SCALES))
     if extra:
         problems.append(f"generator parameters the trainer does not send: {extra[:3]}")
     return "; ".join(problems[:4])

@@ -23,7 +23,7 @@ import torch
 
 from rl.ddma import checksum as cks
 from rl.ddma import fp8
-from rl.ddma.plan import ALIGN, HEADER_BYTES, SCALE_SUFFIX, Bucket, Piece, Plan, round_up
+from rl.ddma.plan import ALIGN, HEADER_BYTES, Bucket, Piece, Plan, is_scale, round_up, scale_name
 
 MAGIC = 0x44444D41  # "DDMA": payload checksum xxh3
 MAGIC_WSUM = 0x44444D57  # "DDMW": payload checksum wsum
@@ -120,7 +120,7 @@ def _views(buf: torch.Tensor, offset: int, p: Piece, plan: Plan, dtype: torch.dt
 def dst_dtype(plan: Plan, name: str, dtype: torch.dtype) -> torch.dtype:
     """The dtype the destination holds ``name`` in (FP8 weights and their scales aside,
     the transfer dtype)."""
-    if name.endswith(SCALE_SUFFIX):
+    if is_scale(name):
         return torch.float32
     return torch.float8_e4m3fn if plan.quantized(name) else dtype
 
@@ -168,9 +168,7 @@ def unpack(
         if scale is not None:
             b = plan.fp8_block
             assert b is not None  # only an FP8 plan sends scales
-            rows = dst(p.dst_name + SCALE_SUFFIX).narrow(
-                p.dim, p.dst_start // b, scale.shape[p.dim]
-            )
+            rows = dst(scale_name(p.dst_name)).narrow(p.dim, p.dst_start // b, scale.shape[p.dim])
             rows.copy_(scale)
 
 

@@ -23,6 +23,7 @@ import atexit
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -80,6 +81,10 @@ class ServerConfig:
     # The keys the server requires (server_api.job_keys() in an RL job); None: the launcher
     # makes random ones.
     keys: ServerKeys | None = None
+    # SGLang's --load-format; "dummy": random weights of the right layout, for a server
+    # whose weights all come by DDMA before its first rollout (an FP8 server started from
+    # a bf16 checkpoint: fp8_serving_dir).
+    load_format: str | None = None
 
     def validate(self) -> None:
         """Reject what can never start, before any process is spawned."""
@@ -141,6 +146,7 @@ class ServerConfig:
         # to our receiver, which stages them and swaps them in whole (rl/ddma).
         args += ["--custom-weight-loader", server_api.DDMA_LOAD_FORMAT]
         for flag, value in (
+            ("--load-format", self.load_format),
             ("--max-total-tokens", self.max_total_tokens),
             ("--max-running-requests", self.max_running_requests),
             ("--context-length", self.context_length),
@@ -151,6 +157,30 @@ class ServerConfig:
             # Warmup sends a text request, which needs the tokenizer we skip.
             args.append("--skip-server-warmup")
         return args + list(self.extra_args)
+
+
+def fp8_serving_dir(src: str | Path, dst: Path, block: int) -> Path:
+    """A directory that makes SGLang build blockwise-FP8 layers for the checkpoint ``src``:
+    every file of ``src`` linked, and its config.json with the ``quantization_config`` of
+    DeepSeek-V3 / Qwen3-FP8 checkpoints (rl/ddma/fp8.py). Why not SGLang's online
+    ``--quantization fp8``: that keeps no weight loader, so no weight update can follow.
+    The server starts with ``load_format="dummy"`` (the weights in ``src`` are not FP8) and
+    gets its weights and scales by DDMA before its first rollout."""
+    from rl.ddma.fp8 import quant_config
+
+    src = Path(src)
+    tmp = dst.with_name(dst.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    for f in src.iterdir():
+        if f.name != "config.json":
+            (tmp / f.name).symlink_to(f.resolve())
+    config = json.loads((src / "config.json").read_text())
+    config["quantization_config"] = quant_config(block)
+    (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    shutil.rmtree(dst, ignore_errors=True)
+    tmp.rename(dst)
+    return dst
 
 
 @dataclass

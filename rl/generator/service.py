@@ -80,7 +80,7 @@ def _model_path(cfg: RootConfig, out: Path) -> str:
 
 
 def serve(cfg: RootConfig, job: Job) -> None:
-    from rl.generator.launcher import ServerConfig, ServerLauncher
+    from rl.generator.launcher import ServerConfig, ServerLauncher, fp8_serving_dir
     from rl.generator.server_api import job_keys
     from rl.generator.watchdog import Watchdog
 
@@ -91,6 +91,10 @@ def serve(cfg: RootConfig, job: Job) -> None:
         path = _model_path(cfg, out)
         n = cfg.rollout.servers // job.role_size()
         server = ServerConfig.from_rollout(cfg.rollout, path)
+        block = cfg.rollout.weight_sync.fp8_block
+        if block is not None:  # FP8 layers, their weights and scales by DDMA
+            fp8_dir = fp8_serving_dir(path, out / "hf_fp8", block)
+            server = replace(server, model_path=str(fp8_dir), load_format="dummy")
         # The servers' clients are the controller and the trainer's ranks. On one node they
         # reach 127.0.0.1. With cluster.nodes > 1 the nodes are always split between
         # training (the controller on node 0) and generation (rl/plan/placement.py), so

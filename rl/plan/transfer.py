@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 from rl.config.dtypes import itemsize as dtype_itemsize
 from rl.ddma import relay
-from rl.ddma.plan import SCALE_SUFFIX, Plan, PlanError
+from rl.ddma.plan import Plan, PlanError, is_scale
 from rl.plan.placement import PlanRefused
 
 if TYPE_CHECKING:
@@ -84,7 +84,7 @@ def engine_weight_bytes(plan: Plan, dtype: str) -> int:
         n = 1
         for s in shape:
             n *= s
-        if name.endswith(SCALE_SUFFIX):
+        if is_scale(name):
             total += n * 4
         else:
             total += n * (1 if plan.quantized(name) else itemsize)

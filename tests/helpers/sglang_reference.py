@@ -12,8 +12,9 @@ loaders (QKV with KV-head replication, merged gate/up, row-parallel, vocab-paral
 padding, replicated QK-norms and MoE router, and FusedMoE's per-expert loader, which stacks
 each expert's gate/up into ``w13_weight`` and its down into ``w2_weight``).
 Nothing here is imported from ``rl/`` but the architecture registry's name of the SGLang
-module that defines each architecture (``Arch.sglang_module``): every slice still comes from
-SGLang.
+module that defines each architecture (``Arch.sglang_module``) and, for FP8 checkpoints,
+the list of weights an FP8 engine quantizes: every slice and every FP8 byte still comes
+from SGLang.
 
 How TP is faked, in one process, without a GPU or a process group (SGLang 0.5.23):
 
@@ -60,6 +61,14 @@ environment variables that ``ServerArgs`` resolution writes are all restored on 
 Parameters start as NaN before loading, so an element SGLang's loaders never write (SGLang
 allocates with ``torch.empty``) comes back NaN instead of as arbitrary memory. Vocabulary
 padding rows are written by SGLang as zeros.
+
+FP8: a checkpoint whose config carries a blockwise-FP8 ``quantization_config`` (DeepSeek-V3
+/ Qwen3-FP8 style: e4m3 weights plus ``weight_scale_inv``; :func:`write_fp8_checkpoint`
+makes one) is built with SGLang's ``Fp8Config`` and loaded through the model's
+``load_weights``, so the FP8 linear and FusedMoE loaders place every weight and scale, as
+a weight update into an FP8 server does. ``process_weights_after_loading`` is skipped: it
+only re-lays the weights for the GPU's kernels. FP8 parameters start as zeros (NaN has
+no e4m3fn bit pattern that survives a comparison of bytes), scales as NaN.
 """
 
 from __future__ import annotations
@@ -231,14 +240,89 @@ def _load_rank(model_dir: Path, tp: int, rank: int) -> dict[str, torch.Tensor]:
                 legacy = (get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size())
             if legacy != (rank, tp):
                 raise AssertionError(f"legacy TP accessors answer {legacy}, expected {(rank, tp)}")
-            model = cls(config=model_config.hf_config, quant_config=None)
+            quant = getattr(model_config.hf_config, "quantization_config", None)
+            fp8 = None
+            if quant is not None:
+                from sglang.srt.layers.quantization.fp8 import Fp8Config
+
+                fp8 = Fp8Config.from_config(dict(quant))
+            model = cls(config=model_config.hf_config, quant_config=fp8)
             with torch.no_grad():
                 for p in model.parameters():
-                    p.fill_(float("nan"))
-            DefaultModelLoader.load_weights_and_postprocess(
-                model, _hf_weights(model_dir), torch.device("cpu")
-            )
+                    p.fill_(0.0 if p.dtype == torch.float8_e4m3fn else float("nan"))
+            if fp8 is not None:  # the loaders only (see the module docstring)
+                model.load_weights(_hf_weights(model_dir))
+                _load_dropped_block_scales(model, _hf_weights(model_dir))
+            else:
+                DefaultModelLoader.load_weights_and_postprocess(
+                    model, _hf_weights(model_dir), torch.device("cpu")
+                )
     return {name: p.detach().to("cpu", copy=True) for name, p in model.named_parameters()}
+
+
+# The stacked-parameter mapping of SGLang's Llama loader (models/llama.py).
+_STACKED = [(".qkv_proj", ".q_proj", "q"), (".qkv_proj", ".k_proj", "k"),
+            (".qkv_proj", ".v_proj", "v"), (".gate_up_proj", ".gate_proj", 0),
+            (".gate_up_proj", ".up_proj", 1)]  # fmt: skip
+
+
+def _load_dropped_block_scales(
+    model: torch.nn.Module, weights: Iterator[tuple[str, torch.Tensor]]
+) -> None:
+    """SGLang 0.5.23's Llama loaders (legacy and v2) rename every ``.weight_scale_inv`` to
+    ``.weight_scale`` (a per-tensor FP8 checkpoint's name), so the scales of a blockwise
+    checkpoint never reach the ``weight_scale_inv`` its FP8 layers hold (they stay NaN
+    here). Those are fed through the layers' own weight loaders, by the loader's mapping."""
+    params = dict(model.named_parameters())
+    for name, w in weights:
+        if not name.endswith(".weight_scale_inv"):
+            continue
+        target, shard = name, None
+        for fused, part, shard_id in _STACKED:
+            if part in name:
+                target, shard = name.replace(part, fused), shard_id
+                break
+        p = params.get(target)
+        if p is None or not p.isnan().any():
+            continue  # loaded by the model's own load_weights (or not a parameter)
+        args = () if shard is None else (shard,)
+        p.weight_loader(p, w, *args)  # type: ignore[attr-defined]
+
+
+def write_fp8_checkpoint(src: Path, dst: Path, block: int) -> Path:
+    """A copy of the HF checkpoint ``src`` in ``dst`` with every linear weight an FP8 engine
+    quantizes stored as blockwise e4m3 plus its ``weight_scale_inv``, quantized by SGLang's
+    own ``bf16_to_block_fp8_128`` (the DeepSeek-V3 contract, any block), and the config's
+    ``quantization_config`` saying so. Which weights: rl/ddma/fp8.py's list (a weight SGLang
+    does not quantize would fail its loader with an unexpected scale)."""
+    import json
+    import shutil
+
+    from safetensors.torch import save_file
+    from sglang.srt.layers.quantization.mxfp8_block_convert import bf16_to_block_fp8_128
+
+    from rl.ddma.fp8 import is_quantized_weight
+
+    dst.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        if f.is_file() and f.suffix != ".safetensors":
+            shutil.copy(f, dst / f.name)
+    out: dict[str, torch.Tensor] = {}
+    for name, t in _hf_weights(src):
+        if is_quantized_weight(name):
+            out[name], out[name.removesuffix("weight") + "weight_scale_inv"] = (
+                bf16_to_block_fp8_128(t, block)
+            )
+        else:
+            out[name] = t
+    save_file(out, str(dst / "model.safetensors"))
+    config = json.loads((src / "config.json").read_text())
+    config["quantization_config"] = {
+        "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+        "weight_block_size": [block, block],
+    }  # fmt: skip
+    (dst / "config.json").write_text(json.dumps(config))
+    return dst
 
 
 def _cache_key(model_dir: Path, tp: int, rank: int) -> tuple:

@@ -10,7 +10,8 @@ import pytest
 import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from rl.config import CONF_DIR, compose, validate
+from rl.checks import check
+from rl.config import CONF_DIR, compose
 
 CONF_FILES = sorted(CONF_DIR.rglob("*.yaml"))
 
@@ -78,7 +79,7 @@ def test_conf_discovery_finds_known_presets() -> None:
 def test_every_conf_file_composes_and_validates(path: Path) -> None:
     """Each YAML under conf/ (new ones included) type-checks, composes and validates."""
     cfg, overrides = _compose_file(path)
-    validate(cfg)
+    check(cfg)
 
     for override in overrides[1:]:
         if override.startswith("~") or "." not in override.split("=", 1)[0]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rl.ddma import fp8
+from rl.ddma import sglang_receiver as rx
 from rl.ddma.layout import expert_owner
 from rl.ddma.plan import DstLayout, SrcLayout, coverage_errors, make_plan
 from tests.helpers.ddma_util import (
@@ -22,7 +22,7 @@ from tests.helpers.ddma_util import (
     model_dims,
     run_in_process,
 )
-from tests.helpers.sglang_reference import sglang_rank_params
+from tests.helpers.sglang_reference import sglang_rank_params, write_fp8_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -66,29 +66,58 @@ def test_every_family_matches_sglang_loaders(ckpts, kind, src_tp, src_pp, src_ep
                 assert owner is None or src.coords(b.src).ep == owner, p
 
 
-@pytest.mark.parametrize("src_tp,src_pp", [(1, 1), (2, 1), (2, 2)])
-def test_fp8_plan_sends_the_destinations_blocks(ckpts, src_tp, src_pp):
-    """Each trainer rank quantizes only its own slices; the generator ends up with exactly
-    the FP8 bytes and scales of quantizing SGLang's own weights block by block."""
-    path = ckpts["llama"]
+# (model, block, Megatron tp, pp, ep, SGLang tp): FP8 blocks must not straddle a shard on
+# either side, so each tiny model takes the largest block its widths allow (llama's MLP is
+# 176 wide: 88 per rank at TP 2; the MoE experts 32: 16 per rank; qwen2_moe's shared
+# expert 48: 24 per rank). Real models use 128 with widths to match.
+FP8_COMBOS = [
+    ("llama", 8, 1, 1, 1, 1),
+    ("llama", 8, 2, 2, 1, 2),
+    ("qwen3_moe", 16, 1, 1, 1, 1),
+    ("qwen3_moe", 16, 2, 1, 2, 2),
+    ("qwen3_moe", 16, 1, 2, 2, 1),
+    ("qwen2_moe", 8, 2, 1, 2, 2),
+]
+
+
+@pytest.fixture(scope="module")
+def fp8_ckpts(ckpts, tmp_path_factory):
+    root = tmp_path_factory.mktemp("ddma_fp8")
+    return {(k, b): write_fp8_checkpoint(ckpts[k], root / f"{k}_{b}", b)
+            for k, b, *_ in FP8_COMBOS}  # fmt: skip
+
+
+@pytest.mark.parametrize("kind,block,src_tp,src_pp,src_ep,dst_tp", FP8_COMBOS)
+def test_fp8_plan_matches_sglang_fp8_loaders(
+    ckpts, fp8_ckpts, kind, block, src_tp, src_pp, src_ep, dst_tp
+):
+    """Each trainer rank quantizes only its own slices (routed experts from their EP
+    owner); every generator rank ends up with exactly the e4m3 bytes and float32 scales an
+    FP8 SGLang server holds after loading the checkpoint quantized by SGLang's own block
+    quantizer, through its FP8 linear and FusedMoE loaders (``w13_weight_scale_inv``,
+    ``w2_weight_scale_inv``)."""
+    path = ckpts[kind]
     d = model_dims(path)
-    # Block 8: Megatron TP=2 cuts the 176-row MLP at 88, so 16-row blocks would straddle
-    # two trainer ranks (refused, see below); real models use 128 with widths to match.
-    plan = make_plan(d, SrcLayout(src_tp, src_pp), DstLayout(1), 4, 4096, fp8_block=8)
+    src = SrcLayout(src_tp, src_pp, dp=src_ep, ep=src_ep)
+    plan = make_plan(d, src, DstLayout(dst_tp), 4, 4096, fp8_block=block)
+    assert coverage_errors(plan) == []
     assert plan.sent_bytes() == plan.dst_bytes()
-    got = run_in_process(plan, megatron_globals(hf_state(path), d), torch.float32)[0]
-    want = sglang_rank_params(path, 1, 0)
-    assert set(got) == set(want) | {n + "_scale_inv" for n in want if fp8.is_quantized_weight(n)}
-    for name, t in want.items():
-        if fp8.is_quantized_weight(name):
-            q, s = fp8.quantize_blockwise(t, 8)
-            assert got[name].dtype == torch.float8_e4m3fn
-            assert torch.equal(got[name].view(torch.uint8), q.view(torch.uint8)), name
-            assert torch.equal(got[name + "_scale_inv"], s), name
-        else:
-            assert torch.equal(got[name], t), name
+    got = run_in_process(plan, megatron_globals(hf_state(path), d), torch.float32)
+    for rank in range(dst_tp):
+        held = sglang_rank_params(fp8_ckpts[(kind, block)], dst_tp, rank)
+        # Llama's attention holds its KV cache's scales: not weights, never sent.
+        want = expert_slabs({n: t for n, t in held.items() if not n.endswith(rx.KV_SCALES)},
+                            plan.dst_shapes)  # fmt: skip
+        assert set(got[rank]) == set(want)
+        assert any(t.dtype == torch.float8_e4m3fn for t in want.values())
+        for name, t in want.items():
+            mine = got[rank][name]
+            assert mine.dtype == t.dtype, name
+            assert torch.equal(
+                mine.contiguous().view(torch.uint8), t.contiguous().view(torch.uint8)
+            ), name
     # FP8 sends about a quarter of the fp32 bytes of the linear layers.
-    full = make_plan(d, SrcLayout(src_tp, src_pp), DstLayout(1), 4, 4096)
+    full = make_plan(d, src, DstLayout(dst_tp), 4, 4096)
     assert plan.sent_bytes() < 0.45 * full.sent_bytes()
 
 
@@ -109,7 +138,6 @@ def _module_of(params: dict[str, torch.Tensor]) -> torch.nn.Module:
 def _receive_rank(plan, shards: dict, rank: int, staging: str, want: dict) -> None:
     """Generator rank ``rank`` of a server holding 0.5 everywhere (the served version):
     one version that misses its last bucket, then a complete one."""
-    from rl.ddma import sglang_receiver as rx
     from rl.ddma import wire
 
     spec, f32 = rx.plan_spec(plan, torch.float32), torch.float32
@@ -124,6 +152,7 @@ def _receive_rank(plan, shards: dict, rank: int, staging: str, want: dict) -> No
         ctl = {"op": op, "plan": spec, "version": version, "staging": staging}
         if bucket is None:
             return recv.handle(model, ctl, empty, rank)
+        ctl.update(transport="cuda_ipc", shared=True)  # the bucket is the entry's tensor
         get = lambda k, i, s=shards[bucket.src]: s[(k, i)]  # noqa: E731
         return recv.handle(model, ctl, wire.pack(buf, plan, bucket, get, f32, version), rank)
 

@@ -17,7 +17,9 @@ from rl.ddma.plan import (
     PlanError,
     SrcLayout,
     coverage_errors,
+    is_scale,
     make_plan,
+    scale_name,
 )
 from rl.weights import keymap as km
 from tests.helpers.ddma_util import (
@@ -174,6 +176,26 @@ def test_fp8_refuses_pieces_off_block_boundaries(ckpts):
     with pytest.raises(PlanError, match="GPU layout"):
         make_plan(model_dims(ckpts["llama"]), SrcLayout(1), DstLayout.sglang(1, "cpu"), 4, 4096,
                   fp8_block=16)  # fmt: skip
+
+
+def test_fp8_expert_slabs_are_quantized_with_their_fused_scales(ckpts):
+    """A routed expert's slab travels as FP8, and its scales land in the same slab of
+    FusedMoE's fused scale (``w13_weight_scale_inv[e]``); the router stays in dtype. An
+    expert split off block boundaries (gate 32 wide: 16 per rank at SGLang TP 2, not a
+    block of 32) is refused."""
+    d = model_dims(ckpts["qwen3_moe"])
+    plan = make_plan(d, SrcLayout(1), DstLayout(2), 4, 4096, fp8_block=16)
+    w13, w2 = "model.layers.0.mlp.experts.w13_weight[3]", "model.layers.1.mlp.experts.w2_weight[0]"
+    assert plan.quantized(w13) and plan.quantized(w2)
+    assert not plan.quantized("model.layers.0.mlp.gate.weight")
+    assert scale_name(w13) == "model.layers.0.mlp.experts.w13_weight_scale_inv[3]"
+    assert scale_name("a.qkv_proj.weight") == "a.qkv_proj.weight_scale_inv"
+    assert is_scale(scale_name(w13)) and not is_scale(w13)
+    assert plan.dst_shapes[scale_name(w13)] == (2, 4)  # [2 * 16 / 16, 64 / 16]
+    assert plan.dst_shapes[scale_name(w2)] == (4, 1)  # [64 / 16, 16 / 16]
+    off_block = r"experts.w13_weight\[0\] on generator rank 0 takes \[0, 16\)"
+    with pytest.raises(PlanError, match=off_block):
+        make_plan(d, SrcLayout(1), DstLayout(2), 4, 4096, fp8_block=32)
 
 
 def test_servers_are_started_with_this_receiver():

@@ -50,8 +50,12 @@ def test_a_name_no_module_declares_fails_in_one_line():
 
 @pytest.mark.parametrize(
     ("name", "want"),
-    [("p2p", ["cuda", "cpu", "cpu"]), ("p2p_shm", ["cpu"] * 3), ("ipc", ["cpu"] * 3),
-     ("cuda_ipc", ["cuda", "cpu", "cpu"])],  # fmt: skip
+    [
+        ("p2p", ["cuda", "cpu", "cpu"]),
+        ("p2p_shm", ["cpu"] * 3),
+        ("ipc", ["cpu"] * 3),
+        ("cuda_ipc", ["cuda", "cpu", "cpu"]),
+    ],
 )
 def test_where_buckets_lie_follows_the_transport_and_both_ends(name, want):
     """GPU buckets (NCCL for p2p) only when both ends are on the GPU (cuda_ipc is refused

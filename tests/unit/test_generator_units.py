@@ -406,3 +406,30 @@ def test_serialize_retries_a_shared_memory_manager_timeout(monkeypatch):
     monkeypatch.setattr(wp.ForkingPickler, "dump", broken)
     with pytest.raises(RuntimeError, match="something else"):
         wp.serialize({"a": 1})
+
+
+def test_an_fp8_server_starts_from_its_checkpoint_with_the_fp8_config_and_dummy_weights(
+    tmp_path,
+):
+    """rollout.weight_sync.fp8_block: SGLang builds blockwise-FP8 layers from the config's
+    quantization_config (it cannot run them on CPU: tests/gpu starts one), every other file
+    is the checkpoint's own, and the weights come by DDMA, not from the bf16 files."""
+    from rl.generator.launcher import fp8_serving_dir
+
+    src = tmp_path / "hf"
+    src.mkdir()
+    (src / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
+    (src / "model.safetensors").write_bytes(b"weights")
+    (src / "tokenizer.json").write_text("{}")
+    dst = fp8_serving_dir(src, tmp_path / "fp8", 128)
+    config = json.loads((dst / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"]
+    assert config["quantization_config"]["weight_block_size"] == [128, 128]
+    assert config["quantization_config"]["quant_method"] == "fp8"
+    assert (dst / "model.safetensors").read_bytes() == b"weights"
+    assert (dst / "tokenizer.json").resolve() == (src / "tokenizer.json").resolve()
+    assert "quantization_config" not in json.loads((src / "config.json").read_text())
+    assert fp8_serving_dir(src, tmp_path / "fp8", 64) == dst  # rewritten in place
+    argv = ServerConfig(model_path=str(dst), load_format="dummy").argv(1234)
+    assert argv[argv.index("--load-format") + 1] == "dummy"
+    assert "--load-format" not in ServerConfig(model_path=str(src)).argv(1234)

@@ -7,6 +7,8 @@ as SGLang's own weight updates do); the server's rank opens the handle (once: to
 opened handles per process), verifies and scatters on the GPU, and synchronizes before its
 reply, so the trainer rank may refill the slot once the request returns. No byte goes
 through host memory. NCCL cannot do this on one GPU (it refuses two ranks on one device).
+A handle names its GPU by index: every process of a node sees the same numbering (the
+launcher sets no ``CUDA_VISIBLE_DEVICES``).
 
 The same code runs on CPU tensors, shared through torch's ``file_system`` strategy (the
 payload's pickling), which is how CPU tests cover everything but the handle itself; the

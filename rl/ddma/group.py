@@ -24,13 +24,6 @@ HOST_BACKEND = "gloo"
 CUDA_BACKEND = "cpu:gloo,cuda:nccl"
 
 
-def link_device(trainer: str, rollout: str) -> str:
-    """Where a DDMA group's buckets lie, from trainer.device and rollout.device: on the GPU
-    only when both ends are (with a CPU end both take host buffers, and the GPU end packs
-    into or scatters from them)."""
-    return "cuda" if trainer == rollout == "cuda" else "cpu"
-
-
 def local(device: str) -> torch.device:
     """``device`` ("cpu" or "cuda") as this process's torch device."""
     if device == "cuda":

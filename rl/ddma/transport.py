@@ -18,6 +18,10 @@ Every transport is a class in its own module under ``rl/ddma/transports/``, foun
 listing the package as model families are (rl/models/registry.py): adding one is that
 module and its tests. ``rollout.weight_sync.transport`` names it, and :func:`check` is the
 one place a config's choice is judged.
+
+Importing this module or a transport's loads no torch: the planner reads the traits and
+runs :func:`check` in a process that never needs torch; a transport imports what moves
+its bytes (rl/ddma/engine.py, rl/ddma/shm.py, torch) inside the methods that move them.
 """
 
 from __future__ import annotations
@@ -29,16 +33,23 @@ from collections.abc import Sequence
 from functools import cache
 from typing import TYPE_CHECKING, ClassVar, Protocol
 
-import torch
-import torch.distributed as dist
-
 from rl.config.errors import ConfigError
-from rl.ddma import group, wire
-from rl.ddma.engine import TransferStats
-from rl.ddma.plan import Plan
 
 if TYPE_CHECKING:
+    import torch
+    import torch.distributed as dist
+
     from rl.config.schema import RootConfig
+    from rl.ddma import wire
+    from rl.ddma.engine import TransferStats
+    from rl.ddma.plan import Plan
+
+
+def link_device(trainer: str, rollout: str) -> str:
+    """Where buckets lie between trainer ranks on ``trainer`` and servers on ``rollout``
+    (trainer.device, rollout.device): on the GPU only when both ends are (with a CPU end
+    both take host buffers, and the GPU end packs into or scatters from them)."""
+    return "cuda" if trainer == rollout == "cuda" else "cpu"
 
 
 class Transport(ABC):
@@ -52,7 +63,7 @@ class Transport(ABC):
 
     def bucket_device(self, trainer: str, rollout: str) -> str:
         """Where buckets lie in transit, from trainer.device and rollout.device."""
-        return group.link_device(trainer, rollout)
+        return link_device(trainer, rollout)
 
     def refusal(self, trainer: str, rollout: str) -> str | None:
         """Why this transport cannot join trainer ranks on ``trainer`` to servers on

@@ -26,6 +26,9 @@ FITTING_OVERRIDES: dict[str, list[str]] = {
     "trainer/gpu_70b": ["model=llama3_70b"],
     "trainer/gpu_405b": ["model=llama3_405b"],
     "rollout/gpu_fp8": ["model=llama3_8b", "trainer.tp=8"],
+    # Two nodes split training from generation: only a transport that crosses hosts fits.
+    "cluster/slurm": ["rollout.weight_sync.transport=p2p"],
+    "cluster/slurm_cpu": ["rollout.weight_sync.transport=p2p"],
 }
 
 

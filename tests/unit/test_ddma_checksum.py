@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from rl.ddma import checksum as cks
-from rl.ddma import group, wire
+from rl.ddma import group, transport, wire
 from rl.ddma.plan import HEADER_BYTES, DstLayout, SrcLayout, make_plan
 from tests.helpers.ddma_util import hf_state, megatron_globals, megatron_shards, model_dims
 from tests.helpers.hf_models import make_model
@@ -106,8 +106,8 @@ def test_a_ddma_group_backend_is_chosen_by_device():
     with pytest.raises(ValueError, match="not device='mps'"):
         group.backend("mps")
     # Buckets lie on the GPU only when both ends are there; a CPU end takes host buffers.
-    assert group.link_device("cuda", "cuda") == "cuda"
-    assert group.link_device("cuda", "cpu") == group.link_device("cpu", "cuda") == "cpu"
+    assert transport.link_device("cuda", "cuda") == "cuda"
+    assert transport.link_device("cuda", "cpu") == transport.link_device("cpu", "cuda") == "cpu"
     assert group.local("cpu") == torch.device("cpu")
 
 

@@ -17,9 +17,12 @@ config admits it only between CUDA ends (``cuda``).
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
 
 from rl.ddma.transport import StagedTransport
+
+if TYPE_CHECKING:
+    import torch
 
 
 class DeviceSlots:
@@ -28,6 +31,8 @@ class DeviceSlots:
     may_be_gone = False  # every request carries its handle anew
 
     def __init__(self, bucket_bytes: int, count: int, device: str) -> None:
+        import torch
+
         dev = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else device
         self.data = torch.empty(count, bucket_bytes, dtype=torch.uint8, device=dev)
         self.nbytes = self.data.numel()
@@ -36,6 +41,8 @@ class DeviceSlots:
         return self.data[i]
 
     def entry(self, i: int, nbytes: int) -> tuple[dict[str, object], torch.Tensor]:
+        import torch
+
         if self.data.is_cuda:  # the server's stream must see the packed bytes
             torch.cuda.current_stream(self.data.device).synchronize()
         return {"shared": True}, self.data[i][:nbytes]
@@ -59,6 +66,8 @@ class CudaIpc(StagedTransport):
         return tensor.reshape(-1)
 
     def release(self, msg: torch.Tensor) -> None:
+        import torch
+
         if msg.is_cuda:  # the scatter has read every byte before the reply goes back
             torch.cuda.current_stream(msg.device).synchronize()
 

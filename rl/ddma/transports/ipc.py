@@ -11,16 +11,20 @@ that restarted since cannot open it any more, and the trainer rank makes another
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
 
-from rl.ddma import shm
 from rl.ddma.transport import StagedTransport
+
+if TYPE_CHECKING:
+    import torch
 
 
 class RingSlots:
     """The slots of one ring (see the module docstring)."""
 
     def __init__(self, bucket_bytes: int, count: int) -> None:
+        from rl.ddma import shm
+
         self.ring = shm.create_ring(bucket_bytes, count)
         self.nbytes = self.ring.data.numel()
 
@@ -33,6 +37,8 @@ class RingSlots:
         return self.ring.slot(i)
 
     def entry(self, i: int, nbytes: int) -> tuple[dict[str, object], torch.Tensor]:
+        import torch
+
         where = {"ring": self.ring.path, "ring_bytes": self.nbytes, "slot": i}
         return where, torch.zeros(1, dtype=torch.uint8)
 
@@ -52,6 +58,8 @@ class Ipc(StagedTransport):
         return RingSlots(bucket_bytes, count)
 
     def locate(self, ctl: dict, tensor: torch.Tensor, bucket_bytes: int) -> torch.Tensor:
+        from rl.ddma import shm
+
         ring = shm.map_ring(str(ctl["ring"]), int(ctl["ring_bytes"]))
         return ring[int(ctl["slot"]) * bucket_bytes :][:bucket_bytes]
 

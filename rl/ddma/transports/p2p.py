@@ -8,14 +8,17 @@ through host memory. The only transport whose servers relay buckets to other ser
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-import torch
-import torch.distributed as dist
-
-from rl.ddma import engine, wire
-from rl.ddma.engine import TransferStats
-from rl.ddma.plan import Plan
 from rl.ddma.transport import GroupTransport
+
+if TYPE_CHECKING:
+    import torch
+    import torch.distributed as dist
+
+    from rl.ddma import wire
+    from rl.ddma.engine import TransferStats
+    from rl.ddma.plan import Plan
 
 
 class P2P(GroupTransport):
@@ -28,6 +31,8 @@ class P2P(GroupTransport):
         dtype: torch.dtype, pg: dist.ProcessGroup | None, dst_ranks: Sequence[int],
         device: str | torch.device = "cpu",
     ) -> TransferStats:  # fmt: skip
+        from rl.ddma import engine
+
         return engine.send(plan, src_rank, shards, version, dtype, pg, dst_ranks, device)
 
     def receive(
@@ -35,6 +40,8 @@ class P2P(GroupTransport):
         dtype: torch.dtype, pg: dist.ProcessGroup | None, src_ranks: Sequence[int],
         device: str | torch.device = "cpu", replica: int = 0, dst_ranks: Sequence[int] = (),
     ) -> TransferStats:  # fmt: skip
+        from rl.ddma import engine
+
         return engine.receive(plan, dst_rank, tensors, version, dtype, pg, src_ranks, device,
                               replica=replica, dst_ranks=dst_ranks)  # fmt: skip
 

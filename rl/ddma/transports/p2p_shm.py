@@ -8,14 +8,17 @@ only: a CUDA trainer packs into the ring, a CUDA server scatters from it.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-import torch
-import torch.distributed as dist
-
-from rl.ddma import shm, wire
-from rl.ddma.engine import TransferStats
-from rl.ddma.plan import Plan
 from rl.ddma.transport import GroupTransport
+
+if TYPE_CHECKING:
+    import torch
+    import torch.distributed as dist
+
+    from rl.ddma import wire
+    from rl.ddma.engine import TransferStats
+    from rl.ddma.plan import Plan
 
 
 class P2PShm(GroupTransport):
@@ -31,6 +34,8 @@ class P2PShm(GroupTransport):
         dtype: torch.dtype, pg: dist.ProcessGroup | None, dst_ranks: Sequence[int],
         device: str | torch.device = "cpu",
     ) -> TransferStats:  # fmt: skip
+        from rl.ddma import shm
+
         return shm.send(plan, src_rank, shards, version, dtype, pg, dst_ranks, device)
 
     def receive(
@@ -40,6 +45,8 @@ class P2PShm(GroupTransport):
     ) -> TransferStats:  # fmt: skip
         if replica or len(dst_ranks) > plan.dst.tp:
             raise ValueError("a relay sync runs over the p2p transport, not p2p_shm")
+        from rl.ddma import shm
+
         return shm.receive(plan, dst_rank, tensors, version, dtype, pg, src_ranks, device)
 
 

@@ -1,17 +1,56 @@
 """Every check of a config before anything starts, for the entry points (rl.train,
-rl.world_size, rl.plan): the config's own (rl/config/validate.py) and then those that
-belong to a layer above it, today the DDMA transport's (rl/ddma/transport.py: the
-transports are code, so the config layer cannot know them). Each raises
-:class:`~rl.config.ConfigError` with one line."""
+rl.world_size, rl.plan, rl.simulate).
+
+rl.config checks the config's own fields (rl/config/validate.py) and knows nothing above
+it; each layer that owns a part of the job checks that part: the model and the trainer's
+layout on it (rl/models/checks.py), the task and the reward function
+(rl/tasks/checks.py), the objective and its correction (rl/algorithms/losses.py), the DDMA
+plan (rl/ddma/plan.py) and its transport (rl/ddma/transport.py). This module runs them
+all. Each raises :class:`~rl.config.ConfigError` with one line.
+"""
 
 from __future__ import annotations
 
-from rl.config import validate
+from hydra.errors import HydraException
+from omegaconf.errors import OmegaConfBaseException
+
+from rl.algorithms import losses
+from rl.config import ConfigError, compose, composition_error
 from rl.config.schema import RootConfig
-from rl.ddma import transport
+from rl.config.validate import validate
+from rl.ddma import plan, transport
+from rl.models.checks import validate_model, validate_trainer
+from rl.tasks import checks as task_checks
+from rl.tasks.checks import check_task
+from rl.weights.hf_model import resolve_model
+
+__all__ = ["check", "check_task", "compose_resolved", "resolve_model"]
 
 
 def check(cfg: RootConfig, world_size: int | None = None) -> None:
-    """``validate`` and the checks of the owners above the config layer."""
+    """Every check that reads no data: the model and its trainer first (the shape errors
+    name the most), the config's other fields, then each other owner's.
+    ``world_size``: the ranks a launcher started, checked against the role map.
+    (:func:`check_task` then builds the task from its data.)"""
+    validate_model(cfg.model)
+    validate_trainer(cfg.trainer, cfg.model)
     validate(cfg, world_size)
+    task_checks.check(cfg)
+    losses.check_config(cfg.algorithm)
+    plan.check_config(cfg)
     transport.check(cfg)
+
+
+def compose_resolved(overrides: list[str]) -> RootConfig:
+    """:func:`~rl.config.compose` and :func:`resolve_model` (the architecture from
+    model.hf_checkpoint's config.json) for a command-line tool: a bad override or model is
+    a :class:`ConfigError` whose message is the one line to print."""
+    try:
+        cfg = compose(overrides)
+    except (HydraException, OmegaConfBaseException) as e:
+        raise ConfigError(composition_error(e)) from None
+    try:
+        resolve_model(cfg)
+    except OmegaConfBaseException as e:
+        raise ConfigError(str(e)) from None
+    return cfg

@@ -27,8 +27,8 @@ from typing import TYPE_CHECKING, NoReturn
 import hydra
 from omegaconf import OmegaConf
 
-from rl.checks import check
-from rl.config import ConfigError, check_task, register, resolve_model
+from rl.checks import check, check_task, resolve_model
+from rl.config import ConfigError, register
 from rl.config.prelaunch import prelaunch
 from rl.config.roles import RoleMap
 from rl.dist.launch import (

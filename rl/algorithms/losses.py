@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
+from rl.config.errors import ConfigError
+
 if TYPE_CHECKING:
     from rl.config.schema import AlgorithmConfig
 
@@ -219,3 +221,12 @@ def loss_from_config(a: AlgorithmConfig) -> LossFn:
             )
         return ppo_clip_loss(a.clip_eps, a.kl_coef)
     raise ValueError(f"algorithm.name={a.name!r} must be 'aipo' or 'grpo'")
+
+
+def check_config(a: AlgorithmConfig) -> None:
+    """The objective and correction an ``AlgorithmConfig`` names, built as the trainer will
+    build them; raises :class:`ConfigError` in one line."""
+    try:
+        loss_from_config(a)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None

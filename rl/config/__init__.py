@@ -1,6 +1,11 @@
-"""Config schemas, composition and validation (see conf/ for the YAML tree), and the typed
-forms of config sections that executors share: the role map (``roles``), sampling
-parameters (``sampling``), SGLang's server limits (``sglang``) and dtypes (``dtypes``)."""
+"""Config schemas, composition and validation of the config's own fields (see conf/ for the
+YAML tree), and the typed forms of config sections that executors share: the role map
+(``roles``), sampling parameters (``sampling``), SGLang's server limits (``sglang``) and
+dtypes (``dtypes``).
+
+A leaf: nothing here imports ``rl`` outside ``rl.config``, so any layer may use it. The
+checks that need another layer's code (the model family, the task, the DDMA plan) are
+that layer's; rl/checks.py runs them all (``rl.checks.check``)."""
 
 from __future__ import annotations
 
@@ -8,22 +13,16 @@ from pathlib import Path
 from typing import cast
 
 from rl.config.errors import ConfigError
-from rl.config.hf import resolve_model
 from rl.config.schema import RootConfig, register
-from rl.config.validate import check_task, validate
 
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 
 __all__ = [
     "CONF_DIR",
     "ConfigError",
-    "check_task",
     "compose",
-    "compose_resolved",
     "composition_error",
     "register",
-    "resolve_model",
-    "validate",
 ]
 
 
@@ -51,21 +50,3 @@ def composition_error(e: BaseException) -> str:
             parts.append(text)
         err = err.__cause__
     return " | ".join(parts)
-
-
-def compose_resolved(overrides: list[str]) -> RootConfig:
-    """:func:`compose` and :func:`resolve_model` (the architecture from
-    model.hf_checkpoint's config.json) for a command-line tool: a bad override or model is
-    a :class:`ConfigError` whose message is the one line to print."""
-    from hydra.errors import HydraException
-    from omegaconf.errors import OmegaConfBaseException
-
-    try:
-        cfg = compose(overrides)
-    except (HydraException, OmegaConfBaseException) as e:
-        raise ConfigError(composition_error(e)) from None
-    try:
-        resolve_model(cfg)
-    except OmegaConfBaseException as e:
-        raise ConfigError(str(e)) from None
-    return cfg

@@ -112,7 +112,7 @@ def check_checkpoint(path: str, field: str, model: dict[str, Any] | None = None)
 
 
 def prelaunch(cfg: RootConfig) -> None:
-    """Every file check of ``cfg`` (after :func:`rl.config.validate`, which checked the
+    """Every file check of ``cfg`` (after :func:`rl.checks.check`, which checked the
     values, and resolve_model, which checked model.hf_checkpoint's files)."""
     check_output_dir(str(cfg.run.output_dir))
     check_rollout_model(cfg)

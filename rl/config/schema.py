@@ -2,8 +2,9 @@
 
 Why dataclasses: Hydra then type-checks every YAML file and command-line override against
 the schema, so ``trainer.tpp=2`` or ``trainer.tp=two`` fails at composition, before any
-process is spawned. Semantic checks (divisibility, presets) live in ``model_checks.py``
-(the model and its trainer) and ``validate.py`` (the rest, and the whole).
+process is spawned. Semantic checks live in ``validate.py`` (the config's own fields) and
+in the layers that own the rest (the model and its trainer: rl/models/checks.py; all of
+them: rl/checks.py).
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ class ModelConfig:
     make_vocab_size_divisible_by: int = 1
     init_method_std: float = 0.02
     # A Hugging Face directory (config.json, safetensors, tokenizer). When set, every
-    # architecture field above is read from its config.json at launch (rl/config/hf.py),
+    # architecture field above is read from its config.json at launch (rl/weights/hf_model.py),
     # the trainer starts from its weights and the servers start from the directory.
     hf_checkpoint: str | None = None
 

@@ -11,6 +11,8 @@ from rl.config.dtypes import PARAM_DTYPES
 # Where a server's DDMA receiver (rl/ddma/sglang_receiver.py) stages an incoming version:
 # rollout.weight_sync.staging.
 WEIGHT_STAGINGS = ("device", "host", "none")
+# How servers relay DDMA buckets to servers (rl/ddma/relay.py): rollout.weight_sync.relay.
+RELAYS = ("none", "chain", "tree")
 
 
 def layout_problem(device: str, tp: int, dtype: str, where: str) -> str | None:

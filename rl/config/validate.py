@@ -1,45 +1,88 @@
-"""Semantic validation of a composed config, run before any process is spawned.
+"""Semantic validation of a composed config's own fields, run before any process is spawned.
 
 Every check raises :class:`ConfigError` with one line naming the field and its value, so
 a bad launch fails in the launcher, in milliseconds, instead of as a shape error on rank 3
-minutes later. Pure logic: no torch.distributed, no Megatron.
+minutes later. This module checks what the config alone can say; each layer above owns
+the checks that need its code (rl/checks.py runs them all). Pure logic, and a leaf: it
+imports nothing of ``rl`` outside ``rl.config``.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from omegaconf import OmegaConf
-
+from rl.config.dtypes import PARAM_DTYPES
 from rl.config.errors import ConfigError, at_least, positive, require
-from rl.config.model_checks import validate_model, validate_optim, validate_trainer
 from rl.config.roles import RoleError, RoleMap
 from rl.config.sampling import RequestError, SamplingParams
-from rl.config.sglang import WEIGHT_STAGINGS, layout_problem
-from rl.tasks import scoring
+from rl.config.sglang import RELAYS, WEIGHT_STAGINGS, layout_problem
 
-if TYPE_CHECKING:  # a task is built (data files, tokenizers) only where it is checked
+if TYPE_CHECKING:
     from rl.config.schema import (
         AlgorithmConfig,
         ClusterConfig,
+        OptimConfig,
         RewardConfig,
         RolloutConfig,
         RootConfig,
+        TrainerConfig,
     )
-    from rl.tasks import Task
 
 CLUSTERS = ("local", "slurm")
 OVERLONG = ("keep", "mask", "penalise")
+DEVICES = ("cpu", "cuda")
+DECAY_STYLES = ("constant", "linear", "cosine")
 
 
-def validate_task(cfg: RootConfig) -> None:
-    """The task's own fields (rl/tasks checks them; no data is read here) and the warm-up."""
-    from rl.tasks import TaskError, check_config
+def validate_optim(where: str, o: OptimConfig) -> None:
+    require(
+        o.decay_style in DECAY_STYLES,
+        f"{where}.decay_style={o.decay_style!r} must be one of {DECAY_STYLES}",
+    )
+    require(o.lr > 0, f"{where}.lr={o.lr} must be > 0")
+    require(0 <= o.min_lr <= o.lr, f"{where}.min_lr={o.min_lr} must be in [0, {where}.lr={o.lr}]")
+    require(o.clip_grad >= 0, f"{where}.clip_grad={o.clip_grad} must be >= 0")
+    for name in ("warmup_steps", "decay_steps"):
+        v = getattr(o, name)
+        require(v is None or v >= 0, f"{where}.{name}={v} must be >= 0")
 
-    try:
-        check_config(cfg)
-    except TaskError as e:
-        raise ConfigError(str(e)) from None
+
+def validate_trainer_fields(t: TrainerConfig) -> None:
+    """The trainer section alone (its layout on the model: rl/models/checks.py)."""
+    positive("trainer", t, "tp", "pp", "dp", "ep", "micro_batch_size", "global_batch_size")
+    positive("trainer", t, "threads_per_rank")
+    require(t.dp % t.ep == 0, f"trainer.ep={t.ep} does not divide trainer.dp={t.dp}")
+    require(t.device in DEVICES, f"trainer.device={t.device!r} must be one of {DEVICES}")
+    require(
+        t.params_dtype in PARAM_DTYPES,
+        f"trainer.params_dtype={t.params_dtype!r} must be one of {PARAM_DTYPES}",
+    )
+    validate_optim("trainer.optim", t.optim)
+    budget = t.max_tokens_per_microbatch
+    require(
+        budget is None or (isinstance(budget, int) and budget >= 1),
+        f"trainer.max_tokens_per_microbatch={budget!r} must be an integer >= 1 or null",
+    )
+    require(
+        budget is None or t.pp == 1,
+        f"trainer.max_tokens_per_microbatch={budget} needs trainer.pp=1 (pipeline stages "
+        f"exchange one fixed micro-batch shape), not trainer.pp={t.pp}",
+    )
+    require(t.save_interval >= 0, f"trainer.save_interval={t.save_interval} must be >= 0")
+
+
+def validate_batch(t: TrainerConfig) -> None:
+    """The trainer's global batch in whole micro-batches of every data-parallel rank."""
+    per_step = t.micro_batch_size * t.dp
+    require(
+        t.global_batch_size % per_step == 0,
+        f"trainer.global_batch_size={t.global_batch_size} is not a multiple of "
+        f"trainer.micro_batch_size*dp={t.micro_batch_size}*{t.dp}={per_step}",
+    )
+
+
+def validate_sft(cfg: RootConfig) -> None:
+    """The supervised warm-up (the task's own fields: rl/tasks/checks.py)."""
     sft = cfg.sft
     require(sft.steps >= 0, f"sft.steps={sft.steps} must be >= 0")
     positive("sft", sft, "log_every", "check_every")
@@ -48,54 +91,6 @@ def validate_task(cfg: RootConfig) -> None:
     require(t is None or 0 < t <= 1, f"sft.stop_at_accuracy={t} must be in (0, 1] or null")
     if sft.optim is not None:
         validate_optim("sft.optim", sft.optim)
-
-
-def check_task(cfg: RootConfig) -> Task:
-    """Build the task (reads and renders its data) and check it against the model and
-    the rollouts; returns it. Run once before launch, after :func:`validate`."""
-    from rl.tasks import TaskError, build_task
-
-    try:
-        task = build_task(cfg)
-    except TaskError as e:
-        raise ConfigError(str(e)) from None
-    if cfg.rl.steps > 0:
-        check_context(cfg, task.max_prompt_len)
-    if cfg.sft.steps > 0:
-        missing = next((e.uid for e in task.validation_set if not e.target_ids), None)
-        require(
-            missing is None,
-            f"sft.steps={cfg.sft.steps} needs a label on every prompt: {missing} has none "
-            f"(task.label_key={cfg.task.label_key!r})",
-        )
-    return task
-
-
-def check_context(cfg: RootConfig, longest: int) -> None:
-    """Every rollout must fit the servers: the longest prompt (``longest`` tokens, measured
-    on the rendered data) plus ``max_new_tokens`` within the context and the KV cache, and
-    the context within the model's positions (checked here, after resolve_model has read
-    them from model.hf_checkpoint, not in validate)."""
-    r, new = cfg.rollout, cfg.rollout.sampling.max_new_tokens
-    positions = cfg.model.max_position_embeddings
-    require(  # SGLang refuses it at server start, after the warm-up
-        r.context_length is None or r.context_length <= positions,
-        f"rollout.context_length={r.context_length} exceeds model.max_position_embeddings="
-        f"{positions} (the servers refuse a longer context; null: the model's)",
-    )
-    context = r.context_length or positions
-    require(
-        longest + new <= context,
-        f"rollout.sampling.max_new_tokens={new} + the longest prompt ({longest} tokens) "
-        f"exceeds the context of {context} tokens (rollout.context_length or "
-        "model.max_position_embeddings; task.max_prompt_tokens drops long prompts)",
-    )
-    kv = r.max_total_tokens
-    require(
-        kv is None or longest + new <= kv,
-        f"rollout.max_total_tokens={kv} (a server's KV cache) cannot hold one rollout: the "
-        f"longest prompt ({longest} tokens) + rollout.sampling.max_new_tokens={new}",
-    )
 
 
 def validate_rollout(r: RolloutConfig) -> None:
@@ -124,8 +119,6 @@ def validate_rollout(r: RolloutConfig) -> None:
     why = f"rollout.weight_sync.staging={w.staging!r} must be one of {WEIGHT_STAGINGS}"
     require(w.staging in WEIGHT_STAGINGS, why)
     require(w.timeout > 0, f"rollout.weight_sync.timeout={w.timeout} must be > 0 seconds")
-    from rl.ddma.relay import RELAYS
-
     require(w.relay in RELAYS, f"rollout.weight_sync.relay={w.relay!r} must be one of {RELAYS}")
     require(
         w.relay_roots >= 0,
@@ -161,40 +154,12 @@ def validate_algorithm(a: AlgorithmConfig) -> None:
         a.overlong in OVERLONG,
         f"algorithm.overlong={a.overlong!r} must be one of {', '.join(OVERLONG)}",
     )
-    from rl.algorithms.losses import loss_from_config
-
-    try:  # the correction's name and parameters, as the trainer will build them
-        loss_from_config(a)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
 
 
 def validate_reward(r: RewardConfig) -> None:
-    """The reward function must import and take (prompt, response, label, metadata)."""
+    """The reward executor (its function: rl/tasks/checks.py)."""
     require(r.workers >= 1, f"reward.workers={r.workers} must be >= 1")
     require(r.timeout_s > 0, f"reward.timeout_s={r.timeout_s} must be > 0 seconds")
-    try:
-        scoring.check(r.fn)
-    except scoring.RewardFnError as e:
-        raise ConfigError(f"reward.{e}") from None
-
-
-def validate_weight_sync(cfg: RootConfig) -> None:
-    """Can the trainer's shards be planned into the generator's layout? (rl/ddma/plan.py)"""
-    from rl.ddma.plan import PlanError, plan_for
-
-    t, m = cfg.trainer, cfg.model
-    # Every check of the plan (each tensor's split on both sides, vocab padding, FP8 block
-    # alignment) is per tensor shape and layout; further layers and experts only repeat the
-    # same tensors. So one layer per pipeline stage and one expert per EP rank check them
-    # all, in milliseconds even for a 235B MoE (the full plan takes seconds: rl.plan does
-    # it for the volumes). validate_trainer has checked that pp and ep divide the counts.
-    few = {"num_layers": t.pp, "num_experts": t.ep if m.num_experts else 0}
-    try:
-        # One bucket per pair; the real DP, which trainer.ep must divide.
-        plan_for(OmegaConf.merge(m, few), t, cfg.rollout, dp=t.dp, bucket_bytes=1 << 50)
-    except PlanError as e:
-        raise ConfigError(str(e)) from None
 
 
 def validate_rl(cfg: RootConfig) -> None:
@@ -281,14 +246,16 @@ def validate_cluster(c: ClusterConfig) -> None:
 
 
 def validate(cfg: RootConfig, world_size: int | None = None) -> None:
-    """Validate a composed RootConfig; raise ConfigError on the first bad field.
+    """The config's own fields, section by section; raise ConfigError on the first bad one.
 
-    ``world_size``: the number of ranks a launcher started, checked against the role map."""
-    validate_model(cfg.model)
-    validate_trainer(cfg.trainer, cfg.model)
-    validate_task(cfg)
+    What other layers own (the model and the trainer's layout on it, the task and the
+    reward function, the correction, the DDMA plan and transport) is checked by their
+    owners: rl/checks.py runs them all. ``world_size``: the number of ranks a launcher
+    started, checked against the role map."""
+    validate_trainer_fields(cfg.trainer)
+    validate_batch(cfg.trainer)
+    validate_sft(cfg)
     validate_rollout(cfg.rollout)
-    validate_weight_sync(cfg)
     validate_algorithm(cfg.algorithm)
     validate_reward(cfg.reward)
     validate_rl(cfg)

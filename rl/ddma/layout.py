@@ -26,6 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from rl.config.errors import ConfigError
 from rl.models import arch as a
 from rl.weights import keymap as km
 
@@ -33,8 +34,9 @@ SGLANG_VOCAB_PADDING = 64  # sglang/srt/layers/vocab_parallel_embedding.py DEFAU
 CPU_FFN_MULTIPLE = 32
 
 
-class PlanError(ValueError):
-    """Two layouts that cannot be planned, named by the bad field and value."""
+class PlanError(ConfigError):
+    """Two layouts that cannot be planned, named by the bad field and value (a config
+    error: the layouts come from the config)."""
 
 
 class RankCoords(NamedTuple):

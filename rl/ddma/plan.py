@@ -26,6 +26,8 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple
 
+from omegaconf import OmegaConf
+
 from rl.config import dtypes
 from rl.ddma import balance
 from rl.ddma.layout import (
@@ -43,7 +45,7 @@ from rl.ddma.layout import (
 from rl.weights import keymap as km
 
 if TYPE_CHECKING:
-    from rl.config.schema import RolloutConfig, TrainerConfig
+    from rl.config.schema import RolloutConfig, RootConfig, TrainerConfig
     from rl.models.arch import ModelShape
 
 __all__ = ["DstLayout", "PlanError", "SrcLayout", "make_plan", "plan_for", "round_up"]
@@ -461,3 +463,17 @@ def _numel(shape: tuple[int, ...]) -> int:
 
 def _slice_numel(shape: tuple[int, ...], dim: int) -> int:
     return _numel(shape) // shape[dim]
+
+
+def check_config(cfg: RootConfig) -> None:
+    """Can the trainer's shards be planned into the generator's layout? Raises
+    :class:`ConfigError` in one line (a :class:`PlanError` is one)."""
+    t, m = cfg.trainer, cfg.model
+    # Every check of the plan (each tensor's split on both sides, vocab padding, FP8 block
+    # alignment) is per tensor shape and layout; further layers and experts only repeat the
+    # same tensors. So one layer per pipeline stage and one expert per EP rank check them
+    # all, in milliseconds even for a 235B MoE (the full plan takes seconds: rl.plan does
+    # it for the volumes). validate_trainer has checked that pp and ep divide the counts.
+    few = {"num_layers": t.pp, "num_experts": t.ep if m.num_experts else 0}
+    # One bucket per pair; the real DP, which trainer.ep must divide.
+    plan_for(OmegaConf.merge(m, few), t, cfg.rollout, dp=t.dp, bucket_bytes=1 << 50)

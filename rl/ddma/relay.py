@@ -24,13 +24,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, NamedTuple
 
+from rl.config.sglang import RELAYS
 from rl.ddma.plan import Bucket, Hop, Plan, PlanError, plan_digest, plan_for
 
 if TYPE_CHECKING:
     from rl.config.schema import RolloutConfig, TrainerConfig, WeightSyncConfig
     from rl.models.arch import ModelShape
 
-RELAYS = ("none", "chain", "tree")
+__all__ = ["RELAYS", "TRAINER"]
 TRAINER = -1  # parent of a replica the trainer ranks feed
 
 

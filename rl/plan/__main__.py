@@ -37,7 +37,8 @@ def main(argv: list[str]) -> int:
 
     from omegaconf.errors import OmegaConfBaseException
 
-    from rl.config import ConfigError, compose_resolved
+    from rl.checks import compose_resolved
+    from rl.config import ConfigError
     from rl.config.roles import format_node_ranks
     from rl.plan.cluster import plan_cluster
     from rl.plan.placement import PlanRefused

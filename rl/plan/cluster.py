@@ -17,9 +17,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from rl.config.model_checks import validate_model, validate_trainer
 from rl.config.validate import validate_rollout
 from rl.ddma import transport
+from rl.models.checks import validate_model, validate_trainer
 from rl.models.shapes import param_count
 from rl.plan.memory import (
     GIB,

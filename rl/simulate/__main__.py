@@ -39,7 +39,8 @@ def main(argv: list[str]) -> int:
 
     from omegaconf.errors import OmegaConfBaseException
 
-    from rl.config import ConfigError, compose_resolved
+    from rl.checks import compose_resolved
+    from rl.config import ConfigError
     from rl.simulate.report import render, to_json
     from rl.simulate.simulation import simulate
 

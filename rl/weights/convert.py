@@ -23,8 +23,8 @@ import torch
 
 from rl.config.dtypes import PARAM_DTYPES, dtype_name, torch_dtype
 from rl.config.errors import ConfigError
-from rl.config.model_checks import validate_model, validate_trainer
 from rl.config.schema import ModelConfig, TrainerConfig
+from rl.models.checks import validate_model, validate_trainer
 from rl.weights import keymap as km
 from rl.weights.dist_ckpt import CheckpointError, check, model_state, write
 from rl.weights.hf_config import hf_config_from_model, model_config_from_hf

@@ -1,7 +1,8 @@
 """``lint-imports`` (run by ``make lint``) fails the moment a module imports upwards.
 
 The contract (``.importlinter``) is run on a copy of the package, as is and then with one
-upward import added to a pure-logic module.
+upward import added to a pure-logic module; and the config is a leaf, in a fresh
+interpreter.
 """
 
 from __future__ import annotations
@@ -59,3 +60,15 @@ def test_an_upward_or_cross_import_breaks_the_contract(
     res = _lint(tree)
     assert res.returncode != 0
     assert "BROKEN" in res.stdout and broken in res.stdout, res.stdout[-3000:]
+
+
+def test_the_config_is_a_leaf() -> None:
+    """Importing the dtype map loads no other package of ``rl`` (a fresh interpreter)."""
+    code = (
+        "import sys, rl.config.dtypes; "
+        "print(sorted({m.split('.')[1] for m in sys.modules if m.startswith('rl.')}))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         cwd=ROOT, timeout=120)  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "['config']"

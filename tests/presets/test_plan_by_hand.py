@@ -382,7 +382,7 @@ def test_llama3_math_numbers_by_hand() -> None:
 
 def test_qwen_trainer_tp3_is_refused_naming_the_heads() -> None:
     """28 heads (and 4 KV heads) split 1, 2 or 4 ways, not 3."""
-    from rl.config import validate
+    from rl.checks import check as validate
 
     for check in (validate, plan_cluster):
         with pytest.raises(ConfigError) as info:
@@ -494,7 +494,7 @@ def test_qwen3_30b_a3b_trainer_gpu_by_hand() -> None:
 )
 def test_moe_refusals_name_the_field(overrides: list[str], fragments: list[str]) -> None:
     """Refused by validation (at launch) and by the planner alike."""
-    from rl.config import validate
+    from rl.checks import check as validate
 
     for check in (validate, plan_cluster):
         with pytest.raises(ConfigError) as info:

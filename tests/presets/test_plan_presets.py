@@ -70,10 +70,10 @@ DATASET_PRESETS = ["qwen2_5_7b_gsm8k", "llama3_8b_math"]
 def test_dataset_experiments_validate_and_fit(name: str) -> None:
     """The user-data presets validate as launched (the files and checkpoint are the user's:
     nothing is read), every GPU is used once, and both kinds of GPU fit."""
-    from rl.config import validate
+    from rl.checks import check
 
     cfg = _cfg(f"experiment={name}")
-    validate(cfg)
+    check(cfg)
     assert cfg.task.name == "dataset" and cfg.task.train_files
     assert cfg.model.hf_checkpoint is None  # the user sets it; the model YAML gives the shape
     plan = plan_cluster(cfg)

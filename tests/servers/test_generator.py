@@ -17,7 +17,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from rl.config import compose, validate
+from rl.checks import check
+from rl.config import compose
 from rl.config.sampling import RequestError, SamplingParams
 from rl.generator.client import GeneratorClient
 from rl.generator.hf_reference import HFReferenceGenerator
@@ -41,7 +42,7 @@ def model_dir(tmp_path_factory):
 def rollout_cfg():
     """The generator settings as the main job composes them (conf/rollout/cpu.yaml)."""
     cfg = compose(["rollout.servers=2"])
-    validate(cfg)
+    check(cfg)
     return cfg.rollout
 
 

@@ -9,9 +9,9 @@ from omegaconf import OmegaConf
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
 from rl.checks import check
-from rl.config import CONF_DIR, ConfigError, compose, validate
-from rl.config.model_checks import validate_model
+from rl.config import CONF_DIR, ConfigError, compose
 from rl.config.schema import ModelConfig, RootConfig
+from rl.models.checks import validate_model
 from rl.models.shapes import padded_vocab_size, param_count
 from tests.helpers.configs import composed
 
@@ -223,7 +223,7 @@ def test_config_error_is_value_error() -> None:
 def test_vocab_padding_fixes_indivisible_vocab() -> None:
     """make_vocab_size_divisible_by is the advertised fix for a vocab TP does not divide."""
     cfg = composed(["model.vocab_size=33", "model.make_vocab_size_divisible_by=8"])
-    validate(cfg)
+    check(cfg)
     assert padded_vocab_size(cfg.model) == 40
     # The padding rows are counted in both the embedding and the untied output layer.
     assert param_count(cfg.model, padded=True) - param_count(cfg.model) == 2 * 7 * 192
@@ -233,9 +233,9 @@ def test_world_size_mismatch() -> None:
     """The launched world must be exactly the role map, or ranks would be left without a
     role (or roles without ranks)."""
     cfg = composed([])
-    validate(cfg, world_size=5)
+    check(cfg, world_size=5)
     with pytest.raises(ConfigError) as info:
-        validate(cfg, world_size=3)
+        check(cfg, world_size=3)
     msg = str(info.value)
     assert "started 3 ranks" in msg
     assert "controller 1 + trainer 2 + generator 1 + reward 1 = 5 ranks" in msg
@@ -247,14 +247,14 @@ def test_missing_model_field_raises() -> None:
     with pytest.raises(MissingMandatoryValue, match="num_layers"):
         validate_model(model)
     with pytest.raises(MissingMandatoryValue, match="model"):
-        validate(OmegaConf.structured(RootConfig))
+        check(OmegaConf.structured(RootConfig))
 
 
 def test_missing_value_from_override_raises() -> None:
     """`???` on the command line composes, but validation refuses it, naming the field."""
     cfg = compose(["model.hidden_size=???"])
     with pytest.raises(MissingMandatoryValue, match=r"model\.hidden_size"):
-        validate(cfg)
+        check(cfg)
 
 
 def _composition_error_text(overrides: list[str]) -> str:

@@ -1,5 +1,5 @@
 """Pre-launch file checks (rl/config/prelaunch.py, rl/config/ckpt_check.py) and the
-context checks of validate.py: each bad input is one ConfigError naming field and value.
+context checks of rl/tasks/checks.py: each bad input is one ConfigError naming field and value.
 
 The checkpoints here are built by hand in the torch_dist layout (a pickled index whose
 classes only have to carry the same fields, a zip holding ``data.pkl``), so no torch
@@ -24,7 +24,7 @@ from rl.config.prelaunch import (
     check_output_dir,
     prelaunch,
 )
-from rl.config.validate import check_context
+from rl.tasks.checks import check_context
 from tests.helpers.configs import composed
 
 

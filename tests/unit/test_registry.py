@@ -16,7 +16,8 @@ import pytest
 import transformers
 from safetensors import safe_open
 
-from rl.config import ConfigError, validate
+from rl.checks import check
+from rl.config import ConfigError
 from rl.models import registry
 from rl.models.arch import Dims
 from rl.models.registry import active_count
@@ -90,7 +91,7 @@ def test_moe_active_parameters_count_top_k_experts(models) -> None:
 # ------------------------------------------------------------------ refusals, one line
 def _refused(overrides: list[str]) -> str:
     with pytest.raises(ConfigError) as e:
-        validate(composed(overrides))
+        check(composed(overrides))
     msg = str(e.value)
     assert "\n" not in msg
     return msg

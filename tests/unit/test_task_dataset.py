@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from rl.config import ConfigError, check_task
+from rl.checks import check_task
+from rl.config import ConfigError
 from rl.config.schema import TaskConfig
 from rl.tasks import TaskError, build_task, sft_batch
 from rl.tasks.common import take
@@ -194,7 +195,7 @@ def test_tokenizer_and_checkpoint_problems_are_named(tok_dir, tmp_path):
     with pytest.raises(TaskError, match="needs a tokenizer"):
         build_task(no_tok)
     # model.hf_checkpoint without config.json: refused when the config is resolved
-    from rl.config import resolve_model
+    from rl.checks import resolve_model
 
     cfg = composed(["task=dataset", f"task.train_files=[{f}]", f"model.hf_checkpoint={tok_dir}"])
     with pytest.raises(ConfigError, match=r"has no config\.json"):

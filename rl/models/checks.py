@@ -1,23 +1,23 @@
-"""Checks of the model and the trainer that shapes it: shapes, families, MoE, parallelism.
+"""The model's checks: its shape and family, MoE, and the trainer's parallel layout on it.
 
-Pure logic, no torch: the planner and the converters run them too.
+The model owns them (they read the family registry and the model's shapes); the config's
+own fields are rl/config/validate.py's. Pure logic, no torch: the planner and the
+converters run them too.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from rl.config.dtypes import PARAM_DTYPES
 from rl.config.errors import ConfigError, positive, require
+from rl.config.validate import validate_batch, validate_trainer_fields
 from rl.models import registry
 from rl.models.arch import kv_channels
 from rl.models.shapes import padded_vocab_size
 
 if TYPE_CHECKING:
-    from rl.config.schema import ModelConfig, OptimConfig, TrainerConfig
+    from rl.config.schema import ModelConfig, TrainerConfig
 
-DEVICES = ("cpu", "cuda")
-DECAY_STYLES = ("constant", "linear", "cosine")
 # Megatron-Core 0.16 applies Llama 3 RoPE scaling with only `factor` configurable.
 MCORE_LLAMA3_ROPE = {
     "low_freq_factor": 1.0,
@@ -113,48 +113,18 @@ def _validate_moe(m: ModelConfig, moe: bool) -> None:
     require(m.moe_aux_loss_coeff >= 0, f"model.moe_aux_loss_coeff={m.moe_aux_loss_coeff} < 0")
 
 
-def validate_optim(where: str, o: OptimConfig) -> None:
-    require(
-        o.decay_style in DECAY_STYLES,
-        f"{where}.decay_style={o.decay_style!r} must be one of {DECAY_STYLES}",
-    )
-    require(o.lr > 0, f"{where}.lr={o.lr} must be > 0")
-    require(0 <= o.min_lr <= o.lr, f"{where}.min_lr={o.min_lr} must be in [0, {where}.lr={o.lr}]")
-    require(o.clip_grad >= 0, f"{where}.clip_grad={o.clip_grad} must be >= 0")
-    for name in ("warmup_steps", "decay_steps"):
-        v = getattr(o, name)
-        require(v is None or v >= 0, f"{where}.{name}={v} must be >= 0")
-
-
 def validate_trainer(t: TrainerConfig, m: ModelConfig) -> None:
-    positive("trainer", t, "tp", "pp", "dp", "ep", "micro_batch_size", "global_batch_size")
-    positive("trainer", t, "threads_per_rank")
+    """The trainer's own fields, its layout on ``m`` (every split must divide), then its
+    batch."""
+    validate_trainer_fields(t)
     require(
         t.ep == 1 or m.num_experts > 0,
         f"trainer.ep={t.ep} needs a Mixture-of-Experts model (model.num_experts=0)",
     )
-    require(t.dp % t.ep == 0, f"trainer.ep={t.ep} does not divide trainer.dp={t.dp}")
     require(
         m.num_experts % t.ep == 0,
         f"trainer.ep={t.ep} does not divide model.num_experts={m.num_experts}",
     )
-    require(t.device in DEVICES, f"trainer.device={t.device!r} must be one of {DEVICES}")
-    require(
-        t.params_dtype in PARAM_DTYPES,
-        f"trainer.params_dtype={t.params_dtype!r} must be one of {PARAM_DTYPES}",
-    )
-    validate_optim("trainer.optim", t.optim)
-    budget = t.max_tokens_per_microbatch
-    require(
-        budget is None or (isinstance(budget, int) and budget >= 1),
-        f"trainer.max_tokens_per_microbatch={budget!r} must be an integer >= 1 or null",
-    )
-    require(
-        budget is None or t.pp == 1,
-        f"trainer.max_tokens_per_microbatch={budget} needs trainer.pp=1 (pipeline stages "
-        f"exchange one fixed micro-batch shape), not trainer.pp={t.pp}",
-    )
-    require(t.save_interval >= 0, f"trainer.save_interval={t.save_interval} must be >= 0")
     for field, value in (
         ("num_attention_heads", m.num_attention_heads),
         ("num_query_groups", m.num_query_groups),
@@ -181,9 +151,4 @@ def validate_trainer(t: TrainerConfig, m: ModelConfig) -> None:
         m.num_layers % t.pp == 0,
         f"trainer.pp={t.pp} does not divide model.num_layers={m.num_layers}",
     )
-    per_step = t.micro_batch_size * t.dp
-    require(
-        t.global_batch_size % per_step == 0,
-        f"trainer.global_batch_size={t.global_batch_size} is not a multiple of "
-        f"trainer.micro_batch_size*dp={t.micro_batch_size}*{t.dp}={per_step}",
-    )
+    validate_batch(t)

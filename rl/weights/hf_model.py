@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, cast
 from omegaconf import OmegaConf
 
 from rl.config.errors import ConfigError
+from rl.weights.hf_config import HFConfigError, model_config_from_hf
 
 if TYPE_CHECKING:
     from rl.config.schema import ModelConfig, RootConfig
@@ -24,8 +25,6 @@ if TYPE_CHECKING:
 
 def hf_model_config(path: str, make_vocab_size_divisible_by: int = 1) -> ModelConfig:
     """The ModelConfig of the HF directory ``path`` (one-line ConfigError if unusable)."""
-    from rl.weights.hf_config import HFConfigError, model_config_from_hf
-
     field = f"model.hf_checkpoint={path!r}"
     p = Path(path)
     if not p.exists():

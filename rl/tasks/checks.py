@@ -1,0 +1,77 @@
+"""The task's checks before launch: its fields and the reward function (cheap, no data
+read), then the task built from its data and checked against the model and the rollouts.
+
+The task owns them; rl/checks.py runs them with every other layer's. Each raises
+:class:`ConfigError` with one line.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from rl.config.errors import ConfigError, require
+from rl.tasks import TaskError, build_task, scoring
+from rl.tasks import check_config as task_fields
+
+if TYPE_CHECKING:
+    from rl.config.schema import RootConfig
+    from rl.tasks import Task
+
+
+def check(cfg: RootConfig) -> None:
+    """The task's fields (reading no data) and the reward function: it must import and
+    take (prompt, response, label, metadata)."""
+    try:
+        task_fields(cfg)
+    except TaskError as e:
+        raise ConfigError(str(e)) from None
+    try:
+        scoring.check(cfg.reward.fn)
+    except scoring.RewardFnError as e:
+        raise ConfigError(f"reward.{e}") from None
+
+
+def check_task(cfg: RootConfig) -> Task:
+    """Build the task (reads and renders its data) and check it against the model and
+    the rollouts; returns it. Run once before launch, after :func:`validate`."""
+    try:
+        task = build_task(cfg)
+    except TaskError as e:
+        raise ConfigError(str(e)) from None
+    if cfg.rl.steps > 0:
+        check_context(cfg, task.max_prompt_len)
+    if cfg.sft.steps > 0:
+        missing = next((e.uid for e in task.validation_set if not e.target_ids), None)
+        require(
+            missing is None,
+            f"sft.steps={cfg.sft.steps} needs a label on every prompt: {missing} has none "
+            f"(task.label_key={cfg.task.label_key!r})",
+        )
+    return task
+
+
+def check_context(cfg: RootConfig, longest: int) -> None:
+    """Every rollout must fit the servers: the longest prompt (``longest`` tokens, measured
+    on the rendered data) plus ``max_new_tokens`` within the context and the KV cache, and
+    the context within the model's positions (checked here, after resolve_model has read
+    them from model.hf_checkpoint, not in validate)."""
+    r, new = cfg.rollout, cfg.rollout.sampling.max_new_tokens
+    positions = cfg.model.max_position_embeddings
+    require(  # SGLang refuses it at server start, after the warm-up
+        r.context_length is None or r.context_length <= positions,
+        f"rollout.context_length={r.context_length} exceeds model.max_position_embeddings="
+        f"{positions} (the servers refuse a longer context; null: the model's)",
+    )
+    context = r.context_length or positions
+    require(
+        longest + new <= context,
+        f"rollout.sampling.max_new_tokens={new} + the longest prompt ({longest} tokens) "
+        f"exceeds the context of {context} tokens (rollout.context_length or "
+        "model.max_position_embeddings; task.max_prompt_tokens drops long prompts)",
+    )
+    kv = r.max_total_tokens
+    require(
+        kv is None or longest + new <= kv,
+        f"rollout.max_total_tokens={kv} (a server's KV cache) cannot hold one rollout: the "
+        f"longest prompt ({longest} tokens) + rollout.sampling.max_new_tokens={new}",
+    )

@@ -30,6 +30,11 @@ COST_CLASSES = {
     "gpu": "a CUDA device (tools/gpu_check.sh); skipped, with one line saying why, without one",
 }
 NO_GPU = "no CUDA device (torch.cuda.is_available() is False): tools/gpu_check.sh runs these"
+# A test's own run (its call, not its fixtures' setup) past this many seconds fails, unless
+# it is marked ``long`` with the reason it cannot be shorter: the suite's 30 minutes are
+# kept by refusing slow tests when they are written, not after. MSRL_TEST_BUDGET_S
+# overrides it (a slower machine; 0 turns the check off).
+TEST_BUDGET_S = float(os.environ.get("MSRL_TEST_BUDGET_S", "120"))
 
 
 def _cuda() -> bool:
@@ -41,6 +46,23 @@ def _cuda() -> bool:
 def pytest_configure(config: pytest.Config) -> None:
     for name, what in COST_CLASSES.items():
         config.addinivalue_line("markers", f"{name}: {what}")
+    config.addinivalue_line(
+        "markers", f"long(reason): may run past the {TEST_BUDGET_S:g} s budget; says why"
+    )
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    outcome = yield
+    report = outcome.get_result()
+    over = TEST_BUDGET_S and call.when == "call" and call.duration > TEST_BUDGET_S
+    if over and report.passed and item.get_closest_marker("long") is None:
+        report.outcome = "failed"
+        report.longrepr = (
+            f"{item.nodeid} took {call.duration:.1f} s, over the {TEST_BUDGET_S:g} s budget "
+            "of one test: make it shorter (share servers and checkpoints through fixtures), "
+            "or mark it @pytest.mark.long(reason=...) saying why it cannot be"
+        )
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

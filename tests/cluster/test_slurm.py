@@ -86,6 +86,10 @@ def _wait(what: str, check, timeout: float, log: Path) -> None:
         time.sleep(2)
 
 
+@pytest.mark.long(
+    reason="a requeued SLURM job waits out cred_expire before it runs again, then the job "
+    "resumes and completes on two slurmd nodes"
+)
 def test_sbatch_job_is_requeued_resumes_from_its_checkpoint_and_completes(
     slurm: None, tmp_path: Path
 ) -> None:

@@ -8,6 +8,7 @@ interpreter.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -72,3 +73,26 @@ def test_the_config_is_a_leaf() -> None:
                          cwd=ROOT, timeout=120)  # fmt: skip
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "['config']"
+
+
+def test_a_test_over_its_time_budget_fails_unless_marked_long(tmp_path):
+    """The suite's per-test budget (tests/conftest.py), in a pytest run of its own with a
+    budget of 0.2 s: the slow test fails, naming the budget; marked long, it passes."""
+    folder = tmp_path / "tests" / "unit"
+    folder.mkdir(parents=True)
+    (tmp_path / "tests" / "conftest.py").write_text((ROOT / "tests" / "conftest.py").read_text())
+    (folder / "test_slow.py").write_text(
+        "import time, pytest\n\n"
+        "def test_slow():\n    time.sleep(0.5)\n\n"
+        "@pytest.mark.long(reason='it must')\n"
+        "def test_slow_but_allowed():\n    time.sleep(0.5)\n\n"
+        "def test_quick():\n    pass\n"
+    )
+    env = {**os.environ, "MSRL_TEST_BUDGET_S": "0.2"}
+    res = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert res.returncode == 1, res.stdout[-2000:]
+    assert "1 failed, 2 passed" in res.stdout, res.stdout[-2000:]
+    assert re.search(r"test_slow took 0\.\d s, over the 0\.2 s budget", res.stdout), res.stdout

@@ -21,6 +21,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from rl.dist.launch import spawn
@@ -51,6 +52,10 @@ def _data(path: Path) -> list[dict]:
     return rows
 
 
+@pytest.mark.long(
+    reason="the real 135M model's job end to end: its SGLang server starts in 35 s, its "
+    "Megatron trainer takes ~10 s a step on one core, and the export reloads in transformers"
+)
 def test_smollm2_from_jsonl_with_a_user_reward_file(smollm2_dir, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -71,8 +71,7 @@ class ServerRecovery:
     def _bring_back(self, r: Restarted) -> None:
         t0 = time.perf_counter()
         self.client.mark_dead(r.index)  # it serves its start-up weights until re-pushed
-        stats = self.sync.repush([r.index])
-        if r.index in stats["lost"]:  # type: ignore[operator]
+        if r.index in self.sync.repush([r.index]).lost:
             raise RuntimeError(f"generator server {r.index} ({r.url}) was lost again while "
                                "its weights were re-pushed")  # fmt: skip
         self.client.revive(r.index)

@@ -30,7 +30,8 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections.abc import Collection
+from collections.abc import Callable, Collection
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from rl.config.dtypes import torch_dtype
@@ -44,6 +45,38 @@ from rl.generator.ddma_target import SGLangTarget, UpstreamLost
 if TYPE_CHECKING:
     from rl.config.schema import RootConfig
     from rl.trainer.service import TrainerHandle
+
+
+@dataclass
+class SyncResult:
+    """One version pushed: the bytes the trainer ranks sent, where the time went (the
+    servers paused and opened, the transfer, the commit; generation is paused across all
+    three unless it overlaps the transfer), the servers fed by another server, and the
+    servers that missed it (left on whatever they had)."""
+
+    version: int
+    committed: list[int] = field(default_factory=list)  # the servers that serve it now
+    lost: list[int] = field(default_factory=list)
+    payload_bytes: float = 0.0
+    wire_bytes: float = 0.0
+    begin_s: float = 0.0
+    send_s: float = 0.0
+    commit_s: float = 0.0
+    relayed_servers: int = 0
+
+    @property
+    def seconds(self) -> float:
+        return self.begin_s + self.send_s + self.commit_s
+
+    def metrics(self) -> dict[str, float]:
+        """As the step log names them."""
+        return {
+            "sync_bytes": self.payload_bytes, "sync_wire_bytes": self.wire_bytes,
+            "sync_begin_s": self.begin_s, "sync_send_s": self.send_s,
+            "sync_commit_s": self.commit_s, "sync_s": self.seconds,
+            "sync_relayed_servers": float(self.relayed_servers),
+            "sync_lost_servers": float(len(self.lost)),
+        }  # fmt: skip
 
 
 class WeightSync:
@@ -62,6 +95,9 @@ class WeightSync:
         self.grouped = isinstance(targets[0].transport, transports.GroupTransport)
         self.weight_version = weight_version
         self.relaying = relaying
+        # Told of every new version once it is committed (the rollout stream, the client's
+        # routing): the one holder of weight_version tells the others.
+        self.listeners: list[Callable[[SyncResult], None]] = []
         # A group transport: each server's DDMA group and its position there.
         self.where: list[tuple[str, int]] = [("", 0)] * len(targets)
         self.lock = threading.RLock()
@@ -88,7 +124,7 @@ class WeightSync:
         sync = cls(trainer, targets, weight_version, relay.Relaying.of(w))
         where = trainer.connect(urls)
         if sync.grouped:
-            sync._join(where["address"], where["ports"], list(range(len(urls))))
+            sync._join(where.address, where.ports, list(range(len(urls))))
         return sync
 
     def _join(self, address: str, ports: list[int], servers: list[int]) -> None:
@@ -106,32 +142,35 @@ class WeightSync:
         for f in joined:
             f.result()
 
-    def push(self, skip: Collection[int] = ()) -> dict[str, float | list[int]]:
+    def push(self, skip: Collection[int] = ()) -> SyncResult:
         """Make the trainer's current weights version ``weight_version + 1`` on every
         server that answers: begin on each, the trainer ranks send, commit on each.
         ``lost``: the servers that stopped answering (left on whatever they had). Raises
         after putting every server back on its previous version if any other part fails.
-        ``skip``: servers known lost (being restarted; each gets a :meth:`repush`)."""
+        ``skip``: servers known lost (being restarted; each gets a :meth:`repush`). Every
+        listener then hears of the new version."""
         with self.lock:
             which = [i for i in range(len(self.targets)) if i not in skip]
             out = self._push(self.weight_version + 1, which)
             self.weight_version += 1
+            for tell in self.listeners:
+                tell(out)
             return out
 
     def _groups(self, servers: list[int]) -> list[list[int]]:
         return [servers] if self.relaying.kind != "none" else [[i] for i in servers]
 
-    def repush(self, servers: list[int]) -> dict[str, float | list[int]]:
+    def repush(self, servers: list[int]) -> SyncResult:
         """Give restarted ``servers`` the version every other server serves, which is what
         the trainer holds between steps (a group transport: their DDMA groups died with
         them: join new ones first)."""
         with self.lock:
             if self.grouped:
                 where = self.trainer.reserve(len(self._groups(servers)))
-                self._join(where["address"], where["ports"], servers)
+                self._join(where.address, where.ports, servers)
             return self._push(self.weight_version, servers)
 
-    def _push(self, version: int, servers: list[int]) -> dict[str, float | list[int]]:
+    def _push(self, version: int, servers: list[int]) -> SyncResult:
         t0 = time.perf_counter()
         begun: list[int] = []
         lost: list[int] = []
@@ -153,13 +192,13 @@ class WeightSync:
                     relayed += len(members) - route.parents.count(relay.TRAINER)
                     for replica, i in enumerate(members):
                         received[i] = self.targets[i].receive(version, name, route, replica)
-            stats = self.trainer.push(version, begun)
+            sent = self.trainer.push(version, begun)
             for i, f in received.items():
                 try:
                     f.result()
                 except (TransferError, UpstreamLost):  # it, or a server relaying to it, died
                     lost.append(i)
-            lost += [i for i in stats.pop("lost", []) if i not in lost]
+            lost += [i for i in sent.lost if i not in lost]
             t_sent = time.perf_counter()
             for i in begun:
                 if i in lost:  # if it still lives, it resumes on its previous version
@@ -176,10 +215,7 @@ class WeightSync:
                 with contextlib.suppress(Exception):
                     self.targets[i].abort(version)
             raise
-        t1 = time.perf_counter()
-        # Where the sync's time goes: pausing and opening the servers, the trainer ranks'
-        # transfer, and committing (generation is paused across all three).
-        phases = {"sync_begin_s": t_begun - t0, "sync_send_s": t_sent - t_begun,
-                  "sync_commit_s": t1 - t_sent}  # fmt: skip
-        return {**stats, **phases, "lost": sorted(lost), "sync_s": t1 - t0,
-                "sync_relayed_servers": relayed}  # fmt: skip
+        serving = [i for i in begun if i not in lost]
+        return SyncResult(version, serving, sorted(lost), sent.payload_bytes, sent.wire_bytes,
+                          t_begun - t0, t_sent - t_begun, time.perf_counter() - t_sent,
+                          relayed)  # fmt: skip

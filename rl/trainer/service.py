@@ -20,7 +20,7 @@ import threading
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
@@ -101,12 +101,45 @@ class Ready:
 
 
 @dataclass
-class Done:
-    result: dict[str, Any] = field(default_factory=dict)
+class Trained:
+    """A train step's metrics (loss, grad norm, timing; summed or averaged over ranks)."""
+
+    metrics: dict[str, float]
 
 
+@dataclass
+class Rendezvous:
+    """Where new DDMA groups meet: trainer rank 0's address and a free port per group
+    (the answer to :class:`Connect` and :class:`Reserve`)."""
+
+    address: str
+    ports: list[int]
+
+
+@dataclass
+class Joined:
+    """Every trainer rank joined the DDMA groups of a :class:`Join`."""
+
+
+@dataclass
+class Pushed:
+    """A version sent by every trainer rank: payload and wire bytes summed over them, and
+    the servers some rank lost."""
+
+    payload_bytes: float
+    wire_bytes: float
+    lost: list[int] = field(default_factory=list)
+
+
+@dataclass
+class Saved:
+    path: str
+    hf: str | None = None  # the HF export (Save.export_hf), written by trainer rank 0
+
+
+R = TypeVar("R", Trained, Rendezvous, Joined, Pushed, Saved)
 COMMANDS = (Train, Connect, Join, Reserve, Push, Save, Stop)
-REPLIES = (Log, Ready, Done)
+REPLIES = (Log, Ready, Trained, Rendezvous, Joined, Pushed, Saved)
 
 
 class _ChannelLog:
@@ -231,7 +264,7 @@ def serve(cfg: RootConfig, job: Job, make_target: TargetFactory) -> None:
             if isinstance(msg, Train):
                 if ref is not None:  # log pi_ref of every token, for the KL penalty
                     msg.batch["ref_logprobs"] = ref.logprobs(msg.batch)
-                answer(Done(tr.train_step(msg.batch, loss_fn)))
+                answer(Trained(tr.train_step(msg.batch, loss_fn)))
             elif isinstance(msg, Connect):
                 plan = plan_for(cfg.model, cfg.trainer, cfg.rollout, dp=tr.layout.dp)
                 w = cfg.rollout.weight_sync
@@ -239,13 +272,13 @@ def serve(cfg: RootConfig, job: Job, make_target: TargetFactory) -> None:
                                                                   cfg.rollout.device)  # fmt: skip
                 sender = Sender(tr.model.module, tr.layout, plan, dtype, msg.urls, make_target,
                                 w.timeout, w.transport, Relaying.of(w), device)  # fmt: skip
-                answer(Done({"address": _address(), "ports": _ports(len(msg.urls))}))
+                answer(Rendezvous(_address(), _ports(len(msg.urls))))
             elif isinstance(msg, Join):
                 assert sender is not None, "Join before Connect"
                 sender.join(msg.address, msg.ports, msg.groups)
-                answer(Done())
+                answer(Joined())
             elif isinstance(msg, Reserve):
-                answer(Done({"address": _address(), "ports": _ports(msg.n)}))
+                answer(Rendezvous(_address(), _ports(msg.n)))
             elif isinstance(msg, Push):
                 assert sender is not None, "Push before Connect"
                 s, lost = sender.push(msg.version, msg.servers)
@@ -258,15 +291,12 @@ def serve(cfg: RootConfig, job: Job, make_target: TargetFactory) -> None:
                 gone[lost] = 1.0
                 dist.all_reduce(gone, op=dist.ReduceOp.MAX)
                 lost_all = [i for i, x in enumerate(gone.tolist()) if x > 0]
-                answer(Done({"sync_bytes": v[0].item(), "sync_wire_bytes": v[1].item(),
-                             "lost": lost_all}))  # fmt: skip
+                answer(Pushed(v[0].item(), v[1].item(), lost_all))
             elif isinstance(msg, Save):
                 # The checkpoint it replaces stays until the resume state names this one.
                 tr.save(msg.path, keep_previous=True)
-                done = {"path": msg.path}
-                if msg.export_hf and lead:
-                    done["hf"] = _export_hf(cfg, msg.path, msg.step)
-                answer(Done(done))
+                hf = _export_hf(cfg, msg.path, msg.step) if msg.export_hf and lead else None
+                answer(Saved(msg.path, hf))
     except BaseException:
         reply.put(Failed("trainer", job.role_rank, traceback.format_exc()))
         raise
@@ -296,11 +326,11 @@ class TrainerHandle:
         self._from = job.channel("trainer/out", *REPLIES)
         self._lock = threading.Lock()
 
-    def _call(self, msg: Train | Connect | Join | Reserve | Push | Save) -> dict[str, Any]:
+    def _call(self, msg: Train | Connect | Join | Reserve | Push | Save, reply: type[R]) -> R:
         with self._lock:  # one command and its answer at a time, from any thread
             for ch in self._to:
                 ch.put(msg)
-            return self._from.expect(Done).result
+            return self._from.expect(reply)
 
     def wait_ready(self, log: MetricsLogger) -> Ready:
         """Wait for the trainer to be built (and warmed up), logging the warm-up's lines."""
@@ -311,26 +341,26 @@ class TrainerHandle:
         return msg
 
     def train(self, step: int, batch: dict[str, torch.Tensor]) -> dict[str, float]:
-        return self._call(Train(step, batch))
+        return self._call(Train(step, batch), Trained).metrics
 
-    def connect(self, urls: list[str]) -> dict[str, Any]:
-        return self._call(Connect(urls))
+    def connect(self, urls: list[str]) -> Rendezvous:
+        return self._call(Connect(urls), Rendezvous)
 
     def join(self, address: str, ports: list[int], groups: list[list[int]]) -> None:
-        self._call(Join(address, ports, groups))
+        self._call(Join(address, ports, groups), Joined)
 
-    def reserve(self, n: int) -> dict[str, Any]:
-        """``{"address", "ports"}``: where ``n`` new DDMA groups can rendezvous."""
-        return self._call(Reserve(n))
+    def reserve(self, n: int) -> Rendezvous:
+        """Where ``n`` new DDMA groups can rendezvous."""
+        return self._call(Reserve(n), Rendezvous)
 
-    def push(self, version: int, servers: list[int] | None = None) -> dict[str, Any]:
+    def push(self, version: int, servers: list[int] | None = None) -> Pushed:
         """DDMA ``version`` into ``servers`` (default all); ``lost``: servers that did not
         answer on some rank."""
-        return self._call(Push(version, servers))
+        return self._call(Push(version, servers), Pushed)
 
-    def save(self, path: str, export_hf: bool = False, step: int = 0) -> dict[str, Any]:
+    def save(self, path: str, export_hf: bool = False, step: int = 0) -> Saved:
         """Checkpoint to ``path`` (and, with ``export_hf``, an HF directory of it)."""
-        return self._call(Save(path, export_hf, step))
+        return self._call(Save(path, export_hf, step), Saved)
 
     def stop(self) -> None:
         for ch in self._to:

@@ -15,8 +15,9 @@ import json
 import logging
 import math
 import pickle
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -60,6 +61,14 @@ class Examples:
     rollouts: list[Rollout]
 
 
+@dataclass
+class Plain:
+    """A message of plain values (``Any``), as reward labels and metadata are."""
+
+    result: dict[str, Any] = field(default_factory=dict)
+
+
+PLAIN = (Plain,)
 EXAMPLE = Example("f.jsonl line 3", (1, 2, 3), "2+2?", "4", {"level": 2, "tags": ["a"]}, (7, 2))
 ROLLOUT = Rollout(
     [1, 2], SamplingParams(0.7, stop_token_ids=(2,), seed=5), 1, 3, [4, 5], [-0.5, -1.25], [2, 3]
@@ -79,9 +88,13 @@ MESSAGES = [
     (trn.REPLIES, trn.Log(4, {"loss": 0.25, "accuracy": 1.0, "nan": math.nan}, "sft", True)),
     (trn.REPLIES, trn.Ready(0.75, "/out/warmup")),
     (trn.REPLIES, trn.Ready(None, None)),
-    (trn.REPLIES, trn.Done({"loss": 1.5, "grad_norm": math.inf, "tokens": 4096})),
-    (trn.REPLIES, trn.Done({"address": "10.0.0.3", "ports": [1, 2], "path": "/x", "hf": None})),
-    (trn.REPLIES, trn.Done()),
+    (trn.REPLIES, trn.Trained({"loss": 1.5, "grad_norm": math.inf, "tokens": 4096.0})),
+    (trn.REPLIES, trn.Rendezvous("10.0.0.3", [1, 2])),
+    (trn.REPLIES, trn.Joined()),
+    (trn.REPLIES, trn.Pushed(1.5e9, 1.6e9, [2])),
+    (trn.REPLIES, trn.Saved("/x", None)),
+    (trn.REPLIES, trn.Saved("/x", "/x/hf")),
+    (PLAIN, Plain({"v": 1, "nested": [{"a": (1, "b")}, None], "raw": b"\x01"})),
     ((gen.Stop,), gen.Stop()),
     ((gen.Up, gen.Restarted), gen.Up(1, ["http://h:1", "http://h:2"], "/models/qwen")),
     ((gen.Up, gen.Restarted), gen.Restarted(1, 0, "http://h:1", "exited with code -9", 41.5)),
@@ -193,7 +206,7 @@ def _train(fields: dict, segs: list[int], blob: bytes = b"") -> bytes:
         (b"\x00\x00\x00\x09{}", "overruns"),
         (_frame([1, 2]), r"not \{type, fields, segs\}"),
         (_frame({"type": "os.system", "fields": {}, "segs": []}), "'os.system' is not one"),
-        (_frame({"type": "Done", "fields": {}, "segs": []}), "'Done' is not one"),  # a reply
+        (_frame({"type": "Joined", "fields": {}, "segs": []}), "'Joined' is not one"),  # a reply
         (_train({"step": 1}, []), r"fields \['batch'\] do not match"),
         (_train({"step": 1, "batch": [], "extra": 1}, []), r"fields \['extra'\]"),
         (_train({"step": "1", "batch": []}, []), "Train.step: str '1' where int"),
@@ -216,17 +229,17 @@ def test_bytes_that_are_not_a_declared_message_raise_one_codec_error(data, why):
 
 
 def test_plain_values_come_back_only_as_plain_values():
-    tagged = {"type": "Done", "fields": {"result": [["x", {"object": "os.system"}]]}, "segs": []}
+    tagged = {"type": "Plain", "fields": {"result": [["x", {"object": "os.system"}]]}, "segs": []}
     with pytest.raises(codec.CodecError, match=r"'object' is not a plain value's tag"):
-        codec.decode(_frame(tagged), trn.REPLIES)
+        codec.decode(_frame(tagged), PLAIN)
     for depth in (500, 50_000):  # past our own recursion, then past json's
-        deep = '{"type":"Done","fields":{"result":[["x",%s]]},"segs":[]}' % (
+        deep = '{"type":"Plain","fields":{"result":[["x",%s]]},"segs":[]}' % (
             "[" * depth + "]" * depth
         )
         with pytest.raises(codec.CodecError, match="nested too deeply"):
-            codec.decode(len(deep).to_bytes(4, "big") + deep.encode(), trn.REPLIES)
-    with pytest.raises(codec.CodecError, match=r"Done.result\['x'\]: a Example is not a plain"):
-        codec.encode(trn.Done({"x": EXAMPLE}), trn.REPLIES)
+            codec.decode(len(deep).to_bytes(4, "big") + deep.encode(), PLAIN)
+    with pytest.raises(codec.CodecError, match=r"Plain.result\['x'\]: a Example is not a plain"):
+        codec.encode(Plain({"x": EXAMPLE}), PLAIN)
     with pytest.raises(codec.CodecError, match=r"Up.rank: str value where int"):
         codec.encode(gen.Up("1", [], "/m"), (gen.Up,))
 
@@ -276,10 +289,10 @@ def _raw(store, name: str) -> bytes:
 def test_a_channel_drops_forged_tampered_moved_and_replayed_messages(store, tmp_path, caplog):
     """Each bad value is dropped with one log line naming the channel and why; the
     reader gets the real message that follows, and nothing the bad ones name runs."""
-    reader = Channel(store, "t/out", (trn.Done,), 5, KEY)
-    writer = Channel(store, "t/out", (trn.Done,), 5, KEY)
+    reader = Channel(store, "t/out", PLAIN, 5, KEY)
+    writer = Channel(store, "t/out", PLAIN, 5, KEY)
     before = channel_mod.rejected_total()
-    writer.put(trn.Done({"v": 1}))
+    writer.put(Plain({"v": 1}))
     good = _raw(store, "t/out")  # the queue held only this
     bomb = pickle.dumps(_Evil(tmp_path / "pwned"))
     store.queue_push("t/out", b"I" + bomb)  # a bare pickle
@@ -288,15 +301,15 @@ def test_a_channel_drops_forged_tampered_moved_and_replayed_messages(store, tmp_
     tampered = bytearray(good)
     tampered[-3] ^= 1
     store.queue_push("t/out", bytes(tampered))
-    Channel(store, "t/out", (trn.Done,), 5, bytes(32)).put(trn.Done({"v": 1}))  # other key
-    Channel(store, "other", (trn.Done,), 5, KEY).put(trn.Done({"v": 1}))
+    Channel(store, "t/out", PLAIN, 5, bytes(32)).put(Plain({"v": 1}))  # other key
+    Channel(store, "other", PLAIN, 5, KEY).put(Plain({"v": 1}))
     store.queue_push("t/out", _raw(store, "other"))  # moved from another channel
     store.queue_push("t/out", good)
     store.queue_push("t/out", good)  # replayed
-    writer.put(trn.Done({"v": 2}))
+    writer.put(Plain({"v": 2}))
     with caplog.at_level(logging.WARNING, logger="rl.dist.channel"):
-        assert reader.get(timeout=2) == trn.Done({"v": 1})
-        assert reader.get(timeout=2) == trn.Done({"v": 2})
+        assert reader.get(timeout=2) == Plain({"v": 1})
+        assert reader.get(timeout=2) == Plain({"v": 2})
     assert not (tmp_path / "pwned").exists()
     assert reader.rejected == 7 and channel_mod.rejected_total() - before == 7
     lines = [r.getMessage() for r in caplog.records]

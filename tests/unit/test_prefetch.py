@@ -15,6 +15,7 @@ from rl.controller.staleness import StalenessGate
 from rl.controller.weight_sync import WeightSync
 from rl.tasks.common import Example
 from rl.tasks.scoring import ScoreResult
+from rl.trainer.service import Pushed
 from tests.unit.test_controller_logic import _InstantClient
 from tests.unit.test_weight_sync import FakeTarget, FakeTrainer
 
@@ -133,7 +134,7 @@ def test_closing_the_stream_wakes_a_waiting_batch():
 
 
 class SlowTrainer(FakeTrainer):
-    def push(self, version: int, servers: list[int] | None = None) -> dict:
+    def push(self, version: int, servers: list[int] | None = None) -> Pushed:
         time.sleep(0.01)
         return super().push(version, servers)
 
@@ -142,10 +143,11 @@ def test_the_sync_reports_its_parts():
     log: list[str] = []
     sync = WeightSync(SlowTrainer(log), [FakeTarget(log, "s0")], weight_version=1)  # type: ignore[arg-type]
     stats = sync.push()
-    parts = [stats[k] for k in ("sync_begin_s", "sync_send_s", "sync_commit_s")]
+    m = stats.metrics()
+    parts = [m[k] for k in ("sync_begin_s", "sync_send_s", "sync_commit_s")]
     assert all(isinstance(p, float) and p >= 0 for p in parts)
     assert parts[1] >= 0.01  # the trainer ranks' transfer
-    assert sum(parts) == pytest.approx(stats["sync_s"], abs=1e-6)
+    assert sum(parts) == pytest.approx(m["sync_s"], abs=1e-6)
 
 
 def test_background_calls_run_in_order_and_their_errors_surface():

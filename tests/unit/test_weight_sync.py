@@ -14,6 +14,7 @@ from rl.ddma.engine import TransferError
 from rl.ddma.plan import DstLayout, SrcLayout, make_plan
 from rl.ddma.relay import Fanout, Relaying
 from rl.generator.ddma_target import UpstreamLost
+from rl.trainer.service import Pushed, Rendezvous
 from rl.weights import keymap as km
 
 D = km.Dims(
@@ -73,20 +74,20 @@ class FakeTrainer:
     def __init__(self, log: list[str], lost: list[int] | None = None) -> None:
         self.log, self.lost = log, lost or []
 
-    def connect(self, urls: list[str]) -> dict:
+    def connect(self, urls: list[str]) -> Rendezvous:
         self.log.append(f"connect({len(urls)})")
-        return {"address": "127.0.0.1", "ports": [7000 + i for i in range(len(urls))]}
+        return Rendezvous("127.0.0.1", [7000 + i for i in range(len(urls))])
 
     def join(self, address: str, ports: list[int], groups: list[list[int]]) -> None:
         self.log.append(f"join({ports}, {groups})")
 
-    def reserve(self, n: int) -> dict:
+    def reserve(self, n: int) -> Rendezvous:
         self.log.append(f"reserve({n})")
-        return {"address": "127.0.0.1", "ports": [8000 + i for i in range(n)]}
+        return Rendezvous("127.0.0.1", [8000 + i for i in range(n)])
 
-    def push(self, version: int, servers: list[int] | None = None) -> dict:
+    def push(self, version: int, servers: list[int] | None = None) -> Pushed:
         self.log.append(f"push({version}, {servers})")
-        return {"sync_bytes": 10.0, "lost": [i for i in self.lost if i in (servers or [])]}
+        return Pushed(10.0, 12.0, [i for i in self.lost if i in (servers or [])])
 
 
 def test_each_push_is_the_next_version_on_every_server():
@@ -94,7 +95,8 @@ def test_each_push_is_the_next_version_on_every_server():
     targets = [FakeTarget(log, "s0"), FakeTarget(log, "s1")]
     sync = WeightSync(FakeTrainer(log), targets, weight_version=4)  # type: ignore[arg-type]
     stats = sync.push()
-    assert sync.weight_version == 5 and stats["sync_bytes"] == 10.0 and stats["sync_s"] >= 0
+    assert sync.weight_version == 5 and stats.payload_bytes == 10.0 and stats.seconds >= 0
+    assert stats.metrics()["sync_bytes"] == 10.0 and stats.metrics()["sync_lost_servers"] == 0
     assert log == ["s0.begin(5)", "s1.begin(5)", "push(5, [0, 1])", "s0.commit(5)", "s1.commit(5)"]
     sync.push()
     assert sync.weight_version == 6
@@ -117,7 +119,7 @@ def test_p2p_opens_every_group_while_the_trainer_joins_then_servers_receive():
     trainer = FakeTrainer(log)
     sync = WeightSync(trainer, targets, weight_version=0)  # type: ignore[arg-type]
     where = trainer.connect(["a", "b"])
-    sync._join(where["address"], where["ports"], [0, 1])
+    sync._join(where.address, where.ports, [0, 1])
     assert sync.where == [("ddma-7000-0", 0), ("ddma-7000-1", 0)]  # a group per server
     sync.push()
     assert log[1:] == ["s0.open(ddma-7000-0 0/1)", "s1.open(ddma-7000-1 0/1)",
@@ -147,7 +149,7 @@ def test_relayed_servers_share_a_group_and_each_push_forms_the_chain_over_those_
     targets[0].lost, targets[2].fail = "begin", "starved"
     log.clear()
     stats = sync.push()
-    assert stats["lost"] == [0, 2] and sync.weight_version == 2
+    assert stats.lost == [0, 2] and sync.weight_version == 2
     assert log == ["s0.begin(2)", "s1.begin(2)", "s2.begin(2)",
                    "s1.receive(2 ddma-7000-0 (-1, 0)#0)", "s2.receive(2 ddma-7000-0 (-1, 0)#1)",
                    "push(2, [1, 2])", "s1.commit(2)", "s2.abort(2)"]  # fmt: skip
@@ -169,7 +171,7 @@ def test_a_server_lost_during_a_push_is_left_out_and_the_others_get_the_version(
     targets = [FakeTarget(log, "s0", lost="begin"), FakeTarget(log, "s1"), FakeTarget(log, "s2")]
     sync = WeightSync(FakeTrainer(log, lost=[2]), targets, weight_version=3)  # type: ignore[arg-type]
     stats = sync.push()
-    assert sync.weight_version == 4 and stats["lost"] == [0, 2]
+    assert sync.weight_version == 4 and stats.lost == [0, 2]
     assert log == ["s0.begin(4)", "s1.begin(4)", "s2.begin(4)", "push(4, [1, 2])",
                    "s1.commit(4)", "s2.abort(4)"]  # fmt: skip
 
@@ -179,7 +181,7 @@ def test_a_restarted_server_gets_the_current_version_again():
     targets = [FakeTarget(log, "s0"), FakeTarget(log, "s1")]
     sync = WeightSync(FakeTrainer(log), targets, weight_version=7)  # type: ignore[arg-type]
     stats = sync.repush([1])
-    assert sync.weight_version == 7 and stats["lost"] == []
+    assert sync.weight_version == 7 and stats.lost == []
     assert log == ["s1.begin(7)", "push(7, [1])", "s1.commit(7)"]
     # p2p: the restarted server's group died with it; it and the trainer ranks join a new
     # one (a fresh port) before the bytes go.

@@ -1,0 +1,271 @@
+"""The RL stage as one object: :meth:`RLRun.setup` once, :meth:`RLRun.step` per step,
+:meth:`RLRun.save` at every save point and at the end.
+
+A step takes the next scored groups (generated up to ``algorithm.max_policy_lag``
+versions ahead in async mode, taken and assembled while the last step trained:
+rl/controller/prefetch.py), trains on them, pushes the new weights into every server
+(DDMA) and logs; its records are written while the next step runs. Only training and the
+push sit on the critical path. The weight version has one holder, the weight sync
+(rl/controller/weight_sync.py): the rollout stream and the client's routing hear of each
+new version from it. Everything the run touches is a handle to an executor (trainer,
+generator, reward) or the task protocol; it knows no concrete task, model or transport.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from rl.config.sampling import SamplingParams
+from rl.controller import rollout_state
+from rl.controller.batch import build_batch, no_signal
+from rl.controller.evaluate import Evaluator, score_items
+from rl.controller.prefetch import Background, BatchPrefetch
+from rl.controller.recovery import ServerRecovery
+from rl.controller.rollouts import Group, RolloutStream, StreamState
+from rl.controller.staleness import StalenessGate
+from rl.controller.weight_sync import SyncResult, WeightSync
+from rl.dist import resume
+from rl.dist.channel import rejected_total
+from rl.tasks import Task
+
+if TYPE_CHECKING:
+    from concurrent.futures import Future
+
+    import torch
+
+    from rl.config.schema import RootConfig
+    from rl.generator.client import GeneratorClient
+    from rl.generator.service import GeneratorHandle
+    from rl.metrics import MetricsLogger
+    from rl.reward.service import RewardHandle
+    from rl.tasks.scoring import ScoreResult
+    from rl.trainer.service import TrainerHandle
+
+SHOW = (
+    "reward_mean",
+    "accuracy",
+    "eval_accuracy",
+    "lag_mean",
+    "gen_tokens_per_s",
+    "train_tokens_per_s",
+    "sync_s",
+    "step_s",
+)
+
+
+def rollout_sampling(cfg: RootConfig, task: Task) -> SamplingParams:
+    """The rollouts' sampling: ``group_size`` samples, ending on every EOS id of the task's
+    tokenizer as well as the model's."""
+    s = SamplingParams.from_config(cfg.rollout.sampling, n=cfg.algorithm.group_size)
+    stops = tuple(dict.fromkeys((*s.stop_token_ids, *task.codec.eos_ids)))
+    return replace(s, stop_token_ids=stops)
+
+
+class RLRun:
+    """RL steps ``first``..``rl.steps`` of a job (``first`` > 1 when resuming ``point``),
+    on ``task``, over the executors' handles."""
+
+    def __init__(
+        self,
+        cfg: RootConfig,
+        task: Task,
+        trainer: TrainerHandle,
+        gen: GeneratorHandle,
+        reward: RewardHandle,
+        log: MetricsLogger,
+        warmup_accuracy: float | None,
+        point: resume.ResumePoint | None = None,
+    ) -> None:
+        self.cfg, self.task, self.trainer, self.gen, self.reward = cfg, task, trainer, gen, reward
+        self.log, self.warmup_accuracy, self.point = log, warmup_accuracy, point
+        self.out, self.steps = Path(cfg.run.output_dir), cfg.rl.steps
+        self.first = point.step + 1 if point else 1
+        self.start_accuracy = float("nan")
+        self.final_accuracy = float("nan")
+        self._t_last = time.perf_counter()
+        # What close() shuts down, once set up.
+        self.client: GeneratorClient | None = None
+        self.recovery: ServerRecovery | None = None
+        self.stream: RolloutStream | None = None
+        self.books: Background | None = None
+
+    def run(self) -> dict[str, float]:
+        """Every step, the final evaluation and the final save."""
+        self.setup()
+        try:
+            for step in range(self.first, self.steps + 1):
+                self.step(step)
+        finally:
+            self.close()
+        if self.first <= self.steps:  # else the lost attempt finished and saved them all
+            self.save(self.steps, self.cfg.trainer.save_dir or str(self.out / "checkpoint"))
+        return {"start_accuracy": self.start_accuracy, "final_accuracy": self.final_accuracy}
+
+    # ------------------------------------------------------------------ setup
+    def setup(self) -> None:
+        """Servers up, the trainer's weights in them as version ``first``, the held-out
+        start (or the resumed one's), and the rollout stream running."""
+        from rl.generator.client import GeneratorClient
+        from rl.generator.server_api import job_keys
+
+        cfg, task = self.cfg, self.task
+        print(task.describe(), flush=True)
+        sampling = rollout_sampling(cfg, task)
+        saved = rollout_state.load(self.out, self.point)  # a resumed job's rollouts
+        self.prompts = task.train_stream(saved.position if saved else None)
+        urls, model_path = self.gen.wait_up()
+        self.client = client = GeneratorClient.for_urls(urls, model_path, cfg.rollout, job_keys())
+        self.evaluator = Evaluator(client, task, self.reward, replace(sampling, n=1),
+                                   cfg.rl.eval_k, cfg.reward.pass_threshold,
+                                   self.out / "eval")  # fmt: skip
+        # The trainer's weights as they are now (after step first - 1) become version first.
+        self.sync = WeightSync.connect(cfg, self.trainer, urls, weight_version=self.first - 1)
+        self.sync.listeners.append(self._route)
+        self.push()
+        self.recovery = ServerRecovery(self.gen, self.sync, client).start()
+        if self.point is None:
+            start = self.evaluator.run()
+            self.log.log(0, start, phase="rl_eval")
+            self.start_accuracy = start["eval_accuracy"]
+        else:
+            self.start_accuracy = self.point.start_accuracy
+        if self.first > self.steps:  # the lost attempt had finished all its steps
+            self.final_accuracy = self.evaluator.run(self.steps)["eval_accuracy"]
+            return
+        self.stream = stream = self._stream(client, sampling, saved)
+        self.sync.listeners.append(lambda r: stream.commit(r.version))
+        self.fetch = BatchPrefetch(stream, self._assemble)
+        self.books = Background("step-log")  # a step's records written during the next
+        self._t_last = time.perf_counter()
+
+    def _stream(
+        self, client: GeneratorClient, sampling: SamplingParams, saved: StreamState | None
+    ) -> RolloutStream:
+        cfg, a = self.cfg, self.cfg.algorithm
+        lag = 0 if cfg.rl.mode == "sync" else a.max_policy_lag
+        gate = StalenessGate(lag, a.stale, per_step=cfg.rl.prompts_per_step)
+
+        def score(g: Group) -> Future[list[ScoreResult]]:
+            items = score_items(self.task, [g.item] * len(g.rollouts), g.rollouts)
+            return self.reward.score(items)
+
+        def uniform(g: Group) -> bool:
+            return no_signal(g.rollouts, g.rewards, a.overlong, a.overlong_penalty)
+
+        stream = RolloutStream(client, score, lambda: next(self.prompts), sampling, gate,
+                               self.sync.weight_version, cfg.rollout.segment_tokens,
+                               drop_uniform=uniform if a.drop_uniform_groups else None,
+                               position=self.prompts.position)  # fmt: skip
+        if saved is not None:
+            print(f"rollout state of step {saved.step}: {stream.restore(saved)}", flush=True)
+        return stream.start()
+
+    def _assemble(self, groups: list[Group]) -> dict[str, torch.Tensor]:
+        a = self.cfg.algorithm
+        return build_batch([g.rollouts for g in groups], [g.rewards for g in groups],
+                           a.normalize_std, self.task.codec.pad_id, None, a.overlong,
+                           a.overlong_penalty)  # fmt: skip
+
+    # ------------------------------------------------------------------ one step
+    def step(self, step: int) -> None:
+        """Train on the next batch, push the weights, log; the batch of the step after is
+        taken meanwhile."""
+        assert self.client and self.recovery and self.books, "step before setup"
+        version = self.sync.weight_version
+        groups, batch, m = self.fetch.take(version)  # usually taken during the last step
+        with self.sync.lock:  # no server re-push between a step and the push of its weights
+            t_train = time.perf_counter()
+            if step < self.steps and not self._saves(step):  # a save snapshots the stream
+                self.fetch.request(version + 1)  # the version this step's push publishes
+            m.update(self.trainer.train(step, batch))
+            t_push = time.perf_counter()
+            m.update(self.push().metrics())
+        m["train_call_s"], m["push_call_s"] = t_push - t_train, time.perf_counter() - t_push
+        m.update(self.recovery.stats(), channel_rejected=float(rejected_total()))
+        m.update(reward_failures=self.reward.failures, reward_timeouts=self.reward.timeouts)
+        requeued, ev = self.client.take_requeued(), None
+        if step % (self.cfg.rl.eval_every or self.steps) == 0 or step == self.steps:
+            ev = self.evaluator.run(step)
+            m["eval_accuracy"] = self.final_accuracy = ev["eval_accuracy"]
+        self._times(m)
+        self.books.submit(self._record, step, groups, batch, m, ev, requeued)
+        if self._saves(step):  # a resume point follows every record up to its step
+            self.books.drain()
+            self.save(step, str(self.out / "checkpoint"))
+
+    def push(self) -> SyncResult:
+        """DDMA the trainer's weights into every server as the next version (a server
+        lost meanwhile gets none until it is restarted and re-pushed)."""
+        assert self.client is not None, "push before setup"
+        return self.sync.push(skip=self.client.dead())
+
+    def _route(self, r: SyncResult) -> None:
+        # Every server that committed confirmed it: no need to ask them for their version.
+        assert self.client is not None
+        self.client.adopt_version(r.version, r.committed)
+
+    def _times(self, m: dict[str, float]) -> None:
+        """The step's wall time and where it went."""
+        m["train_s"], m["train_tokens_per_s"] = m.pop("step_seconds"), m.pop("tokens_per_s")
+        now = time.perf_counter()
+        m["step_s"], self._t_last = now - self._t_last, now
+        m["trainer_idle_frac"] = 1 - min((m["train_s"] + m["sync_s"]) / m["step_s"], 1.0)
+        # The step's time outside training, the sync and the wait for its batch: the
+        # batch's transfer to the trainer, routing by the new version, bookkeeping.
+        m["overhead_s"] = max(m["step_s"] - m["train_s"] - m["sync_s"] - m["wait_batch_s"], 0.0)
+
+    def _record(
+        self, step: int, groups: list[Group], batch: dict[str, torch.Tensor],
+        m: dict[str, float], ev: dict[str, float] | None, requeued: list[str],
+    ) -> None:  # fmt: skip
+        rollout_state.log_trained(self.out, step, groups, requeued)
+        if ev is not None:
+            self.log.log(step, ev, phase="rl_eval", echo=False)
+        echo = step % self.cfg.rl.log_every == 0 or step == self.steps
+        m = {**m, **batch_metrics(groups, batch, self.cfg.reward.pass_threshold)}
+        self.log.log(step, m, phase="rl", echo=echo, show=SHOW)
+
+    # ------------------------------------------------------------------ saving, closing
+    def _saves(self, step: int) -> bool:
+        every = self.cfg.rl.save_interval
+        return bool(every) and step % every == 0 and step < self.steps
+
+    def save(self, step: int, path: str) -> None:
+        """The trainer's checkpoint, the stream's state, then the resume point naming both."""
+        assert self.stream is not None, "save before setup"
+        self.trainer.save(path, export_hf=self.cfg.rl.save_hf, step=step)
+        state = rollout_state.save(self.out, step, self.stream.snapshot())
+        point = resume.ResumePoint(step, path, self.start_accuracy, self.warmup_accuracy, state)
+        resume.write(self.out, point)
+        rollout_state.prune(self.out, keep=state)
+
+    def close(self) -> None:
+        """Stop what setup started (the stream's state stays readable for the final save)."""
+        for part in (self.books, self.recovery, self.stream, self.client):
+            if part is not None:
+                part.close()
+
+
+def batch_metrics(
+    groups: list[Group], batch: dict[str, torch.Tensor], threshold: float
+) -> dict[str, float]:
+    """Reward, pass rate, response lengths and the reward function's own metrics."""
+    rewards = batch["rewards"]
+    lengths = [len(r.output_ids) for g in groups for r in g.rollouts]
+    out = {
+        "reward_mean": rewards.mean().item(),
+        "accuracy": (rewards >= threshold).float().mean().item(),
+        "response_len_mean": sum(lengths) / len(lengths),
+        "response_len_max": float(max(lengths)),
+        "overlong_frac": batch["overlong"].mean().item(),
+    }
+    extra: dict[str, list[float]] = {}
+    for g in groups:
+        for res in g.results or ():
+            for k, v in res.metrics.items():
+                extra.setdefault(k, []).append(v)
+    out.update({f"reward_{k}": sum(v) / len(v) for k, v in extra.items()})
+    return out

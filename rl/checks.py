@@ -4,7 +4,7 @@ rl.world_size, rl.plan, rl.simulate).
 rl.config checks the config's own fields (rl/config/validate.py) and knows nothing above
 it; each layer that owns a part of the job checks that part: the model and the trainer's
 layout on it (rl/models/checks.py), the task and the reward function
-(rl/tasks/checks.py), the objective and its correction (rl/algorithms/losses.py), the DDMA
+(rl/tasks/checks.py), the objective and its correction (rl/algorithms/registry.py), the DDMA
 plan (rl/ddma/plan.py) and its transport (rl/ddma/transport.py). This module runs them
 all. Each raises :class:`~rl.config.ConfigError` with one line.
 """
@@ -14,7 +14,7 @@ from __future__ import annotations
 from hydra.errors import HydraException
 from omegaconf.errors import OmegaConfBaseException
 
-from rl.algorithms import losses
+from rl.algorithms import registry as algorithms
 from rl.config import ConfigError, compose, composition_error
 from rl.config.schema import RootConfig
 from rl.config.validate import validate
@@ -36,7 +36,7 @@ def check(cfg: RootConfig, world_size: int | None = None) -> None:
     validate_trainer(cfg.trainer, cfg.model)
     validate(cfg, world_size)
     task_checks.check(cfg)
-    losses.check_config(cfg.algorithm)
+    algorithms.check_config(cfg.algorithm)
     plan.check_config(cfg)
     transport.check(cfg)
 

@@ -12,14 +12,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
-from rl.config.errors import ConfigError
-
-if TYPE_CHECKING:
-    from rl.config.schema import AlgorithmConfig
+from rl.algorithms.corrections.aipo import aipo_weight
+from rl.algorithms.weights import Weight, WeightFn
 
 
 @dataclass
@@ -55,63 +52,6 @@ def _kl_k3(logprobs: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
     r = ref - logprobs
     return torch.exp(r) - r - 1
 
-
-class Weight(NamedTuple):
-    """A correction's per-token off-policy weight (used as a constant: no gradient) and
-    which tokens it changed, for the stats."""
-
-    w: torch.Tensor
-    clipped: torch.Tensor | None = None  # bool: w was truncated (-> truncated_frac)
-    masked: torch.Tensor | None = None  # bool: the token is dropped, w = 0 (-> masked_frac)
-
-
-# ratio pi/mu (detached) -> Weight
-WeightFn = Callable[[torch.Tensor], Weight]
-
-
-def aipo_weight(rho: float = 4.0) -> WeightFn:
-    """AIPO: ``min(r, rho)``."""
-    if rho <= 0:
-        raise ValueError(f"algorithm.rho={rho} must be > 0")
-    return lambda r: Weight(torch.clamp(r, max=rho), clipped=r > rho)
-
-
-def tis_weight(clip: float = 2.0, clip_low: float = 0.0) -> WeightFn:
-    """Token-level truncated importance sampling: ``clamp(r, clip_low, clip)``."""
-    if clip <= 0:
-        raise ValueError(f"algorithm.tis_clip={clip} must be > 0")
-    if not 0 <= clip_low < clip:
-        raise ValueError(f"algorithm.tis_clip_low={clip_low} must be in [0, tis_clip={clip})")
-    return lambda r: Weight(
-        torch.clamp(r, min=clip_low, max=clip), clipped=(r > clip) | (r < clip_low)
-    )
-
-
-def icepop_weight(beta: float = 5.0) -> WeightFn:
-    """IcePop: ``r`` inside the band ``[1/beta, beta]``, else 0 (the token is masked)."""
-    if beta <= 1:
-        raise ValueError(f"algorithm.icepop_beta={beta} must be > 1")
-
-    def weight(r: torch.Tensor) -> Weight:
-        masked = (r < 1 / beta) | (r > beta)
-        return Weight(torch.where(masked, torch.zeros_like(r), r), masked=masked)
-
-    return weight
-
-
-def no_weight() -> WeightFn:
-    """No correction, ``w = 1``: the plain policy gradient, as if the rollout were on-policy
-    (the baseline that shows what a correction buys)."""
-    return lambda r: Weight(torch.ones_like(r))
-
-
-# algorithm.correction -> its weight, built from an ``AlgorithmConfig``.
-CORRECTIONS: dict[str, Callable[[AlgorithmConfig], WeightFn]] = {
-    "aipo": lambda a: aipo_weight(a.rho),
-    "tis": lambda a: tis_weight(a.tis_clip, a.tis_clip_low),
-    "icepop": lambda a: icepop_weight(a.icepop_beta),
-    "none": lambda a: no_weight(),
-}
 
 # (logprobs, log_ratio, ratio = exp(log_ratio) detached, advantages) -> per-token loss and
 # the correction's weight when there is one.
@@ -164,7 +104,7 @@ def _rl_loss(
 
 def pg_loss(weight_fn: WeightFn, kl_coef: float = 0.0) -> LossFn:
     """Off-policy-corrected policy gradient ``-stopgrad(w) * A * log pi`` per token, with
-    ``w = weight_fn(pi/mu)`` (see ``CORRECTIONS``).
+    ``w = weight_fn(pi/mu)`` (one of rl/algorithms/corrections/).
 
     Why: the generator runs ahead of the trainer (and samples with other numerics), so
     tokens come from a policy mu != pi. The weight corrects for that; bounding it bounds
@@ -202,31 +142,3 @@ def ppo_clip_loss(clip_eps: float = 0.2, kl_coef: float = 0.0) -> LossFn:
         return _rl_loss(logprobs, mb, surrogate, kl_coef)
 
     return loss
-
-
-def loss_from_config(a: AlgorithmConfig) -> LossFn:
-    """The loss an ``AlgorithmConfig`` names: ``name`` picks the objective, ``correction``
-    the off-policy weight of the aipo one."""
-    if a.correction not in CORRECTIONS:
-        raise ValueError(
-            f"algorithm.correction={a.correction!r} must be one of {', '.join(CORRECTIONS)}"
-        )
-    if a.name == "aipo":
-        return pg_loss(CORRECTIONS[a.correction](a), a.kl_coef)
-    if a.name == "grpo":
-        if a.correction != "none":
-            raise ValueError(
-                f"algorithm.correction={a.correction!r} must be 'none' with algorithm.name=grpo"
-                " (its clipped ratio is its own correction)"
-            )
-        return ppo_clip_loss(a.clip_eps, a.kl_coef)
-    raise ValueError(f"algorithm.name={a.name!r} must be 'aipo' or 'grpo'")
-
-
-def check_config(a: AlgorithmConfig) -> None:
-    """The objective and correction an ``AlgorithmConfig`` names, built as the trainer will
-    build them; raises :class:`ConfigError` in one line."""
-    try:
-        loss_from_config(a)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None

@@ -235,7 +235,10 @@ class RolloutConfig:
 class AlgorithmConfig:
     """The RL objective and how stale a rollout may be (rl/algorithms)."""
 
-    name: str = "aipo"  # aipo | grpo (PPO-clipped ratio)
+    # The loss (rl/algorithms/objectives/): pg, the off-policy-corrected policy gradient;
+    # ppo_clip, GRPO/PPO's clipped ratio. The presets: algorithm=aipo (pg with the aipo
+    # correction) and algorithm=grpo (ppo_clip).
+    objective: str = "pg"
     rho: float = 4.0  # AIPO: truncation of the importance weight pi/mu
     clip_eps: float = 0.2  # GRPO/PPO clip range
     kl_coef: float = 0.0  # KL(pi || pi_ref) penalty; 0: no reference model
@@ -245,10 +248,10 @@ class AlgorithmConfig:
     # synchronous). Older ones are dropped, or the generator is throttled at the source.
     max_policy_lag: int = 1
     stale: str = "drop"  # drop | throttle
-    # The per-token off-policy weight w (no gradient) of the aipo objective
-    # -w * A * log pi, with r = pi/mu: aipo min(r, rho); tis clamp(r, tis_clip_low,
-    # tis_clip); icepop r inside [1/icepop_beta, icepop_beta], else 0 (the token is
-    # masked); none 1. grpo's clipped ratio is its own correction (correction=none).
+    # The per-token off-policy weight w (no gradient) of the pg objective -w * A * log pi,
+    # with r = pi/mu (rl/algorithms/corrections/): aipo min(r, rho); tis clamp(r,
+    # tis_clip_low, tis_clip); icepop r inside [1/icepop_beta, icepop_beta], else 0 (the
+    # token is masked); none 1. ppo_clip's clipped ratio is its own correction (none).
     correction: str = "aipo"  # aipo | tis | icepop | none
     tis_clip: float = 2.0
     tis_clip_low: float = 0.0

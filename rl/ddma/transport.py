@@ -26,14 +26,13 @@ its bytes (rl/ddma/engine.py, rl/ddma/shm.py, torch) inside the methods that mov
 
 from __future__ import annotations
 
-import importlib
-import pkgutil
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from functools import cache
 from typing import TYPE_CHECKING, ClassVar, Protocol
 
 from rl.config.errors import ConfigError
+from rl.plugins import discover
 
 if TYPE_CHECKING:
     import torch
@@ -149,13 +148,7 @@ def registry() -> dict[str, Transport]:
     """Name -> transport, one per module of ``rl/ddma/transports``."""
     from rl.ddma import transports
 
-    out: dict[str, Transport] = {}
-    for info in sorted(pkgutil.iter_modules(transports.__path__), key=lambda i: i.name):
-        t = importlib.import_module(f"{transports.__name__}.{info.name}").TRANSPORT
-        if t.name in out:
-            raise RuntimeError(f"transport {t.name!r} is declared twice (second: {info.name})")
-        out[t.name] = t
-    return out
+    return discover(transports, "TRANSPORT", lambda t: t.name)
 
 
 def get(name: str, field: str = "rollout.weight_sync.transport") -> Transport:

@@ -7,12 +7,11 @@ Lookups fail in one line naming the unknown value and the supported ones.
 
 from __future__ import annotations
 
-import importlib
-import pkgutil
 from functools import cache
 
 from rl.models import families
 from rl.models.arch import Arch, Dims, TensorSpec, spec_numel
+from rl.plugins import discover
 
 
 class UnknownArchitecture(ValueError):
@@ -22,13 +21,7 @@ class UnknownArchitecture(ValueError):
 @cache
 def architectures() -> dict[str, Arch]:
     """HF class name -> Arch, for every module in ``rl/models/families``."""
-    out: dict[str, Arch] = {}
-    for info in sorted(pkgutil.iter_modules(families.__path__), key=lambda i: i.name):
-        arch = importlib.import_module(f"{families.__name__}.{info.name}").ARCH
-        if arch.hf_class in out:
-            raise RuntimeError(f"{arch.hf_class} is declared twice (second: {info.name})")
-        out[arch.hf_class] = arch
-    return out
+    return discover(families, "ARCH", lambda arch: arch.hf_class)
 
 
 def supported() -> str:

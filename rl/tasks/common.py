@@ -13,12 +13,14 @@ so the reward executor's worker processes, which import rl.tasks.scoring, start 
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     import torch
+
+    from rl.config.schema import RootConfig
 
 
 class TaskError(ValueError):
@@ -129,6 +131,17 @@ class Task(Protocol):
     def describe(self) -> str:
         """One line for the job's log: rows read, filtered and held out."""
         ...
+
+
+@dataclass(frozen=True)
+class TaskKind:
+    """A task as ``task.name`` names it (one module of rl/tasks/kinds/): ``check`` its
+    fields against the model and the rollouts, reading no data; ``build`` it (reads its
+    data). Both raise :class:`TaskError` in one line."""
+
+    name: str
+    check: Callable[[RootConfig], None]
+    build: Callable[[RootConfig], Task]
 
 
 def sft_batch(examples: Sequence[Example], pad_id: int) -> dict[str, torch.Tensor]:

@@ -241,7 +241,7 @@ def serve(cfg: RootConfig, job: Job, make_target: TargetFactory) -> None:
     megatron_patches.apply_all(cfg.trainer.device)  # before anything imports Megatron
     torch.set_num_threads(cfg.trainer.threads_per_rank)
     os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")  # Megatron's advice for TP
-    from rl.algorithms.losses import loss_from_config
+    from rl.algorithms.registry import loss_from_config
     from rl.config.dtypes import torch_dtype
     from rl.ddma import transport
     from rl.ddma.plan import plan_for

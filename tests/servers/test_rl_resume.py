@@ -113,7 +113,7 @@ def _kill_marked(mark: str, grace_s: float = 30.0) -> list[str]:
 
 
 def test_a_killed_job_resumes_its_parked_rollouts_and_its_prompt_stream(tmp_path):
-    from rl.tasks.arithmetic import ArithmeticTask
+    from rl.tasks.kinds.arithmetic import ArithmeticTask
 
     out = tmp_path / "run"
     first = _start(out, tmp_path / "attempt1.log")

@@ -98,7 +98,7 @@ def test_llama_param_counts_match_published(preset: str, published: float) -> No
         ),
         (["algorithm.rho=0"], ["algorithm.rho=0", "> 0"]),
         (["algorithm.max_policy_lag=-1"], ["algorithm.max_policy_lag=-1", ">= 0"]),
-        (["algorithm.name=dpo"], ["algorithm.name='dpo'"]),
+        (["algorithm.objective=dpo"], ["algorithm.objective='dpo'", "pg, ppo_clip"]),
         (["algorithm.group_size=1"], ["algorithm.group_size=1"]),
         (["algorithm.stale=wait"], ["algorithm.stale='wait'"]),
         (["reward.fn=regex"], ["reward.fn", "'regex'", "not a built-in"]),
@@ -124,7 +124,10 @@ def test_llama_param_counts_match_published(preset: str, published: float) -> No
         (["trainer.max_tokens_per_microbatch=0"], ["trainer.max_tokens_per_microbatch=0"]),
         (["algorithm.correction=vtrace"], ["algorithm.correction='vtrace'", "icepop"]),
         (["algorithm.correction=tis", "algorithm.tis_clip=0"], ["algorithm.tis_clip=0"]),
-        (["algorithm=grpo", "algorithm.correction=tis"], ["algorithm.correction='tis'", "grpo"]),
+        (
+            ["algorithm=grpo", "algorithm.correction=tis"],
+            ["algorithm.correction='tis'", "objective=ppo_clip"],
+        ),
         (["algorithm.overlong=truncate"], ["algorithm.overlong='truncate'", "penalise"]),
         (["reward.fn=no/such/file.py:score"], ["reward.fn 'no/such/file.py:score'"]),
         (

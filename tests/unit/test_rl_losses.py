@@ -13,16 +13,12 @@ import pytest
 import torch
 
 from rl.algorithms.advantages import group_advantages, token_advantages
-from rl.algorithms.losses import (
-    aipo_loss,
-    aipo_weight,
-    icepop_weight,
-    loss_from_config,
-    no_weight,
-    pg_loss,
-    ppo_clip_loss,
-    tis_weight,
-)
+from rl.algorithms.corrections.aipo import aipo_weight
+from rl.algorithms.corrections.icepop import icepop_weight
+from rl.algorithms.corrections.none import no_weight
+from rl.algorithms.corrections.tis import tis_weight
+from rl.algorithms.losses import aipo_loss, pg_loss, ppo_clip_loss
+from rl.algorithms.registry import loss_from_config
 from rl.config.schema import AlgorithmConfig
 
 R0, R1 = math.exp(0.5), math.exp(-1.5)
@@ -282,8 +278,8 @@ def test_aipo_correction_is_bit_identical_to_the_old_aipo():
 @pytest.mark.parametrize("correction", ["aipo", "tis", "icepop"])
 def test_grpo_refuses_a_correction(correction):
     with pytest.raises(ValueError, match=r"algorithm\.correction='" + correction):
-        loss_from_config(AlgorithmConfig(name="grpo", correction=correction))
-    loss_from_config(AlgorithmConfig(name="grpo", correction="none"))  # the one allowed
+        loss_from_config(AlgorithmConfig(objective="ppo_clip", correction=correction))
+    loss_from_config(AlgorithmConfig(objective="ppo_clip", correction="none"))  # the one allowed
 
 
 @pytest.mark.parametrize(
@@ -294,8 +290,11 @@ def test_grpo_refuses_a_correction(correction):
         (AlgorithmConfig(correction="tis", tis_clip_low=2.0), r"algorithm\.tis_clip_low=2\.0"),
         (AlgorithmConfig(correction="icepop", icepop_beta=1.0), r"algorithm\.icepop_beta=1\.0"),
         (AlgorithmConfig(correction="aipo", rho=0.0), r"algorithm\.rho=0\.0"),
-        (AlgorithmConfig(correction="is"), r"algorithm\.correction='is'.*aipo, tis, icepop, none"),
-        (AlgorithmConfig(name="grpo", correction="is"), r"algorithm\.correction='is'.*aipo"),
+        (AlgorithmConfig(correction="is"), r"algorithm\.correction='is'.*aipo, icepop, none, tis"),
+        (
+            AlgorithmConfig(objective="ppo_clip", correction="is"),
+            r"algorithm\.correction='is'.*aipo",
+        ),
     ],
 )
 def test_bad_correction_parameters(a, match):

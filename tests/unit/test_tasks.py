@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from rl.tasks.arithmetic import BOS, EOS, PAD, AdditionTask, Problem, decode, encode
+from rl.tasks.kinds.arithmetic import BOS, EOS, PAD, AdditionTask, Problem, decode, encode
 
 
 def test_encode_decode_round_trip() -> None:
@@ -122,7 +122,7 @@ def test_reward_executor_text_scoring_equals_the_task_reward():
     be the task's own token-level reward for every kind of response."""
     import random
 
-    from rl.tasks.arithmetic import EOS
+    from rl.tasks.kinds.arithmetic import EOS
     from rl.tasks.scoring import exact
 
     task = AdditionTask(digits=2, seed=0, eval_size=16)
@@ -142,8 +142,8 @@ def test_reward_executor_text_scoring_equals_the_task_reward():
 def test_a_stream_resumed_from_its_position_continues_the_same_sequence(drawn) -> None:
     """A resumed job continues the prompt sequence its lost attempt drew from: a stream
     built from the saved position yields exactly what the original would have yielded."""
-    from rl.tasks.arithmetic import ArithmeticTask
     from rl.tasks.common import TaskError, take
+    from rl.tasks.kinds.arithmetic import ArithmeticTask
 
     task = ArithmeticTask(2, seed=3, eval_size=16)
     whole = [e.uid for e in take(task.train_stream(), drawn + 20)]

@@ -21,11 +21,11 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from rl.tasks.common import Example, TaskError, resume_position
+from rl.tasks.common import Example, TaskError, TaskKind, resume_position
 from rl.tasks.tokenizer import HFCodec
 
 if TYPE_CHECKING:
-    from rl.config.schema import TaskConfig
+    from rl.config.schema import RootConfig, TaskConfig
 
 SUFFIXES = (".jsonl", ".json", ".parquet")
 VALIDATION_MAX = 64  # rows for warm-up decisions: enough to see a trend, cheap to decode
@@ -256,3 +256,23 @@ class DatasetStream:
                 random.Random(f"{c.seed}/0/{self.epoch}").shuffle(self._order)
         self.offset += 1
         return self.task.train[self._order[self.offset - 1]]
+
+
+def check_config(cfg: RootConfig) -> None:
+    t = cfg.task
+    if not (t.prompt_key and t.label_key):
+        raise TaskError(f"task.prompt_key={t.prompt_key!r} and task.label_key must be named")
+
+
+def build(cfg: RootConfig) -> DatasetTask:
+    t = cfg.task
+    path, field = (t.tokenizer, "task.tokenizer") if t.tokenizer else (
+        cfg.model.hf_checkpoint, "model.hf_checkpoint")  # fmt: skip
+    if not path:
+        raise TaskError(
+            "task.name=dataset needs a tokenizer: set model.hf_checkpoint or task.tokenizer"
+        )
+    return DatasetTask(t, HFCodec(path, field))
+
+
+TASK = TaskKind("dataset", check_config, build)

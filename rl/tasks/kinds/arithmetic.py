@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from rl.tasks.common import Example, TaskError, resume_position
+from rl.tasks.common import Example, TaskError, TaskKind, resume_position
 
 if TYPE_CHECKING:
     from rl.config.schema import RootConfig
@@ -241,3 +241,14 @@ class ArithmeticStream:
     def __next__(self) -> Example:
         self.drawn += 1
         return self.task.example(self.task.problems._draw(self._rng, 1)[0])
+
+
+def build(cfg: RootConfig) -> ArithmeticTask:
+    t = cfg.task
+    try:
+        return ArithmeticTask(t.digits, t.seed, t.eval_size)
+    except ValueError as e:
+        raise TaskError(str(e)) from None
+
+
+TASK = TaskKind("arithmetic", check_config, build)

@@ -1,0 +1,2 @@
+"""One module per off-policy correction, each defining ``CORRECTION``
+(rl/algorithms/weights.py; found by rl/algorithms/registry.py)."""

@@ -1,0 +1,2 @@
+"""One module per RL objective, each defining ``OBJECTIVE``
+(rl/algorithms/registry.py)."""

@@ -1,0 +1,96 @@
+"""Every extension point is a package with one module per choice (rl/plugins.py): model
+families, DDMA transports, off-policy corrections, RL objectives and tasks. Each registry
+lists exactly its package's modules, a name declared twice is refused, and a choice is
+added by dropping one module into the package, with nothing else touched."""
+
+from __future__ import annotations
+
+import pkgutil
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from rl import plugins, tasks
+from rl.algorithms import corrections, objectives
+from rl.algorithms import registry as algorithms
+from rl.config.schema import AlgorithmConfig
+from rl.ddma import transport, transports
+from tests.helpers.configs import composed
+
+
+def _modules(package) -> set[str]:
+    return {m.name for m in pkgutil.iter_modules(package.__path__)}
+
+
+def test_each_registry_is_its_package():
+    assert set(algorithms.corrections()) == _modules(corrections) == {
+        "aipo", "icepop", "none", "tis"}  # fmt: skip
+    assert set(algorithms.objectives()) == _modules(objectives) == {"pg", "ppo_clip"}
+    assert set(tasks.registry()) == _modules(tasks.kinds) == {"arithmetic", "dataset"}
+    assert set(transport.registry()) == _modules(transports)
+
+
+@pytest.fixture
+def package(tmp_path: Path) -> Iterator[Path]:
+    """An empty package ``tmp_plugins`` on the path."""
+    (tmp_path / "tmp_plugins").mkdir()
+    (tmp_path / "tmp_plugins" / "__init__.py").write_text("")
+    sys.path.insert(0, str(tmp_path))
+    yield tmp_path / "tmp_plugins"
+    sys.path.remove(str(tmp_path))
+    for name in [m for m in sys.modules if m.split(".")[0] == "tmp_plugins"]:
+        del sys.modules[name]
+
+
+def test_a_name_declared_twice_is_refused(package: Path):
+    import importlib
+
+    (package / "a.py").write_text("from types import SimpleNamespace\nX = SimpleNamespace(n='x')\n")
+    (package / "b.py").write_text("from types import SimpleNamespace\nX = SimpleNamespace(n='x')\n")
+    with pytest.raises(RuntimeError, match=r"'x' is declared twice in tmp_plugins \(b\)"):
+        plugins.discover(importlib.import_module("tmp_plugins"), "X", lambda o: o.n)
+
+
+@pytest.fixture
+def extended(package: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """The correction and task packages extended by ``package``, as if a user's module
+    had been added to each; the registries forget what they had found."""
+    monkeypatch.setattr(corrections, "__path__", [*corrections.__path__, str(package)])
+    monkeypatch.setattr(tasks.kinds, "__path__", [*tasks.kinds.__path__, str(package)])
+    for cached in (algorithms.corrections, tasks.registry):
+        cached.cache_clear()
+    yield package
+    for cached in (algorithms.corrections, tasks.registry):
+        cached.cache_clear()
+
+
+def test_a_correction_is_one_module(extended: Path):
+    (extended / "half.py").write_text(
+        "import torch\n"
+        "from rl.algorithms.weights import Correction, Weight\n"
+        "CORRECTION = Correction('half', lambda a: lambda r: Weight(torch.full_like(r, 0.5)))\n"
+    )
+    loss = algorithms.loss_from_config(AlgorithmConfig(correction="half"))
+    lp = torch.tensor([[-1.0, -2.0, 0.0]], requires_grad=True)
+    mb = {"loss_mask": torch.tensor([[1.0, 1.0, 0.0]]),
+          "behaviour_logprobs": torch.tensor([[-1.5, -0.5, 0.0]]),
+          "advantages": torch.tensor([[2.0, -1.0, 0.0]])}  # fmt: skip
+    assert loss(lp, mb).loss_sum.item() == pytest.approx(-0.5 * (2.0 * -1.0 + -1.0 * -2.0))
+
+
+def test_a_task_is_one_module(extended: Path):
+    (extended / "constant.py").write_text(
+        "from rl.tasks.common import TaskError, TaskKind\n"
+        "def check(cfg):\n"
+        "    if cfg.task.eval_size > 3:\n"
+        "        raise TaskError(f'task.eval_size={cfg.task.eval_size} must be <= 3')\n"
+        "TASK = TaskKind('constant', check, lambda cfg: 'a task')\n"
+    )
+    cfg = composed(["task.name=constant", "task.eval_size=2"])
+    tasks.check_config(cfg)
+    assert tasks.build_task(cfg) == "a task"
+    with pytest.raises(tasks.TaskError, match=r"task\.eval_size=9 must be <= 3"):
+        tasks.check_config(composed(["task.name=constant", "task.eval_size=9"]))

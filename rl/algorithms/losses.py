@@ -15,7 +15,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from rl.algorithms.corrections.aipo import aipo_weight
 from rl.algorithms.weights import Weight, WeightFn
 
 
@@ -120,11 +119,6 @@ def pg_loss(weight_fn: WeightFn, kl_coef: float = 0.0) -> LossFn:
         return _rl_loss(logprobs, mb, surrogate, kl_coef)
 
     return loss
-
-
-def aipo_loss(rho: float = 4.0, kl_coef: float = 0.0) -> LossFn:
-    """AIPO (LlamaRL): ``-stopgrad(min(pi/mu, rho)) * A * log pi`` per token."""
-    return pg_loss(aipo_weight(rho), kl_coef)
 
 
 def ppo_clip_loss(clip_eps: float = 0.2, kl_coef: float = 0.0) -> LossFn:

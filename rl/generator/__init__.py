@@ -12,5 +12,4 @@
 * ``types``: the ``Rollout`` record (per-token log-probs and weight versions, resumable
   segments) and the parsing of results; sampling parameters are rl/config/sampling.py.
   Pure logic.
-* ``hf_reference``: Hugging Face transformers as the reference generator, for tests.
 """

@@ -242,8 +242,8 @@ def _await_url(url: str, timeout_s: float = 600.0) -> str:
 
 def baseline_rank(model_dir: str, tp: int, dst_tp: int) -> dict:
     """The gather-to-rank-0 baseline on ``tp`` trainer + ``dst_tp`` generator ranks."""
-    from rl.ddma import baseline
     from rl.ddma.plan import DstLayout, SrcLayout, make_plan
+    from tests.helpers import ddma_baseline as baseline
     from tests.helpers.ddma_util import hf_state, megatron_globals, megatron_shards, model_dims
 
     rank = dist.get_rank()

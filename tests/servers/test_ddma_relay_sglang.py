@@ -17,11 +17,11 @@ from rl.ddma.plan import DstLayout, SrcLayout, make_plan
 from rl.dist.launch import spawn
 from rl.dist.net import free_port
 from rl.generator.client import GeneratorClient
-from rl.generator.hf_reference import HFReferenceGenerator
 from rl.generator.launcher import ServerConfig, ServerLauncher
 from tests.helpers.ddma_util import hf_state, megatron_globals, model_dims
 from tests.helpers.ddma_workers import p2p_sync
 from tests.helpers.hf_models import make_model
+from tests.helpers.hf_reference import HFReferenceGenerator
 
 PROMPTS = [[1, 5, 6, 7], [1, 40, 41, 42, 43]]
 GREEDY = SamplingParams(temperature=0, max_new_tokens=8)

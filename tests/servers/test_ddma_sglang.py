@@ -23,13 +23,13 @@ from rl.dist import secret
 from rl.dist.launch import spawn
 from rl.generator.client import GeneratorClient
 from rl.generator.ddma_target import SGLangTarget, SyncError
-from rl.generator.hf_reference import HFReferenceGenerator
 from rl.generator.launcher import ServerConfig, ServerError, ServerLauncher
 from rl.generator.server_api import job_keys
 from rl.weights.convert import hf_to_mcore, mcore_to_hf, prepare_hf_to_mcore
 from tests.helpers.ddma_util import hf_state, megatron_globals, megatron_shards, model_dims
 from tests.helpers.ddma_workers import train_then_sync
 from tests.helpers.hf_models import make_model
+from tests.helpers.hf_reference import HFReferenceGenerator
 
 CPU_DST = DstLayout.sglang(1, "cpu")  # what a CPU server holds (MLP width padded)
 PROMPTS = [[1, 5, 6, 7], [1, 40, 41, 42, 43], [1, 77, 12, 60]]

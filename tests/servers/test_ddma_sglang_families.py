@@ -34,7 +34,6 @@ from rl.config.sampling import SamplingParams
 from rl.ddma.plan import DstLayout, SrcLayout, make_plan
 from rl.dist.launch import spawn
 from rl.generator.client import GeneratorClient
-from rl.generator.hf_reference import HFReferenceGenerator
 from rl.generator.launcher import ServerConfig, ServerLauncher
 from rl.generator.server_api import ServerKeys
 from rl.generator.types import Rollout
@@ -42,6 +41,7 @@ from rl.weights.convert import mcore_to_hf, prepare_hf_to_mcore
 from rl.weights.keymap import Dims
 from tests.helpers.ddma_workers import train_then_sync
 from tests.helpers.hf_models import make_model
+from tests.helpers.hf_reference import HFReferenceGenerator
 
 PROMPTS = [[1, 5, 6, 7], [1, 40, 41, 42, 43], [1, 77, 12, 60]]
 GREEDY = SamplingParams(temperature=0, max_new_tokens=10)

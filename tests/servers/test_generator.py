@@ -21,10 +21,10 @@ from rl.checks import check
 from rl.config import compose
 from rl.config.sampling import RequestError, SamplingParams
 from rl.generator.client import GeneratorClient
-from rl.generator.hf_reference import HFReferenceGenerator
 from rl.generator.launcher import ServerConfig, ServerError, ServerLauncher
 from rl.generator.weight_payload import FlatBucket, buckets
 from tests.helpers.hf_models import make_model
+from tests.helpers.hf_reference import HFReferenceGenerator
 from tests.helpers.procs import assert_group_gone
 
 TOL = 1e-4

@@ -21,11 +21,11 @@ from rl.controller.batch import build_batch
 from rl.controller.rollouts import RolloutStream
 from rl.controller.staleness import StalenessGate
 from rl.generator.client import GeneratorClient
-from rl.generator.hf_reference import HFReferenceGenerator
 from rl.generator.launcher import ServerConfig, ServerLauncher
 from rl.tasks.common import Example
 from rl.tasks.scoring import ScoreResult
 from tests.helpers.hf_models import make_model
+from tests.helpers.hf_reference import HFReferenceGenerator
 
 PROMPTS = [[1, 5, 6, 7], [1, 9, 9], [1, 40, 41, 42], [1, 3, 4], [1, 77, 12], [1, 60, 61]]
 T = 0.8

@@ -17,11 +17,17 @@ from rl.algorithms.corrections.aipo import aipo_weight
 from rl.algorithms.corrections.icepop import icepop_weight
 from rl.algorithms.corrections.none import no_weight
 from rl.algorithms.corrections.tis import tis_weight
-from rl.algorithms.losses import aipo_loss, pg_loss, ppo_clip_loss
+from rl.algorithms.losses import LossFn, pg_loss, ppo_clip_loss
 from rl.algorithms.registry import loss_from_config
 from rl.config.schema import AlgorithmConfig
 
 R0, R1 = math.exp(0.5), math.exp(-1.5)
+
+
+def aipo_loss(rho: float = 4.0, kl_coef: float = 0.0) -> LossFn:
+    """AIPO (LlamaRL): ``-stopgrad(min(pi/mu, rho)) * A * log pi`` per token, as
+    ``algorithm=aipo`` builds it."""
+    return pg_loss(aipo_weight(rho), kl_coef)
 
 
 def _batch(ref: list[float] | None = None):

@@ -12,9 +12,9 @@ layout the converter tests check against Megatron's own checkpoints).
 1. In one gloo world: 2 trainer ranks -> 2 generator ranks that hold buffers in SGLang's
    TP=2 layout. DDMA through shared memory (rl.ddma.shm, the same-host transport: the
    headline; also without the payload checksum) and over gloo (rl.ddma.engine), against
-   the baseline (rl.ddma.baseline: gather every tensor to trainer rank 0, rename to HF,
-   broadcast everything to every generator rank, which cuts out its shard as SGLang's
-   loaders do). All must leave identical buffers.
+   the baseline (tests/helpers/ddma_baseline.py: gather every tensor to trainer rank 0,
+   rename to HF, broadcast everything to every generator rank, which cuts out its shard
+   as SGLang's loaders do). All must leave identical buffers.
 2. Into a live SGLang server (TP=1, CPU): DDMA (rl.generator.ddma_target) by ``ipc``
    (each trainer rank's shared-memory ring, one HTTP request per bucket), ``p2p`` (a gloo
    group the server joins, one request per version) and ``p2p_shm`` (that group only
@@ -51,13 +51,14 @@ import torch.distributed as dist
 import weight_sync_staging
 from bench_util import peak_mb, reset_peak, rss_mb, tree_peak_rss_mb, tree_rss_mb, write_result
 
-from rl.ddma import baseline, engine, shm
+from rl.ddma import engine, shm
 from rl.ddma.plan import HEADER_BYTES, DstLayout, SrcLayout, make_plan
 from rl.dist.launch import spawn
 from rl.generator.ddma_target import SGLangTarget
 from rl.generator.server_api import ServerKeys
 from rl.weights import keymap as km
 from rl.weights.hf_config import model_config_from_hf
+from tests.helpers import ddma_baseline as baseline
 
 ROOT = Path(__file__).resolve().parents[2]
 MB = 1 << 20

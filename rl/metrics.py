@@ -3,7 +3,7 @@
 Only one rank (the controller's rank 0) writes; other ranks get a disabled logger so the
 training code can call it unconditionally.
 
-A resumed run (rl/dist/resume.py) logs again the steps after its checkpoint, which the
+A resumed run (rl/checkpoints/resume.py) logs again the steps after its checkpoint, which the
 lost attempt had logged already; the logger drops those records of the resumed phases
 from both the JSONL and the TensorBoard files before it writes, so each step appears once.
 SummaryWriter's ``purge_step`` cannot do it here: it hides *every* tag at or after the

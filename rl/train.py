@@ -31,7 +31,7 @@ from rl.checks import check, check_task, resolve_model
 from rl.config import ConfigError, register
 from rl.config.prelaunch import prelaunch
 from rl.config.roles import RoleMap
-from rl.dist.launch import (
+from rl.runtime.launch import (
     RankFailed,
     Stopped,
     install_thread_hook,
@@ -48,7 +48,7 @@ def run(cfg: RootConfig) -> dict[str, float | None]:
     """One rank of the job: join it, then act as the role the role map gives this rank."""
     import threading
 
-    from rl.dist.job import join
+    from rl.runtime.job import join
 
     quiet_known_warnings()
     if threading.excepthook is threading.__excepthook__:  # torchrun: our spawner sets its own
@@ -90,7 +90,8 @@ def _title(title: str) -> None:
 
 @hydra.main(config_path="../conf", config_name="config", version_base="1.3")
 def main(cfg: RootConfig) -> None:
-    from rl.dist import resume, secret
+    from rl.checkpoints import resume
+    from rl.runtime import secret
 
     try:  # under a launcher, its world must be exactly the role map's
         resolve_model(cfg)  # model.hf_checkpoint: the architecture from its config.json

@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     if problem := bad_count(args):
         print(f"error: {problem}", file=sys.stderr)
         return 2
-    from rl.dist.launch import quiet_known_warnings
+    from rl.runtime.launch import quiet_known_warnings
 
     quiet_known_warnings()  # before Megatron is imported: some of its warnings fire then
     from rl.config.errors import ConfigError
@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
         if out.exists() and not args.force:
             raise FileExistsError(f"--out {str(out)!r} exists (pass --force to replace it)")
         if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-            from rl.dist.launch import setup_rank
+            from rl.runtime.launch import setup_rank
 
             m, dtype = prepare_hf_to_mcore(args.hf_dir, args.tp, args.pp, args.vocab_multiple,
                                            args.dtype, args.ep)  # fmt: skip

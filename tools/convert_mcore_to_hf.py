@@ -66,7 +66,7 @@ def parse_size(text: str) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
-    from rl.dist.launch import quiet_known_warnings
+    from rl.runtime.launch import quiet_known_warnings
 
     quiet_known_warnings()  # before Megatron is imported: some of its warnings fire then
     from rl.weights.convert import mcore_to_hf

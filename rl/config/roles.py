@@ -9,7 +9,7 @@ the same map from the same config without talking to anyone:
 The trainer ranks come right after the controller so that its role group's rank r is
 global rank r+1 on every launcher. Pure logic: no torch.distributed.
 
-Under SLURM the launcher's ranks do not follow the nodes (rl/dist/job.py says why),
+Under SLURM the launcher's ranks do not follow the nodes (rl/runtime/job.py says why),
 so the planner's placement is handed to every process as text: each node's role-map
 ranks (:func:`format_node_ranks`, ``python -m rl.plan --node-ranks``), read back by
 :func:`parse_node_ranks`.

@@ -6,17 +6,17 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from rl.checkpoints import resume
 from rl.controller import rollout_state
 from rl.controller.run import RLRun
-from rl.dist import resume
 from rl.metrics import MetricsLogger, drop_jsonl_after, plot_curves, plot_rl
 from rl.tasks import build_task
 
 if TYPE_CHECKING:
     from rl.config.schema import RootConfig
-    from rl.dist.job import Job
     from rl.generator.service import GeneratorHandle
     from rl.reward.service import RewardHandle
+    from rl.runtime.job import Job
 
 
 def controller(cfg: RootConfig, job: Job) -> dict[str, float | None]:

@@ -38,7 +38,7 @@ from rl.tasks.scoring import ScoreResult
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
-    from rl.dist.resume import ResumePoint
+    from rl.checkpoints.resume import ResumePoint
 
 FORMAT, VERSION = "rl.rollout_state", 1
 DIR = "rollout_state"

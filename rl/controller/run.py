@@ -18,6 +18,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from rl.checkpoints import resume
 from rl.config.sampling import SamplingParams
 from rl.controller import rollout_state
 from rl.controller.batch import build_batch, no_signal
@@ -27,8 +28,7 @@ from rl.controller.recovery import ServerRecovery
 from rl.controller.rollouts import Group, RolloutStream, StreamState
 from rl.controller.staleness import StalenessGate
 from rl.controller.weight_sync import SyncResult, WeightSync
-from rl.dist import resume
-from rl.dist.channel import rejected_total
+from rl.runtime.channel import rejected_total
 from rl.tasks import Task
 
 if TYPE_CHECKING:

@@ -37,10 +37,10 @@ from types import FrameType
 from typing import TYPE_CHECKING
 
 from rl.config.sglang import layout_problem
-from rl.dist.net import free_port
 from rl.generator import server_api
 from rl.generator.cpu_shim import server_env
 from rl.generator.server_api import ServerKeys
+from rl.runtime.net import free_port
 
 if TYPE_CHECKING:
     from rl.config.schema import RolloutConfig

@@ -86,7 +86,7 @@ class ServerKeys:
 def job_keys() -> ServerKeys:
     """The servers' keys in this RL job, derived from the job's secret
     (``MSRL_SECRET_FILE``, set for every rank), the same on every rank."""
-    from rl.dist import secret
+    from rl.runtime import secret
 
     key = secret.load()
     return ServerKeys(secret.derive(key, "sglang-api"), secret.derive(key, "sglang-admin"))

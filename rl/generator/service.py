@@ -19,12 +19,12 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from rl.dist.channel import Channel, ChannelTimeout, Failed
-from rl.dist.net import host_address
+from rl.runtime.channel import Channel, ChannelTimeout, Failed
+from rl.runtime.net import host_address
 
 if TYPE_CHECKING:
     from rl.config.schema import RootConfig
-    from rl.dist.job import Job
+    from rl.runtime.job import Job
 
 
 @dataclass

@@ -89,7 +89,7 @@ class Placement:
     def node_ranks(self) -> list[list[int]]:
         """The role-map ranks each node runs, in rank order: how many processes a launcher
         starts on each node (``python -m rl.plan --ranks-per-node``), and which role the
-        i-th of them plays (``--node-ranks``, read by rl/dist/job.py)."""
+        i-th of them plays (``--node-ranks``, read by rl/runtime/job.py)."""
         out: list[list[int]] = [[] for _ in range(self.nodes)]
         for rank, node in sorted(self.node_of.items()):
             out[node].append(rank)

@@ -21,14 +21,14 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, cast
 
-from rl.dist.channel import ChannelError, ChannelTimeout, Failed
+from rl.runtime.channel import ChannelError, ChannelTimeout, Failed
 from rl.tasks.scoring import ScoreItem, ScoreResult
 
 if TYPE_CHECKING:
     from rl.config.schema import RootConfig
-    from rl.dist.channel import Channel
-    from rl.dist.job import Job
     from rl.reward.executor import RewardExecutor
+    from rl.runtime.channel import Channel
+    from rl.runtime.job import Job
 
 
 @dataclass
@@ -62,7 +62,7 @@ def serve(cfg: RootConfig, job: Job) -> None:
             # Answers go out from a thread of their own, not from the executor's callbacks:
             # an error in a future's callback is only logged, so a reply that failed there
             # left its group unanswered and the job waiting forever. This thread dying
-            # ends the rank instead (rl/dist/launch.py install_thread_hook).
+            # ends the rank instead (rl/runtime/launch.py install_thread_hook).
             out = job.channel("reward/out", Scored)  # this thread's own connection
             answers = threading.Thread(target=_answer, args=(scored, ex, out),
                                        name="reward-answers", daemon=True)  # fmt: skip
@@ -142,7 +142,7 @@ class RewardHandle:
         """Hand each answer to its future. Any error (a reward rank failed, a message
         that is not an answer to a pending request) fails every future waiting and every
         later ``score``, then ends this thread by raising, which ends the controller's
-        rank (rl/dist/launch.py install_thread_hook): once this thread is gone nothing
+        rank (rl/runtime/launch.py install_thread_hook): once this thread is gone nothing
         answers, so returning quietly left the job waiting forever."""
         while True:
             try:

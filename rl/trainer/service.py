@@ -24,14 +24,14 @@ from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
-from rl.dist.channel import Failed
+from rl.runtime.channel import Failed
 
 if TYPE_CHECKING:
     from rl.config.schema import RootConfig
     from rl.ddma.sender import TargetFactory
-    from rl.dist.channel import Channel
-    from rl.dist.job import Job
     from rl.metrics import MetricsLogger
+    from rl.runtime.channel import Channel
+    from rl.runtime.job import Job
     from rl.trainer.trainer import MegatronTrainer
 
 
@@ -159,11 +159,11 @@ def _prepare(
     """Build the trainer; run the warm-up first if ``sft.steps`` > 0. The RL stage gets a
     fresh trainer (optimizer state and LR schedule of its own) loaded from the warm-up,
     and, with a KL penalty, a frozen copy of that starting policy as the reference. A
-    restarted job (rl/dist/resume.py) skips the warm-up and loads its last RL
+    restarted job (rl/checkpoints/resume.py) skips the warm-up and loads its last RL
     checkpoint, optimizer, LR schedule and step count included. A policy from
     ``model.hf_checkpoint`` starts from its weights, converted once to this trainer's
     TP/PP and cached under the output dir by the checkpoint's content."""
-    from rl.dist import resume
+    from rl.checkpoints import resume
     from rl.tasks import build_task
     from rl.trainer.trainer import build_trainer
     from rl.trainer.warmup import evaluator, supervised_warmup
@@ -304,13 +304,13 @@ def serve(cfg: RootConfig, job: Job, make_target: TargetFactory) -> None:
 
 def _address() -> str:
     """This host's address as the generator servers reach it (the DDMA group's master)."""
-    from rl.dist.net import host_address
+    from rl.runtime.net import host_address
 
     return host_address()
 
 
 def _ports(n: int) -> list[int]:
-    from rl.dist.net import free_port
+    from rl.runtime.net import free_port
 
     return [free_port("0.0.0.0") for _ in range(n)]
 

@@ -124,7 +124,7 @@ def hf_to_mcore(
     ep: int = 1,
 ) -> dict:
     """Convert here, spawning ``tp*pp*ep`` local ranks; returns the summary."""
-    from rl.dist.launch import spawn
+    from rl.runtime.launch import spawn
 
     m, dtype = prepare_hf_to_mcore(hf_dir, tp, pp, vocab_multiple, dtype, ep)
     out = Path(out_dir)

@@ -21,9 +21,9 @@ from typing import TYPE_CHECKING, Any
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
+from rl.checkpoints import files as ckpt_files
 from rl.config import ckpt_check
 from rl.config.ckpt_check import ARCH_FIELDS, FORMAT_VERSION, architecture_diffs
-from rl.dist import ckpt_files
 
 if TYPE_CHECKING:
     from megatron.core.transformer.module import MegatronModule
@@ -105,7 +105,7 @@ def load(state: dict[str, Any], path: str | os.PathLike) -> dict[str, Any]:
 def write(state: dict[str, Any], path: str, keep_previous: bool = False) -> None:
     """Collective save of ``state`` to ``path``, atomically (temp dir, then rename).
     ``keep_previous``: leave the checkpoint it replaces at ``<path>.old`` until the resume
-    state names the new one (rl/dist/ckpt_files.py)."""
+    state names the new one (rl/checkpoints/files.py)."""
     from megatron.core import dist_checkpointing
 
     from megatron_patches import cuda_to_cpu

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from rl.dist.launch import spawn
+from rl.runtime.launch import spawn
 from rl.weights.convert import prepare_hf_to_mcore
 from tests.helpers.hf_models import SHAPES, hf_logits, make_model
 from tests.helpers.workers import convert_then_logits, random_batches

@@ -24,8 +24,8 @@ class Pong:
 def role_rank(cfg, fail_rank: int | None = None) -> dict:
     """Controller (rank 0) sends a >8 MB tensor to each trainer rank; trainer ranks
     all-reduce within their own role group and answer. ``fail_rank`` raises instead."""
-    from rl.dist.channel import ChannelError, Failed, RemoteError
-    from rl.dist.job import join
+    from rl.runtime.channel import ChannelError, Failed, RemoteError
+    from rl.runtime.job import join
 
     job = join(cfg)
     try:

@@ -1,7 +1,7 @@
 """Rank functions for the MoE tests: a tiny Megatron-Core GPTModel with MoE layers.
 
 Module level, so spawned ranks import them. Every function here runs in a rank that
-``rl.dist.launch.spawn`` set up (CPU patches applied, gloo default group joined).
+``rl.runtime.launch.spawn`` set up (CPU patches applied, gloo default group joined).
 Weights are deterministic per *global* parameter name (a local expert is named by its
 global index), so any expert-parallel layout starts from the same model.
 """

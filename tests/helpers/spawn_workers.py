@@ -71,7 +71,7 @@ def wait(run_dir: str) -> int:
 
 
 def main(run_dir: str) -> None:
-    from rl.dist.launch import Stopped, spawn
+    from rl.runtime.launch import Stopped, spawn
 
     try:
         spawn(wait, 3, run_dir, setup=False, names=lambda r: f"worker rank {r}",

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from rl.config import compose
-from rl.dist import secret
-from rl.dist.launch import spawn
+from rl.runtime import secret
+from rl.runtime.launch import spawn
 from tests.helpers.channel_workers import role_rank
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -61,8 +61,8 @@ def test_wait_outlasts_the_channel_timeout_where_get_gives_up(key):
 
     import torch.distributed as dist
 
-    from rl.dist.channel import Channel, ChannelTimeout
-    from rl.dist.net import free_port
+    from rl.runtime.channel import Channel, ChannelTimeout
+    from rl.runtime.net import free_port
     from tests.helpers.channel_workers import Pong
 
     store = dist.TCPStore("127.0.0.1", free_port(), 1, is_master=True,
@@ -88,7 +88,7 @@ OUTSIDER = textwrap.dedent(
     import torch
     import torch.distributed as dist
 
-    from rl.dist import codec
+    from rl.runtime import codec
     from tests.helpers.channel_workers import Pong
 
     port, name, target = int(sys.argv[1]), sys.argv[2], sys.argv[3]
@@ -115,8 +115,8 @@ def test_a_process_outside_the_job_cannot_make_a_reader_act(key, tmp_path):
 
     import torch.distributed as dist
 
-    from rl.dist.channel import Channel, rejected_total
-    from rl.dist.net import free_port
+    from rl.runtime.channel import Channel, rejected_total
+    from rl.runtime.net import free_port
     from tests.helpers.channel_workers import Pong
 
     port, target = free_port(), tmp_path / "pwned"
@@ -144,7 +144,7 @@ class _StoreJob:
         self.store, self.key = store, key
 
     def channel(self, name: str, *types: type):
-        from rl.dist.channel import Channel
+        from rl.runtime.channel import Channel
 
         return Channel(self.store, name, types, 30, self.key)
 
@@ -159,9 +159,9 @@ def test_the_reward_protocol_runs_over_authenticated_channels(key):
 
     import torch.distributed as dist
 
-    from rl.dist.channel import rejected_total
-    from rl.dist.net import free_port
     from rl.reward.service import RewardHandle, serve
+    from rl.runtime.channel import rejected_total
+    from rl.runtime.net import free_port
     from tests.helpers.reward_scorers import item
 
     store = dist.TCPStore("127.0.0.1", free_port(), 1, is_master=True,

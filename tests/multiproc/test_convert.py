@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from rl.dist.launch import spawn
+from rl.runtime.launch import spawn
 from rl.weights.convert import hf_to_mcore, mcore_to_hf, prepare_hf_to_mcore
 from tests.helpers.hf_models import SHAPES, hf_logits, make_model, make_tokenizer
 from tests.helpers.workers import convert_then_logits, random_batches, run_layout

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rl.dist.launch import spawn
+from rl.runtime.launch import spawn
 from tests.helpers.ddma_util import rank_outcomes
 from tests.helpers.ddma_workers import ddma_rank
 from tests.helpers.hf_models import make_model

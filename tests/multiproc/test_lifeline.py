@@ -1,4 +1,4 @@
-"""rl/dist/lifeline.py on plain processes (no torch, seconds): what a process starts
+"""rl/runtime/lifeline.py on plain processes (no torch, seconds): what a process starts
 through multiprocessing (a spawn Manager as Megatron's checkpoint writer starts one, a
 spawned, a forked and a forkserver child, and a child of the spawned one) ends when that
 process is SIGKILLed; without the lifeline, the same helpers outlive it."""
@@ -13,7 +13,7 @@ import time
 import psutil
 import pytest
 
-from rl.dist import lifeline
+from rl.runtime import lifeline
 
 
 def _sleep() -> None:

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from rl.dist.launch import spawn
+from rl.runtime.launch import spawn
 from rl.trainer.trainer import MegatronTrainer, pack_by_tokens, row_extents
 from tests.helpers.workers import budget_parity
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rl.dist.launch import spawn
+from rl.runtime.launch import spawn
 from tests.helpers.workers import random_batches, run_layout
 from tests.multiproc.test_parallel_parity import BASE, LOGPROB_RTOL, STEPS, TOL
 

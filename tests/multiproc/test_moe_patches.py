@@ -14,7 +14,7 @@ import math
 import pytest
 import torch
 
-from rl.dist.launch import spawn
+from rl.runtime.launch import spawn
 from tests.helpers.moe_workers import NUM_EXPERTS, patch_checks, train_moe
 
 DISPATCHERS = ["alltoall", "allgather"]

@@ -19,7 +19,7 @@ import pytest
 
 from rl.config import compose
 from rl.config.roles import NODE_RANKS_ENV, RoleMap
-from rl.dist.job import placed_rank
+from rl.runtime.job import placed_rank
 from tests.helpers.sbatch import BAD_JOB_IDS, BAD_JOBS
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -13,8 +13,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from rl.dist import tree
-from rl.dist.launch import RankFailed, spawn
+from rl.runtime import tree
+from rl.runtime.launch import RankFailed, spawn
 from tests.helpers.spawn_workers import fail, finish_leaving_children
 
 ROOT = Path(__file__).resolve().parents[2]

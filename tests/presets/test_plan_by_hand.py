@@ -12,13 +12,13 @@ from omegaconf import DictConfig
 
 from rl.config import ConfigError
 from rl.config.roles import NODE_RANKS_ENV, RoleError, RoleMap, format_node_ranks
-from rl.dist.job import placed_rank
 from rl.models.arch import Dims
 from rl.models.registry import active_count
 from rl.models.shapes import padded_vocab_size, param_count
 from rl.plan import PlanRefused, plan_cluster
 from rl.plan.__main__ import main
 from rl.plan.memory import GIB, MIB, stage_expert_params, stage_params
+from rl.runtime.job import placed_rank
 from tests.helpers.configs import config_of as _cfg
 from tests.helpers.configs import plan_of as _plan
 

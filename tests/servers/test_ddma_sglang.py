@@ -19,12 +19,12 @@ from rl.config import compose
 from rl.config.sampling import SamplingParams
 from rl.ddma import wire
 from rl.ddma.plan import DstLayout, SrcLayout, make_plan
-from rl.dist import secret
-from rl.dist.launch import spawn
 from rl.generator.client import GeneratorClient
 from rl.generator.ddma_target import SGLangTarget, SyncError
 from rl.generator.launcher import ServerConfig, ServerError, ServerLauncher
 from rl.generator.server_api import job_keys
+from rl.runtime import secret
+from rl.runtime.launch import spawn
 from rl.weights.convert import hf_to_mcore, mcore_to_hf, prepare_hf_to_mcore
 from tests.helpers.ddma_util import hf_state, megatron_globals, megatron_shards, model_dims
 from tests.helpers.ddma_workers import train_then_sync
@@ -185,7 +185,7 @@ def test_point_to_point_transport_into_live_server(client, fresh, model_dir, syn
     """The cross-host transport: trainer ranks and the server's ranks join one gloo group
     through SGLang's /init_weights_update_group; each server rank receives its own
     buckets point to point into staging, then commits."""
-    from rl.dist.net import free_port
+    from rl.runtime.net import free_port
     from tests.helpers.ddma_workers import p2p_sync
 
     d, glob, hf = fresh
@@ -203,7 +203,7 @@ def test_same_host_point_to_point_through_shared_memory(client, model_dir, synce
     """The same-host transport: the group only signals, the server's rank reads each
     bucket from the trainer ranks' shared-memory rings (rl/ddma/shm.py); two versions
     through the same rings, the server then serves the second."""
-    from rl.dist.net import free_port
+    from rl.runtime.net import free_port
     from tests.helpers.ddma_shm_workers import p2p_shm_sync
 
     d = model_dims(model_dir, 2)

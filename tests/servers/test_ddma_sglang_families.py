@@ -32,11 +32,11 @@ from safetensors.torch import load_file, save_file
 from rl.config import compose
 from rl.config.sampling import SamplingParams
 from rl.ddma.plan import DstLayout, SrcLayout, make_plan
-from rl.dist.launch import spawn
 from rl.generator.client import GeneratorClient
 from rl.generator.launcher import ServerConfig, ServerLauncher
 from rl.generator.server_api import ServerKeys
 from rl.generator.types import Rollout
+from rl.runtime.launch import spawn
 from rl.weights.convert import mcore_to_hf, prepare_hf_to_mcore
 from rl.weights.keymap import Dims
 from tests.helpers.ddma_workers import train_then_sync

@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from rl.dist.launch import spawn
+from rl.runtime.launch import spawn
 from tests.helpers.job_workers import checkpoint_logits
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import psutil
 
-from rl.dist.supervise import MARK_ENV
+from rl.runtime.supervise import MARK_ENV
 from tests.helpers.procs import live_tagged
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -200,7 +200,7 @@ def test_a_killed_job_resumes_its_parked_rollouts_and_its_prompt_stream(tmp_path
 def test_resume_never_refuses_a_run_dir_that_holds_a_resume_point(tmp_path):
     """rl.resume=never starts fresh; over a run that has a resume point it would destroy
     that run's checkpoints and logs, so it refuses in one line before any rank starts."""
-    from rl.dist import resume
+    from rl.checkpoints import resume
 
     (tmp_path / "checkpoint").mkdir()
     (tmp_path / "checkpoint" / "metadata.json").write_text("{}")

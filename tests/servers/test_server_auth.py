@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from rl.dist.net import free_port
 from rl.generator import server_api as api
 from rl.generator.launcher import ServerConfig, ServerLauncher
+from rl.runtime.net import free_port
 from tests.helpers.hf_models import make_model
 from tests.helpers.procs import group_listeners
 

@@ -36,7 +36,7 @@ import psutil
 import pytest
 import torch
 
-from rl.dist.launch import spawn
+from rl.runtime.launch import spawn
 from tests.helpers.job_workers import checkpoint_logits
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from rl.dist import ckpt_files, resume
-from rl.dist.resume import ResumeError, ResumePoint
+from rl.checkpoints import files as ckpt_files
+from rl.checkpoints import resume
+from rl.checkpoints.resume import ResumeError, ResumePoint
 
 
 def _ckpt(path: Path, tag: str) -> Path:

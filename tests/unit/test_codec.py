@@ -24,12 +24,12 @@ import torch
 import torch.distributed as dist
 
 from rl.config.sampling import SamplingParams
-from rl.dist import channel as channel_mod
-from rl.dist import codec
-from rl.dist.channel import Channel, ChannelError, ChannelTimeout, Failed, RemoteError
 from rl.generator import service as gen
 from rl.generator.types import Rollout
 from rl.reward import service as rew
+from rl.runtime import channel as channel_mod
+from rl.runtime import codec
+from rl.runtime.channel import Channel, ChannelError, ChannelTimeout, Failed, RemoteError
 from rl.tasks.common import Example
 from rl.tasks.scoring import ScoreItem, ScoreResult
 from rl.trainer import service as trn
@@ -307,7 +307,7 @@ def test_a_channel_drops_forged_tampered_moved_and_replayed_messages(store, tmp_
     store.queue_push("t/out", good)
     store.queue_push("t/out", good)  # replayed
     writer.put(Plain({"v": 2}))
-    with caplog.at_level(logging.WARNING, logger="rl.dist.channel"):
+    with caplog.at_level(logging.WARNING, logger="rl.runtime.channel"):
         assert reader.get(timeout=2) == Plain({"v": 1})
         assert reader.get(timeout=2) == Plain({"v": 2})
     assert not (tmp_path / "pwned").exists()

@@ -20,7 +20,6 @@ from omegaconf import OmegaConf
 
 from rl.config.sampling import RequestError, SamplingParams
 from rl.config.schema import SamplingConfig
-from rl.dist.net import free_port
 from rl.generator import server_api as api
 from rl.generator.launcher import ServerConfig, ServerError
 from rl.generator.types import ModelLimits, Rollout, ServerResponseError, parse_result
@@ -31,6 +30,7 @@ from rl.generator.weight_payload import (
     update_call,
     use_file_system_sharing,
 )
+from rl.runtime.net import free_port
 
 LIMITS = ModelLimits(vocab_size=99, context_len=128, eos_ids=(2,))
 KEYS = api.ServerKeys.random()

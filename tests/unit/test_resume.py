@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from rl.dist import resume
-from rl.dist.resume import ResumeError, ResumePoint
+from rl.checkpoints import resume
+from rl.checkpoints.resume import ResumeError, ResumePoint
 from rl.metrics import drop_jsonl_after
 
 

@@ -9,8 +9,8 @@ import threading
 
 import pytest
 
-from rl.dist.channel import ChannelError, ChannelTimeout
 from rl.reward.service import RewardHandle, Scored
+from rl.runtime.channel import ChannelError, ChannelTimeout
 from rl.tasks.scoring import ScoreItem
 
 

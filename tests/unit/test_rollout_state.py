@@ -11,12 +11,12 @@ from concurrent.futures import Future
 
 import pytest
 
+from rl.checkpoints import resume
 from rl.config.sampling import SamplingParams
 from rl.controller import rollout_state
 from rl.controller.rollout_state import RolloutStateError
 from rl.controller.rollouts import Group, RolloutStream, StreamState
 from rl.controller.staleness import StalenessGate
-from rl.dist import resume
 from rl.generator.types import Rollout
 from rl.tasks.common import Example
 from rl.tasks.scoring import ScoreResult

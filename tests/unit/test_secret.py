@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from rl.dist import secret
+from rl.runtime import secret
 
 
 @pytest.fixture(autouse=True)

@@ -20,9 +20,9 @@ import aiohttp
 import pytest
 import yaml
 
-from rl.dist import secret
 from rl.generator import server_api as api
 from rl.generator.launcher import Server, ServerConfig, ServerError, _write_private
+from rl.runtime import secret
 
 # Every route this project calls, by the function that builds the call.
 OUR_CALLS = [

@@ -34,8 +34,8 @@ from bench_util import reset_peak, tree_peak_rss_mb, tree_rss_mb, write_result
 
 from rl.config.sglang import WEIGHT_STAGINGS
 from rl.ddma.plan import DstLayout, SrcLayout, make_plan
-from rl.dist.launch import spawn
 from rl.generator.ddma_target import SGLangTarget
+from rl.runtime.launch import spawn
 from rl.weights.keymap import Dims
 
 if TYPE_CHECKING:

@@ -9,14 +9,14 @@ How a run ends, in every case, with one message and no process left behind:
 
 * a rank raises, exits without a result, is killed, or one of its threads dies: the
   launcher names it (``names``: e.g. "trainer rank 1"), shows its last lines and kills
-  every process of the job (rl/dist/tree.py finds them, orphans included);
+  every process of the job (rl/runtime/tree.py finds them, orphans included);
 * SIGTERM or SIGINT to the launcher: the same sweep, then :class:`Stopped`, whose
   message says what was stopped (and, through ``saved``, what is on disk);
 * success: each rank's result, then a short wait for the ranks to exit and a sweep of
   whatever they left (a ``torch_shm_manager``, a Manager).
 
 Each rank leads a process group of its own, so a terminal's Ctrl-C reaches the launcher
-only, and each rank's output passes through the launcher (rl/dist/rank_output.py).
+only, and each rank's output passes through the launcher (rl/runtime/rank_output.py).
 """
 
 from __future__ import annotations
@@ -39,10 +39,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from rl.dist import lifeline, tree
-from rl.dist.net import free_port
-from rl.dist.rank_output import RankOutput, redirect_into
-from rl.dist.supervise import MARK_ENV, RankFailed, Supervisor
+from rl.runtime import lifeline, tree
+from rl.runtime.net import free_port
+from rl.runtime.rank_output import RankOutput, redirect_into
+from rl.runtime.supervise import MARK_ENV, RankFailed, Supervisor
 
 if TYPE_CHECKING:
     from multiprocessing.connection import Connection
@@ -191,7 +191,7 @@ def _child(
     try:
         if setup:
             setup_rank(device, threads)
-        else:  # fn joins process groups itself (rl.dist.job)
+        else:  # fn joins process groups itself (rl.runtime.job)
             quiet_known_warnings()
             torch.set_num_threads(threads)
         out = fn(*args)
@@ -250,7 +250,7 @@ def spawn(
     procs += [
         ctx.Process(
             target=_child, args=(r, *common, *outputs[r].write_ends, sup.mark), daemon=False
-        )  # fmt: skip
+        )
         for r in range(world_size)
     ]
     with _stop_signals() as stopping:

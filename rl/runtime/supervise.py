@@ -20,12 +20,12 @@ from typing import TYPE_CHECKING, Any
 
 import psutil
 
-from rl.dist import tree
+from rl.runtime import tree
 
 if TYPE_CHECKING:
     from multiprocessing.queues import Queue
 
-    from rl.dist.rank_output import RankOutput
+    from rl.runtime.rank_output import RankOutput
 
 
 class RankFailed(RuntimeError):

@@ -17,7 +17,7 @@ import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from rl.dist import ckpt_files
+from rl.checkpoints import files as ckpt_files
 
 STATE = "rl_state.json"
 

@@ -23,7 +23,7 @@ a tensor as ``[dtype name, shape, segment]``. Per hint, a value is encoded as:
   object (``{"tuple": [...]}``, ``{"dict": [...]}``...). Never a dataclass or any other
   class: only the declared schema builds objects.
 
-Stdlib and torch only: this module sits under :mod:`rl.dist.channel`.
+Stdlib and torch only: this module sits under :mod:`rl.runtime.channel`.
 """
 
 from __future__ import annotations

@@ -14,9 +14,9 @@ The libuv store refuses values over 8 MB: larger messages go as chunks under the
 keys, with only a small descriptor in the queue (several writers may share a queue).
 
 The store listens on every interface, so what ``get`` pops is untrusted until checked.
-Messages are encoded by :mod:`rl.dist.codec` (a schema codec: decoding never runs code
+Messages are encoded by :mod:`rl.runtime.codec` (a schema codec: decoding never runs code
 the bytes name) and carry an HMAC-SHA256 tag under the job's key
-(:mod:`rl.dist.secret`) over the channel's name, the writer's id and sequence number and
+(:mod:`rl.runtime.secret`) over the channel's name, the writer's id and sequence number and
 the whole (reassembled) message: a message cannot be forged, moved to another channel,
 nor replayed on its own. A message that fails any check is dropped, counted
 (:attr:`Channel.rejected`, :func:`rejected_total`) and logged in one line, and ``get``
@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, TypeVar
 
-from rl.dist import codec, secret
+from rl.runtime import codec, secret
 
 if TYPE_CHECKING:
     from torch.distributed import Store
@@ -96,7 +96,7 @@ def _store_error() -> type[BaseException]:
 class Channel:
     """``put`` from any rank, ``get`` on the one reader. One connection per instance: make
     one instance per thread that uses it (a blocking ``get`` holds its connection).
-    ``key`` is the job's secret (:func:`rl.dist.secret.load`), the same on every rank."""
+    ``key`` is the job's secret (:func:`rl.runtime.secret.load`), the same on every rank."""
 
     def __init__(
         self, store: Store, name: str, types: tuple[type, ...], timeout: float, key: bytes

@@ -3,7 +3,7 @@
 Why: ranks start long-lived helpers through multiprocessing (Megatron's checkpoint writer
 starts a spawn Manager that serves until it is asked to shut down; the reward executor
 starts scoring workers). While the launcher lives, it is their subreaper and sweeps them
-(rl/dist/tree.py). When the launcher itself is SIGKILLed, the ranks die of their
+(rl/runtime/tree.py). When the launcher itself is SIGKILLed, the ranks die of their
 parent-death signal, but nothing ended these helpers: two Managers (torch imported,
 570 MB each) were seen waiting forever with PPID 1 after a killed job.
 

@@ -3,7 +3,7 @@
 Every checkpoint is written to ``<path>.tmp`` and renamed to ``<path>`` only once every
 rank has written its shards (rl/weights/dist_ckpt.py). An RL checkpoint replaces the
 previous one under the same name, so the previous one is first renamed to ``<path>.old``
-and kept until the resume state (rl/dist/resume.py) names the new one; the resume state
+and kept until the resume state (rl/checkpoints/resume.py) names the new one; the resume state
 also writes the step it records into the checkpoint (:data:`MARKER`). A kill at any
 moment then leaves, besides a usable ``<path>`` or ``<path>.old``, only files that
 :func:`recover` can sort out without guessing:

@@ -6,7 +6,7 @@ executor then gets a default process group of its own over its own ranks, throug
 prefix of that store. That is what Megatron-Core needs (it builds its TP/PP/DP groups
 from the default group's ranks, so the trainer's world must be exactly the trainer ranks),
 and it keeps each executor's collectives away from the others. Executors talk to the
-controller only through :class:`~rl.dist.channel.Channel` queues.
+controller only through :class:`~rl.runtime.channel.Channel` queues.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from datetime import timedelta
 from typing import TYPE_CHECKING
 
 from rl.config.roles import NODE_RANKS_ENV, RoleError, RoleMap, parse_node_ranks
-from rl.dist.channel import Channel
+from rl.runtime.channel import Channel
 
 if TYPE_CHECKING:
     from torch.distributed import Store
@@ -38,7 +38,7 @@ class Job:
     roles: RoleMap
     store: Store  # the job's store, shared by every rank (the channels' queues)
     timeout: float
-    # The job's key (rl.dist.secret), which signs every channel message; kept out of repr.
+    # The job's key (rl.runtime.secret), which signs every channel message; kept out of repr.
     secret: bytes = field(repr=False)
 
     def channel(self, name: str, *types: type) -> Channel:
@@ -88,7 +88,7 @@ def join(cfg: RootConfig, device: str = "cpu") -> Job:
     import torch
     import torch.distributed as dist
 
-    from rl.dist import secret
+    from rl.runtime import secret
 
     key = secret.load()  # first: a rank without the job's key must not join
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])

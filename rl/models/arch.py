@@ -308,6 +308,10 @@ class Arch:
     from_hf: Callable[[dict], dict] = lambda hf: {}
     to_hf: Callable[[ModelConfig], dict] = lambda m: {}
     moe: bool = False
+    # The family's tiny test models (tests/helpers/hf_models.py builds them): a name for
+    # each and the HF config fields it sets beyond the tests' shared tiny shape, chosen to
+    # exercise what the family adds (tied embeddings, KV layouts, head_dim, experts).
+    tiny: dict[str, dict[str, object]] = field(default_factory=dict)
 
     def tensors(self, d: Dims) -> list[TensorSpec]:
         return decoder_tensors(d)

@@ -10,7 +10,7 @@ makes the initial model identical for every tensor-parallel size (same seed).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -83,7 +83,7 @@ def transformer_config(
     )
 
 
-def moe_options(m: ModelConfig, t: TrainerConfig) -> dict[str, Any]:
+def moe_options(m: ModelConfig, t: TrainerConfig) -> dict[str, object]:
     """TransformerConfig fields of a Mixture-of-Experts model (none for a dense one).
 
     Routing matches HF's: softmax over the router logits, top-k, renormalised when

@@ -31,7 +31,7 @@ import threading
 import time
 import traceback
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -291,7 +291,7 @@ def _quiet_resource_tracker() -> None:
 
 
 @contextlib.contextmanager
-def _stop_signals() -> Any:
+def _stop_signals() -> Iterator[threading.Event]:
     """SIGTERM/SIGINT raise :class:`_Signalled` in the launcher's main thread until the
     yielded event is set (then they are ignored: the sweep under way must not be cut);
     the previous handlers come back on exit. Installed here, in the launching process

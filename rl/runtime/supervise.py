@@ -175,7 +175,7 @@ class Supervisor:
                 p.join(timeout=2.0)
 
 
-def _is_server(p: Any) -> bool:
+def _is_server(p: psutil.Process) -> bool:
     """An SGLang server's main process (not the guard in front of it, whose command line
     holds the server's)."""
     with contextlib.suppress(Exception):

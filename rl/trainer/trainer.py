@@ -27,6 +27,9 @@ from rl.trainer import checkpoint
 from rl.trainer.checkpoint import TrainState
 
 if TYPE_CHECKING:
+    from megatron.core.optimizer import MegatronOptimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
     from rl.config.schema import ModelConfig, TrainerConfig
 
 
@@ -137,7 +140,9 @@ class MegatronTrainer:
             self.model = DistributedDataParallel(
                 config=self.config, ddp_config=ddp_config, module=model
             )
-        self.optimizer = self.scheduler = None
+        # None: a frozen trainer (the KL reference), which only scores.
+        self.optimizer: MegatronOptimizer | None = None
+        self.scheduler: OptimizerParamScheduler | None = None
         if not frozen:
             self._build_optimizer(total_steps)
         self.moe = None
@@ -154,7 +159,7 @@ class MegatronTrainer:
 
         t, o = self.tcfg, self.tcfg.optim
         with cuda_to_cpu():
-            self.optimizer = get_megatron_optimizer(
+            self.optimizer = optimizer = get_megatron_optimizer(
                 OptimizerConfig(
                     optimizer="adam",
                     lr=o.lr,
@@ -171,10 +176,10 @@ class MegatronTrainer:
                 [self.model],
             )
         self.config.finalize_model_grads_func = finalize_model_grads
-        self.config.grad_scale_func = self.optimizer.scale_loss
+        self.config.grad_scale_func = optimizer.scale_loss
         decay = o.decay_steps if o.decay_steps is not None else max(total_steps, 1)
         self.scheduler = OptimizerParamScheduler(
-            self.optimizer,
+            optimizer,
             # Warm up from lr/warmup (not 0): the first step should already learn.
             init_lr=o.lr / max(o.warmup_steps, 1),
             max_lr=o.lr,
@@ -282,7 +287,7 @@ class MegatronTrainer:
             def loss_func(output: torch.Tensor):
                 if own_ce and not want_logits:
                     output = self._cross_entropy(output, labels)
-                if forward_only:
+                if loss_fn is None:
                     if collect == "last_logits":
                         value = output[:, seq - 1, :].float()
                     elif collect == "logits":
@@ -311,6 +316,7 @@ class MegatronTrainer:
             )
         if groups is None or not forward_only or not per_mb:
             return per_mb  # training stats are sums: their order does not matter
+        assert collect is not None  # a forward-only pass collects something
         return [{collect: self._unpack(per_mb, collect, groups, seq)}]
 
     @staticmethod
@@ -368,22 +374,25 @@ class MegatronTrainer:
     def train_step(self, batch: dict[str, torch.Tensor], loss_fn: LossFn) -> dict[str, float]:
         """One optimizer step on the global batch; returns metrics identical on all ranks."""
         t0 = time.perf_counter()
+        if self.optimizer is None or self.scheduler is None:
+            raise RuntimeError("a frozen trainer (the KL reference) does not train")
+        optimizer, scheduler = self.optimizer, self.scheduler
         self.model.zero_grad_buffer()
-        self.optimizer.zero_grad()
+        optimizer.zero_grad()
         if self.moe is not None:
             self.moe.load.zero_()  # count this step's training forward only
         per_mb = self._run(batch, loss_fn)
         with cuda_to_cpu():
-            ok, grad_norm, _ = self.optimizer.step()
+            ok, grad_norm, _ = optimizer.step()
         if ok:
-            self.scheduler.step(increment=1)
+            scheduler.step(increment=1)
             self.step += 1
         metrics = self._reduce_stats(per_mb)
         ntok = max(metrics.pop("num_tokens"), 1.0)
         out = {k: v / ntok for k, v in metrics.items()}
         out.update(
             grad_norm=float(grad_norm) if grad_norm is not None else math.nan,
-            lr=self.optimizer.param_groups[0]["lr"],
+            lr=optimizer.param_groups[0]["lr"],
             num_tokens=ntok,
             step_seconds=time.perf_counter() - t0,
             skipped=float(not ok),
@@ -426,7 +435,7 @@ class MegatronTrainer:
         stats = None
         if lay.last_stage:
             keys = sorted(per_mb[0])
-            vec = torch.stack([sum(d[k].float() for d in per_mb) for k in keys])
+            vec = torch.stack([torch.stack([d[k].float() for d in per_mb]).sum() for k in keys])
             dist.all_reduce(vec, group=lay.dp_group)
             stats = dict(zip(keys, vec.tolist(), strict=True))
         if lay.pp > 1:

@@ -172,7 +172,9 @@ def _stored_model_config(common: dict, path: str) -> ModelConfig:
     stored = common.get("model_config")
     if stored is None:
         raise CheckpointError(f"checkpoint {path!r} carries no model_config")
-    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), stored))
+    merged = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), stored))
+    assert isinstance(merged, ModelConfig)
+    return merged
 
 
 def mcore_to_hf(

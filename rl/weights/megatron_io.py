@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -30,7 +30,7 @@ Provider = Callable[[str, int | None, tuple[int, int] | None], torch.Tensor]
 ROW_SLICED = ("embedding.word_embeddings.weight", "output_layer.weight")
 
 
-def leaves(obj: Any) -> Iterator[Any]:  # a nested sharded state dict
+def leaves(obj: object) -> Iterator[object]:  # a nested sharded state dict
     from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
 
     if isinstance(obj, dict):
@@ -95,7 +95,8 @@ def fill_model(
     """
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
-    written, cache, last_layer = 0, {}, None
+    written, last_layer = 0, None
+    cache: dict[tuple[str, int | None], torch.Tensor] = {}
     for st in leaves(model.sharded_state_dict()):
         if not isinstance(st, ShardedTensor):
             continue  # _extra_state objects: nothing to convert
@@ -149,7 +150,11 @@ def read_layer(
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
-    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
+    from torch.distributed.checkpoint.metadata import (
+        ChunkStorageMetadata,
+        MetadataIndex,
+        TensorStorageMetadata,
+    )
     from torch.distributed.checkpoint.planner import LoadPlan
     from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
@@ -166,8 +171,10 @@ def read_layer(
     class _ChunkPlanner(DefaultLoadPlanner):
         def create_local_plan(self) -> LoadPlan:
             items = []
+            assert self.metadata is not None  # set by set_up_planner before any plan
             for fqn in self.state_dict:
                 md = self.metadata.state_dict_metadata[fqn]
+                assert isinstance(md, TensorStorageMetadata), fqn
                 items += create_read_items_for_chunk_list(fqn, md, [chunks[fqn]])
             return LoadPlan(items)
 

@@ -25,19 +25,11 @@ from rl.models.shapes import param_count
 from rl.weights import keymap as km
 from rl.weights.hf_config import HFConfigError, hf_config_from_model, model_config_from_hf
 from tests.helpers.configs import composed
-from tests.helpers.hf_models import make_model
+from tests.helpers.hf_models import make_model, tiny_models
 
 ROOT = Path(__file__).resolve().parents[2]
-KINDS = {
-    "llama": "LlamaForCausalLM",
-    "llama_tied": "LlamaForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-    "qwen3_kv1": "Qwen3ForCausalLM",
-    "mistral": "MistralForCausalLM",
-    "qwen3_moe": "Qwen3MoeForCausalLM",
-    "qwen2_moe": "Qwen2MoeForCausalLM",
-}
+# Every family's tiny test models (Arch.tiny), by kind: the registry's own list.
+KINDS = {kind: arch.hf_class for kind, arch in tiny_models().items()}
 
 
 @pytest.fixture(scope="module")

@@ -32,4 +32,5 @@ ARCH = Arch(
     fixed={"qkv_bias": False, "qk_norm": False, "num_experts": 0},
     from_hf=_from_hf,
     to_hf=lambda m: {"sliding_window": None},
+    tiny={"mistral": {"head_dim": 32, "sliding_window": None, "tie_word_embeddings": False}},
 )

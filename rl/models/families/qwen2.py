@@ -17,4 +17,5 @@ ARCH = Arch(
     fixed={"qkv_bias": True, "qk_norm": False, "num_experts": 0},
     from_hf=_from_hf,
     to_hf=lambda m: {"use_sliding_window": False},
+    tiny={"qwen2": {"tie_word_embeddings": False}},  # QKV bias
 )

@@ -28,4 +28,11 @@ ARCH = Arch(
         "use_sliding_window": False,
     },
     moe=True,
+    tiny={  # a sigmoid-gated shared expert, top-k not renormalised
+        "qwen2_moe": {
+            "shared_expert_intermediate_size": 48,
+            "norm_topk_prob": False,
+            "tie_word_embeddings": False,
+        },
+    },
 )

@@ -19,4 +19,8 @@ ARCH = Arch(
     fixed={"qkv_bias": False, "qk_norm": True, "num_experts": 0},
     from_hf=_from_hf,
     to_hf=lambda m: {"attention_bias": False, "use_sliding_window": False},
+    tiny={
+        "qwen3": {"head_dim": 32, "tie_word_embeddings": False},  # head_dim != hidden/heads
+        "qwen3_kv1": {"head_dim": 32, "num_key_value_heads": 1, "tie_word_embeddings": True},
+    },
 )

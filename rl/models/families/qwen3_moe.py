@@ -66,4 +66,5 @@ ARCH = Arch(
     from_hf=_from_hf,
     to_hf=lambda m: {**moe_to_hf(m), "attention_bias": False, "use_sliding_window": False},
     moe=True,
+    tiny={"qwen3_moe": {"norm_topk_prob": True, "tie_word_embeddings": False}},
 )

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from rl.algorithms.weights import Weight, WeightFn
+from rl.batch import TrainBatch
 
 
 @dataclass
@@ -26,12 +27,14 @@ class LossOutput:
     stats: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
-LossFn = Callable[[torch.Tensor, dict[str, torch.Tensor]], LossOutput]
+LossFn = Callable[[torch.Tensor, TrainBatch], LossOutput]
 
 
-def nll_loss(logprobs: torch.Tensor, mb: dict[str, torch.Tensor]) -> LossOutput:
+def nll_loss(logprobs: torch.Tensor, mb: TrainBatch) -> LossOutput:
     """Supervised negative log-likelihood on the masked tokens."""
-    mask = mb["loss_mask"].to(logprobs.dtype)
+    mb.require("loss_mask")
+    assert mb.loss_mask is not None
+    mask = mb.loss_mask.to(logprobs.dtype)
     return LossOutput(
         loss_sum=-(logprobs * mask).sum(),
         num_tokens=mask.sum().to(torch.int),
@@ -39,10 +42,8 @@ def nll_loss(logprobs: torch.Tensor, mb: dict[str, torch.Tensor]) -> LossOutput:
 
 
 # ------------------------------------------------------------------ RL losses
-# Extra microbatch fields, aligned with ``logprobs`` (index t scores token t+1):
-#   behaviour_logprobs  log mu: the log-prob the generator sampled the token with
-#   advantages          the token's advantage (its sequence's, broadcast over its tokens)
-#   ref_logprobs        log pi_ref, only when a KL penalty is asked for
+# The microbatch fields they read beside loss_mask (rl/batch.py), aligned with ``logprobs``:
+# behaviour_logprobs and advantages, and ref_logprobs when a KL penalty is asked for.
 
 
 def _kl_k3(logprobs: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
@@ -62,13 +63,18 @@ Surrogate = Callable[
 
 def _rl_loss(
     logprobs: torch.Tensor,
-    mb: dict[str, torch.Tensor],
+    mb: TrainBatch,
     surrogate: Surrogate,
     kl_coef: float,
 ) -> LossOutput:
-    mask = mb["loss_mask"].to(logprobs.dtype)
-    mu = mb["behaviour_logprobs"].to(logprobs.dtype)
-    adv = mb["advantages"].to(logprobs.dtype)
+    mb.require(
+        "loss_mask", "behaviour_logprobs", "advantages", *(("ref_logprobs",) * bool(kl_coef))
+    )
+    assert mb.loss_mask is not None and mb.behaviour_logprobs is not None
+    assert mb.advantages is not None
+    mask = mb.loss_mask.to(logprobs.dtype)
+    mu = mb.behaviour_logprobs.to(logprobs.dtype)
+    adv = mb.advantages.to(logprobs.dtype)
     log_ratio = logprobs - mu
     ratio = torch.exp(log_ratio.detach())
     per_token, weight = surrogate(logprobs, log_ratio, ratio, adv)
@@ -84,7 +90,8 @@ def _rl_loss(
     if masked is not None:
         stats["masked_frac"] = (masked.to(mask.dtype) * mask).sum()
     if kl_coef:
-        kl = _kl_k3(logprobs, mb["ref_logprobs"].to(logprobs.dtype))
+        assert mb.ref_logprobs is not None
+        kl = _kl_k3(logprobs, mb.ref_logprobs.to(logprobs.dtype))
         # A masked token contributes nothing to the gradient, the KL penalty included;
         # kl_ref still measures every counted token.
         kl_term = kl if masked is None else torch.where(masked, torch.zeros_like(kl), kl)
@@ -115,7 +122,7 @@ def pg_loss(weight_fn: WeightFn, kl_coef: float = 0.0) -> LossFn:
         weight = weight_fn(ratio)
         return -(weight.w * adv * logprobs), weight
 
-    def loss(logprobs: torch.Tensor, mb: dict[str, torch.Tensor]) -> LossOutput:
+    def loss(logprobs: torch.Tensor, mb: TrainBatch) -> LossOutput:
         return _rl_loss(logprobs, mb, surrogate, kl_coef)
 
     return loss
@@ -132,7 +139,7 @@ def ppo_clip_loss(clip_eps: float = 0.2, kl_coef: float = 0.0) -> LossFn:
         clipped = torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps)
         return -torch.minimum(ratio * adv, clipped * adv), None
 
-    def loss(logprobs: torch.Tensor, mb: dict[str, torch.Tensor]) -> LossOutput:
+    def loss(logprobs: torch.Tensor, mb: TrainBatch) -> LossOutput:
         return _rl_loss(logprobs, mb, surrogate, kl_coef)
 
     return loss

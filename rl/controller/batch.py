@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from rl.algorithms.advantages import group_advantages, token_advantages
+from rl.batch import TrainBatch
 
 if TYPE_CHECKING:
     from rl.generator.types import Rollout
@@ -59,7 +60,7 @@ def build_batch(
     seq_len: int | None = None,
     overlong: str = "keep",
     overlong_penalty: float = -1.0,
-) -> dict[str, torch.Tensor]:
+) -> TrainBatch:
     """``groups[g][k]`` is sample k of prompt g (objects with ``prompt_ids``,
     ``output_ids``, ``logprobs``, ``versions``), ``rewards[g][k]`` its reward.
 
@@ -110,12 +111,5 @@ def build_batch(
     if overlong == "mask":
         mask = mask * (1 - cut).unsqueeze(1)
     adv = group_advantages(reward, normalize_std).reshape(-1)
-    return {
-        "tokens": tokens,
-        "loss_mask": mask,
-        "behaviour_logprobs": mu,
-        "advantages": token_advantages(adv, mask),
-        "versions": versions,
-        "rewards": reward.reshape(-1),
-        "overlong": cut,
-    }
+    return TrainBatch(tokens, mask, behaviour_logprobs=mu, advantages=token_advantages(adv, mask),
+                      versions=versions, rewards=reward.reshape(-1), overlong=cut)  # fmt: skip

@@ -26,18 +26,17 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    import torch
-
+    from rl.batch import TrainBatch
     from rl.controller.rollouts import Group, RolloutStream
 
-Batch = tuple[list["Group"], dict[str, "torch.Tensor"], dict[str, float]]
+Batch = tuple[list["Group"], "TrainBatch", dict[str, float]]
 
 
 class BatchPrefetch:
     """``assemble(groups)`` builds the trainer's batch from a step's groups."""
 
     def __init__(
-        self, stream: RolloutStream, assemble: Callable[[list[Group]], dict[str, torch.Tensor]]
+        self, stream: RolloutStream, assemble: Callable[[list[Group]], TrainBatch]
     ) -> None:
         self.stream, self.assemble = stream, assemble
         self._next: Future[Batch] | None = None

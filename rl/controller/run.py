@@ -18,6 +18,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from rl.batch import TrainBatch
 from rl.checkpoints import resume
 from rl.config.sampling import SamplingParams
 from rl.controller import rollout_state
@@ -33,8 +34,6 @@ from rl.tasks import Task
 
 if TYPE_CHECKING:
     from concurrent.futures import Future
-
-    import torch
 
     from rl.config.schema import RootConfig
     from rl.generator.client import GeneratorClient
@@ -163,7 +162,7 @@ class RLRun:
             print(f"rollout state of step {saved.step}: {stream.restore(saved)}", flush=True)
         return stream.start()
 
-    def _assemble(self, groups: list[Group]) -> dict[str, torch.Tensor]:
+    def _assemble(self, groups: list[Group]) -> TrainBatch:
         a = self.cfg.algorithm
         return build_batch([g.rollouts for g in groups], [g.rewards for g in groups],
                            a.normalize_std, self.task.codec.pad_id, None, a.overlong,
@@ -218,7 +217,7 @@ class RLRun:
         m["overhead_s"] = max(m["step_s"] - m["train_s"] - m["sync_s"] - m["wait_batch_s"], 0.0)
 
     def _record(
-        self, step: int, groups: list[Group], batch: dict[str, torch.Tensor],
+        self, step: int, groups: list[Group], batch: TrainBatch,
         m: dict[str, float], ev: dict[str, float] | None, requeued: list[str],
     ) -> None:  # fmt: skip
         rollout_state.log_trained(self.out, step, groups, requeued)
@@ -249,18 +248,16 @@ class RLRun:
                 part.close()
 
 
-def batch_metrics(
-    groups: list[Group], batch: dict[str, torch.Tensor], threshold: float
-) -> dict[str, float]:
+def batch_metrics(groups: list[Group], batch: TrainBatch, threshold: float) -> dict[str, float]:
     """Reward, pass rate, response lengths and the reward function's own metrics."""
-    rewards = batch["rewards"]
+    assert batch.rewards is not None and batch.overlong is not None  # an RL batch
     lengths = [len(r.output_ids) for g in groups for r in g.rollouts]
     out = {
-        "reward_mean": rewards.mean().item(),
-        "accuracy": (rewards >= threshold).float().mean().item(),
+        "reward_mean": batch.rewards.mean().item(),
+        "accuracy": (batch.rewards >= threshold).float().mean().item(),
         "response_len_mean": sum(lengths) / len(lengths),
         "response_len_max": float(max(lengths)),
-        "overlong_frac": batch["overlong"].mean().item(),
+        "overlong_frac": batch.overlong.mean().item(),
     }
     extra: dict[str, list[float]] = {}
     for g in groups:

@@ -17,9 +17,9 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
-if TYPE_CHECKING:
-    import torch
+from rl.batch import TrainBatch
 
+if TYPE_CHECKING:
     from rl.config.schema import RootConfig
 
 
@@ -144,7 +144,7 @@ class TaskKind:
     build: Callable[[RootConfig], Task]
 
 
-def sft_batch(examples: Sequence[Example], pad_id: int) -> dict[str, torch.Tensor]:
+def sft_batch(examples: Sequence[Example], pad_id: int) -> TrainBatch:
     """Prompt+target sequences, right-padded, with the loss on the target tokens only.
 
     ``loss_mask[:, t]`` weights the prediction of token ``t+1`` (the trainer's log-prob
@@ -163,7 +163,7 @@ def sft_batch(examples: Sequence[Example], pad_id: int) -> dict[str, torch.Tenso
         tokens[i, : len(r)] = torch.tensor(r, dtype=torch.long)
         p = len(e.prompt_ids)
         mask[i, p - 1 : p - 1 + len(e.target_ids or ())] = 1.0
-    return {"tokens": tokens, "loss_mask": mask}
+    return TrainBatch(tokens, mask)
 
 
 def take(stream: Iterator[Example], count: int) -> list[Example]:

@@ -18,12 +18,13 @@ import gc
 import os
 import threading
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
+from rl.batch import TrainBatch
 from rl.runtime.channel import Failed
 
 if TYPE_CHECKING:
@@ -38,7 +39,7 @@ if TYPE_CHECKING:
 @dataclass
 class Train:
     step: int
-    batch: dict[str, torch.Tensor]
+    batch: TrainBatch
 
 
 @dataclass
@@ -262,9 +263,10 @@ def serve(cfg: RootConfig, job: Job, make_target: TargetFactory) -> None:
         sender = None
         while not isinstance(msg := inbox.wait(), Stop):
             if isinstance(msg, Train):
+                batch = msg.batch
                 if ref is not None:  # log pi_ref of every token, for the KL penalty
-                    msg.batch["ref_logprobs"] = ref.logprobs(msg.batch)
-                answer(Trained(tr.train_step(msg.batch, loss_fn)))
+                    batch = replace(batch, ref_logprobs=ref.logprobs(batch))
+                answer(Trained(tr.train_step(batch, loss_fn)))
             elif isinstance(msg, Connect):
                 plan = plan_for(cfg.model, cfg.trainer, cfg.rollout, dp=tr.layout.dp)
                 w = cfg.rollout.weight_sync
@@ -340,7 +342,7 @@ class TrainerHandle:
             raise RuntimeError(f"trainer answered {type(msg).__name__} before it was ready")
         return msg
 
-    def train(self, step: int, batch: dict[str, torch.Tensor]) -> dict[str, float]:
+    def train(self, step: int, batch: TrainBatch) -> dict[str, float]:
         return self._call(Train(step, batch), Trained).metrics
 
     def connect(self, urls: list[str]) -> Rendezvous:

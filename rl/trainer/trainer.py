@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Sequence
+from functools import partial
 from typing import TYPE_CHECKING
 
 import torch
@@ -20,6 +21,7 @@ import torch.distributed as dist
 
 from megatron_patches import cuda_to_cpu
 from rl.algorithms.losses import LossFn
+from rl.batch import TrainBatch
 from rl.models.megatron_gpt import build_gpt
 from rl.models.parallel import Layout, init_model_parallel
 from rl.models.shapes import padded_vocab_size
@@ -61,30 +63,21 @@ def pack_by_tokens(lengths: Sequence[int], budget: int) -> list[list[int]]:
     return groups
 
 
-def row_extents(batch: dict[str, torch.Tensor]) -> list[int]:
+def row_extents(batch: TrainBatch) -> list[int]:
     """How many leading columns of each row the model must see.
 
     Index t of a per-token tensor scores token t+1, so a row whose last counted index is t
-    needs tokens ``[0, t+2)``. An ``attention_mask`` (1 on real tokens), when present,
-    extends that to its last real token. Columns past the extent are right padding or
-    unscored tail: with causal attention they never change an earlier position's output,
-    so dropping them changes no counted log-prob. With neither key every row needs all
-    ``S`` columns.
+    needs tokens ``[0, t+2)``. Columns past the extent are right padding or unscored tail:
+    with causal attention they never change an earlier position's output, so dropping
+    them changes no counted log-prob. Without a ``loss_mask`` every row needs all ``S``
+    columns.
     """
-    rows, seq = batch["tokens"].shape[:2]
-    ext = torch.zeros(rows, dtype=torch.long)
+    rows, seq = batch.rows, batch.seq
+    if batch.loss_mask is None:
+        return [seq] * rows
     cols = torch.arange(1, seq + 1)
-    found = False
-    if "loss_mask" in batch:
-        last = ((batch["loss_mask"] != 0) * cols).amax(dim=1)  # last scored index + 1
-        ext = torch.maximum(ext, torch.where(last > 0, (last + 1).clamp(max=seq), 0))
-        found = True
-    if "attention_mask" in batch:
-        ext = torch.maximum(ext, ((batch["attention_mask"] != 0) * cols).amax(dim=1))
-        found = True
-    if not found:
-        ext = torch.full((rows,), seq, dtype=torch.long)
-    return ext.tolist()
+    last = ((batch.loss_mask != 0) * cols).amax(dim=1)  # last scored index + 1
+    return torch.where(last > 0, (last + 1).clamp(max=seq), 0).tolist()
 
 
 class MegatronTrainer:
@@ -195,8 +188,8 @@ class MegatronTrainer:
 
     # ------------------------------------------------------------------ batching
     def _microbatches(
-        self, batch: dict[str, torch.Tensor], trim: bool = True
-    ) -> tuple[list[dict], int, list[list[int]] | None]:
+        self, batch: TrainBatch, trim: bool = True
+    ) -> tuple[list[TrainBatch], int, list[list[int]] | None]:
         """This DP rank's rows cut into micro-batches, their count and, with a token
         budget, each micro-batch's row indices within this rank's rows (None otherwise).
 
@@ -210,7 +203,7 @@ class MegatronTrainer:
         finalize_model_grads, and _reduce_stats and _collect make one call per step on
         tensors of fixed shape. TP ranks of one DP rank see the same rows, so the same plan.
         """
-        rows = batch["tokens"].shape[0]
+        rows = batch.rows
         mbs, dp = self.tcfg.micro_batch_size, self.layout.dp
         if self.token_budget is None:
             if rows % (mbs * dp):
@@ -220,10 +213,10 @@ class MegatronTrainer:
                 )
             per_rank = rows // dp
             lo = self.layout.dp_rank * per_rank
-            mine = {k: v[lo : lo + per_rank] for k, v in batch.items()}
+            mine = batch.map(lambda v: v[lo : lo + per_rank])
             n = per_rank // mbs
             return (
-                [{k: v[i * mbs : (i + 1) * mbs] for k, v in mine.items()} for i in range(n)],
+                [mine.map(partial(_rows, lo=i * mbs, hi=(i + 1) * mbs)) for i in range(n)],
                 n,
                 None,
             )
@@ -231,8 +224,8 @@ class MegatronTrainer:
             raise ValueError(f"batch of {rows} rows is not a positive multiple of trainer.dp={dp}")
         per_rank = rows // dp
         lo = self.layout.dp_rank * per_rank
-        mine = {k: v[lo : lo + per_rank] for k, v in batch.items()}
-        seq = batch["tokens"].shape[1]
+        mine = batch.map(lambda v: v[lo : lo + per_rank])
+        seq = batch.seq
         lengths = row_extents(mine) if trim else [seq] * per_rank
         groups = pack_by_tokens(lengths, self.token_budget)
         out = []
@@ -242,17 +235,13 @@ class MegatronTrainer:
             sel = torch.tensor(idx)
             # Per-token tensors are cut to the width; per-row ones ([B]) keep their shape.
             # Shorter rows keep their own padding and zero loss_mask up to the width.
-            out.append(
-                {
-                    k: (v[sel, :width] if v.dim() >= 2 and v.shape[1] == seq else v[sel])
-                    for k, v in mine.items()
-                }
-            )
+            rows_of = mine.map(partial(_rows, sel=sel))
+            out.append(rows_of.per_token(partial(_columns, width=width)))
         return out, len(out), groups
 
     def _run(
         self,
-        batch: dict[str, torch.Tensor],
+        batch: TrainBatch,
         loss_fn: LossFn | None,
         collect: str | None = None,
     ) -> list:
@@ -264,11 +253,11 @@ class MegatronTrainer:
         """
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
-        seq = batch["tokens"].shape[1]
+        seq = batch.seq
         # Sequence parallelism splits the sequence over TP ranks: pad it to a multiple.
         pad = (-seq) % self.layout.tp if self.config.sequence_parallel else 0
         if pad:
-            batch = {k: _pad_columns(v, seq, pad) for k, v in batch.items()}
+            batch = batch.per_token(lambda v: torch.cat([v, v.new_zeros(v.shape[0], pad)], 1))
         # The last position is only the last column when nothing is trimmed.
         mbs, n, groups = self._microbatches(batch, trim=collect != "last_logits")
         self._microbatch_count = n
@@ -276,8 +265,8 @@ class MegatronTrainer:
         own_ce = self.temperature != 1.0 or self._padded_vocab > self.mcfg.vocab_size
 
         def forward_step(data_iterator, model):
-            mb = {k: v.to(self.device, non_blocking=True) for k, v in next(data_iterator).items()}
-            tokens = mb["tokens"]
+            mb = next(data_iterator).map(lambda v: v.to(self.device, non_blocking=True))
+            tokens = mb.tokens
             positions = torch.arange(tokens.shape[1], device=self.device)
             positions = positions.unsqueeze(0).expand_as(tokens)
             want_logits = collect in ("logits", "last_logits")
@@ -371,7 +360,7 @@ class MegatronTrainer:
         return full.cpu()
 
     # ------------------------------------------------------------------ public API
-    def train_step(self, batch: dict[str, torch.Tensor], loss_fn: LossFn) -> dict[str, float]:
+    def train_step(self, batch: TrainBatch, loss_fn: LossFn) -> dict[str, float]:
         """One optimizer step on the global batch; returns metrics identical on all ranks."""
         t0 = time.perf_counter()
         if self.optimizer is None or self.scheduler is None:
@@ -397,22 +386,22 @@ class MegatronTrainer:
             step_seconds=time.perf_counter() - t0,
             skipped=float(not ok),
         )
-        out["tokens_per_s"] = batch["tokens"].numel() / out["step_seconds"]
+        out["tokens_per_s"] = batch.tokens.numel() / out["step_seconds"]
         if self.moe is not None:
             out.update(self.moe.step(self._microbatch_count))
         return out
 
     @torch.no_grad()
-    def logprobs(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    def logprobs(self, batch: TrainBatch) -> torch.Tensor:
         """Per-token log-probs ``[B, S]`` of the whole batch, on every rank."""
         per_mb = self._run(batch, None, collect="logprobs")
-        return self._collect(per_mb, "logprobs", tuple(batch["tokens"].shape))
+        return self._collect(per_mb, "logprobs", tuple(batch.tokens.shape))
 
     @torch.no_grad()
-    def logits(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    def logits(self, batch: TrainBatch) -> torch.Tensor:
         """Full logits ``[B, S, padded_vocab]`` of the whole batch, on every rank."""
         per_mb = self._run(batch, None, collect="logits")
-        return self._collect(per_mb, "logits", (*batch["tokens"].shape, self._padded_vocab))
+        return self._collect(per_mb, "logits", (*batch.tokens.shape, self._padded_vocab))
 
     @torch.no_grad()
     def greedy_generate(self, prompts: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
@@ -423,7 +412,7 @@ class MegatronTrainer:
         tokens = prompts
         vocab = self.mcfg.vocab_size
         for _ in range(max_new_tokens):
-            per_mb = self._run({"tokens": tokens}, None, collect="last_logits")
+            per_mb = self._run(TrainBatch(tokens), None, collect="last_logits")
             rows = tokens.shape[0]
             logits = self._collect(per_mb, "last_logits", (rows, self._padded_vocab))
             nxt = logits[:, :vocab].argmax(dim=-1, keepdim=True)
@@ -479,11 +468,14 @@ def build_trainer(
     return MegatronTrainer(model_cfg, trainer_cfg, layout, total_steps, frozen)
 
 
-def _pad_columns(v: torch.Tensor, seq: int, pad: int) -> torch.Tensor:
-    """Per-token tensors (``[B, seq, ...]``) get ``pad`` zero columns; per-row ones stay."""
-    if v.dim() < 2 or v.shape[1] != seq:
-        return v
-    return torch.cat([v, v.new_zeros(v.shape[0], pad, *v.shape[2:])], dim=1)
+def _rows(
+    v: torch.Tensor, lo: int = 0, hi: int | None = None, sel: torch.Tensor | None = None
+) -> torch.Tensor:
+    return v[lo:hi] if sel is None else v[sel]
+
+
+def _columns(v: torch.Tensor, width: int) -> torch.Tensor:
+    return v[:, :width]
 
 
 __all__ = ["MegatronTrainer", "build_trainer"]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from rl.batch import TrainBatch
 from rl.runtime.launch import spawn
 from rl.weights.convert import prepare_hf_to_mcore
 from tests.helpers.hf_models import SHAPES, hf_logits, make_model
@@ -62,14 +63,14 @@ def step_rank(ckpt: str, m, dtype: str, batch: dict, device: str, save: str = ""
     from rl.algorithms.losses import nll_loss
     from rl.models.megatron_gpt import have_transformer_engine
 
-    tr, cfg = _trainer(ckpt, m, dtype, batch["tokens"].shape[0], device)
-    before = tr.logits({"tokens": TOKENS})
+    tr, cfg = _trainer(ckpt, m, dtype, batch.tokens.shape[0], device)
+    before = tr.logits(TrainBatch(TOKENS))
     metrics = tr.train_step(batch, nll_loss)
     out = {
         "device": next(tr.model.parameters()).device.type,
         "te": have_transformer_engine(),
         "before": before,
-        "after": tr.logits({"tokens": TOKENS}),
+        "after": tr.logits(TrainBatch(TOKENS)),
         "loss": metrics["loss"],
     }
     if save:
@@ -81,7 +82,7 @@ def step_rank(ckpt: str, m, dtype: str, batch: dict, device: str, save: str = ""
 def load_rank(ckpt: str, m, dtype: str, rows: int) -> dict:
     """A CPU trainer from ``ckpt``: its logits, and DDMA from its parameters."""
     tr, cfg = _trainer(ckpt, m, dtype, rows, "cpu")
-    return {"logits": tr.logits({"tokens": TOKENS}), "ddma": _ddma(tr, m, cfg)}
+    return {"logits": tr.logits(TrainBatch(TOKENS)), "ddma": _ddma(tr, m, cfg)}
 
 
 def test_trainer_on_cuda_matches_transformers_and_its_cpu_step(tmp_path):
@@ -109,7 +110,7 @@ def test_trainer_on_cuda_matches_transformers_and_its_cpu_step(tmp_path):
     # The GPU trainer's checkpoint, loaded on CPU, holds its weights: the same logits, and
     # DDMA from the live CUDA parameters (FP8 quantized on the device) gives every byte
     # that DDMA from the CPU copy gives.
-    back = spawn(load_rank, 1, stepped, m, dtype, batch["tokens"].shape[0])[0]
+    back = spawn(load_rank, 1, stepped, m, dtype, batch.tokens.shape[0])[0]
     assert (back["logits"] - gpu["after"]).abs().max() < TOL
     assert set(back["ddma"]) == set(gpu["ddma"]) and any("scale_inv" in n for n in back["ddma"])
     for name, t in back["ddma"].items():

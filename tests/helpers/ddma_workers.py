@@ -191,7 +191,7 @@ def train_then_sync(
     world = dist.get_world_size()
     tp = tp or world
     dp = world // tp
-    rows = batch["tokens"].shape[0]
+    rows = batch.tokens.shape[0]
     if hf_dir is not None:
         from rl.weights.convert import hf_to_mcore_rank
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from rl.batch import TrainBatch
+
 
 def checkpoint_logits(hf_dir: str, ckpt: str, tokens, extra: list[str]):
     """Logits of the Megatron checkpoint ``ckpt`` (of the model in ``hf_dir``) at TP=1."""
@@ -15,4 +17,4 @@ def checkpoint_logits(hf_dir: str, ckpt: str, tokens, extra: list[str]):
     resolve_model(cfg)
     tr = build_trainer(cfg.model, cfg.trainer, total_steps=1, frozen=True)
     tr.load(ckpt, load_optimizer=False)
-    return tr.logits({"tokens": tokens})[..., : cfg.model.vocab_size]
+    return tr.logits(TrainBatch(tokens))[..., : cfg.model.vocab_size]

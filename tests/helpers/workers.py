@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from rl.batch import TrainBatch
+
 
 def random_batches(steps: int, rows: int = 8, seq: int = 16, vocab: int = 32) -> list[dict]:
     g = torch.Generator().manual_seed(1234)
@@ -12,7 +14,7 @@ def random_batches(steps: int, rows: int = 8, seq: int = 16, vocab: int = 32) ->
         tokens = torch.randint(3, vocab, (rows, seq), generator=g)
         mask = (torch.rand(rows, seq, generator=g) < 0.8).float()
         mask[:, -1] = 0.0
-        out.append({"tokens": tokens, "loss_mask": mask})
+        out.append(TrainBatch(tokens, mask))
     return out
 
 
@@ -80,8 +82,8 @@ def convert_then_logits(
     logprobs = {}
     for t in temps:
         tr.temperature = t
-        logprobs[t] = tr.logprobs({"tokens": tokens})
-    return {"logits": tr.logits({"tokens": tokens}), "summary": summary, "logprobs": logprobs}
+        logprobs[t] = tr.logprobs(TrainBatch(tokens))
+    return {"logits": tr.logits(TrainBatch(tokens)), "summary": summary, "logprobs": logprobs}
 
 
 def budget_parity(overrides: list[str], batch: dict, budget: int) -> dict:

@@ -107,7 +107,7 @@ def test_trained_megatron_checkpoint_exports_to_hf(tmp_path):
     res = spawn(run_layout, 2, [*overrides, "trainer.tp=2"], batches, None, None, False, ckpt)
     hf_dir = tmp_path / "hf"
     mcore_to_hf(ckpt, str(hf_dir))
-    tokens = batches[0]["tokens"]
+    tokens = batches[0].tokens
     logp = torch.log_softmax(hf_logits(hf_dir, tokens), dim=-1)
     hf_lp = logp[:, :-1].gather(-1, tokens[:, 1:, None])[..., 0]
     mega_lp = res[0]["logprobs"][-1][:, :-1]

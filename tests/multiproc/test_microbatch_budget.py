@@ -11,6 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from rl.batch import TrainBatch
 from rl.runtime.launch import spawn
 from rl.trainer.trainer import MegatronTrainer, pack_by_tokens, row_extents
 from tests.helpers.workers import budget_parity
@@ -34,7 +35,7 @@ def _batch() -> dict[str, torch.Tensor]:
         tokens[i, : p + r] = torch.randint(3, 32, (p + r,), generator=g)
         mask[i, p - 1 : p - 1 + r] = 1.0  # index t scores token t+1
     # A per-row field: it must follow its rows through packing untouched.
-    return {"tokens": tokens, "loss_mask": mask, "rewards": torch.arange(rows).float()}
+    return TrainBatch(tokens, mask, rewards=torch.arange(rows).float())
 
 
 def test_pack_by_tokens():
@@ -54,8 +55,8 @@ def test_pack_by_tokens():
 def test_row_extents():
     b = _batch()
     assert row_extents(b) == [p + r for p, r in zip(PROMPTS, RESPONSES, strict=True)]
-    assert row_extents({"tokens": b["tokens"]}) == [SEQ] * len(PROMPTS)
-    b["loss_mask"][1] = 0.0  # nothing scored: the row needs no column
+    assert row_extents(TrainBatch(b.tokens)) == [SEQ] * len(PROMPTS)
+    b.loss_mask[1] = 0.0  # nothing scored: the row needs no column
     assert row_extents(b)[1] == 0
 
 
@@ -89,7 +90,7 @@ def _check(res: dict, ref: dict) -> None:
 def test_budget_matches_micro_batch_size_single_rank(single_rank: dict):
     out = single_rank
     assert out["budget"]["num_microbatches"] == 5 and out["plain"]["num_microbatches"] == 4
-    mask = _batch()["loss_mask"].bool()
+    mask = _batch().loss_mask.bool()
     learned = out["plain"]["after"][mask].mean() - out["plain"]["before"][mask].mean()
     assert learned > 0.01, learned  # the step changed the model: the comparison means something
     _check(out["budget"], out["plain"])

@@ -29,7 +29,7 @@ def reference(tmp_path_factory):
 
 def test_reference_learns_and_logs_the_router(reference):
     _, ref = reference
-    mask = random_batches(1)[0]["loss_mask"].bool()
+    mask = random_batches(1)[0].loss_mask.bool()
     assert ref["logprobs"][-1][mask].mean() > ref["logprobs"][0][mask].mean() + 0.02
     aux = ref["metrics"]["moe_aux_loss"]
     # Switch-style loss E * sum(f_i * p_i): 1.0 for a perfectly even router, at most E.

@@ -39,7 +39,7 @@ def reference(tmp_path_factory):
 def test_reference_learns(reference):
     """The comparison means something only if the steps change the model."""
     _, ref = reference
-    mask = random_batches(1)[0]["loss_mask"].bool()
+    mask = random_batches(1)[0].loss_mask.bool()
     before, after = ref["logprobs"][0][mask].mean(), ref["logprobs"][-1][mask].mean()
     assert after > before + 0.02, (before, after)
 

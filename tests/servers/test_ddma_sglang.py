@@ -15,6 +15,7 @@ from dataclasses import replace
 import pytest
 import torch
 
+from rl.batch import TrainBatch
 from rl.config import compose
 from rl.config.sampling import SamplingParams
 from rl.ddma import wire
@@ -78,7 +79,7 @@ def synced(client, model_dir, tmp_path_factory):
     hf_to_mcore(str(model_dir), str(root / "init"), tp=2)
     g = torch.Generator().manual_seed(3)
     tokens = torch.randint(3, 99, (4, 16), generator=g)
-    batch = {"tokens": tokens, "loss_mask": torch.ones(4, 16)}
+    batch = TrainBatch(tokens, torch.ones(4, 16))
     out = spawn(
         train_then_sync, 2, str(root / "init"), m, client.urls[0], str(root / "step1"), batch
     )

@@ -29,6 +29,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from rl.batch import TrainBatch
 from rl.config import compose
 from rl.config.sampling import SamplingParams
 from rl.ddma.plan import DstLayout, SrcLayout, make_plan
@@ -88,7 +89,7 @@ def synced(request, tmp_path_factory):
     assert (server.device, server.tp) == ("cpu", 1)  # the layout train_then_sync plans for
     g = torch.Generator().manual_seed(3)
     tokens = torch.randint(3, 99, (4, 16), generator=g)
-    batch = {"tokens": tokens, "loss_mask": torch.ones(4, 16)}
+    batch = TrainBatch(tokens, torch.ones(4, 16))
     url_file = root / "server_url"
     t0 = time.perf_counter()
     with ThreadPoolExecutor(1) as pool, contextlib.ExitStack() as stack:

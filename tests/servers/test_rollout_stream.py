@@ -97,5 +97,5 @@ def test_partial_rollouts_resume_across_a_weight_update(client, model_dir):
     rows = [r for g in groups for r in g.rollouts]
     for i, r in enumerate(rows):
         span = slice(len(r.prompt_ids) - 1, len(r.prompt_ids) - 1 + 6)
-        assert batch["versions"][i, span].tolist() == r.versions
-        torch.testing.assert_close(batch["behaviour_logprobs"][i, span], torch.tensor(r.logprobs))
+        assert batch.versions[i, span].tolist() == r.versions
+        torch.testing.assert_close(batch.behaviour_logprobs[i, span], torch.tensor(r.logprobs))

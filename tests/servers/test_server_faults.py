@@ -173,7 +173,11 @@ def test_a_killed_server_is_restarted_with_current_weights_and_the_run_completes
     group = 8  # algorithm.group_size of the tiny job
     assert len(untrained) <= steps[-1]["dropped_total"] * group, (len(untrained), len(requeued))
     if servers == 1:
-        assert requeued and steps[-1]["no_server_s"] > 0  # the stream waited for the restart
+        # The stream waited for the restart. Whether rollouts were in flight on the server
+        # at the kill (then re-queued, never trained twice: above) is timing: the next push
+        # may find it gone first, with nothing on it (re-queueing on a lost server is
+        # tests/servers/test_generator.py's, at a fixed point).
+        assert steps[-1]["no_server_s"] > 0
         assert not (tmp_path / "pwned").exists()  # nothing ran, the job went on
         assert steps[-1]["channel_rejected"] >= 1
 

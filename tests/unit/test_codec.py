@@ -23,6 +23,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from rl.batch import TrainBatch
 from rl.config.sampling import SamplingParams
 from rl.generator import service as gen
 from rl.generator.types import Rollout
@@ -77,7 +78,14 @@ ROLLOUT = Rollout(
 # realistic values: a training batch, the warm-up's log, the trainer's answers, the
 # generator's servers, reward requests with the labels and metadata dataset rows hold.
 MESSAGES = [
-    (trn.COMMANDS, trn.Train(7, dict(TENSORS))),
+    (trn.COMMANDS, trn.Train(7, TrainBatch(TENSORS["tokens"], TENSORS["strided"]))),
+    (
+        trn.COMMANDS,
+        trn.Train(
+            7, TrainBatch(TENSORS["tokens"], rewards=TENSORS["f64"], overlong=TENSORS["mask"])
+        ),
+    ),
+    (PLAIN, Plain(dict(TENSORS))),  # every dtype a channel carries
     (trn.COMMANDS, trn.Connect(["http://10.0.0.1:30000", "http://10.0.0.2:30000"])),
     (trn.COMMANDS, trn.Join("10.0.0.9", [29500, 29501], [[0], [1]])),
     (trn.COMMANDS, trn.Join("10.0.0.9", [29502], [[1, 0, 2]])),
@@ -195,6 +203,12 @@ def _frame(header: object, blob: bytes = b"") -> bytes:
     return len(head).to_bytes(4, "big") + head + blob
 
 
+def _tb(tokens: object) -> dict:
+    """A TrainBatch's fields with ``tokens`` as given and every other one absent (None)."""
+    rest = [f.name for f in dataclasses.fields(TrainBatch) if f.name != "tokens"]
+    return {"tokens": tokens, **{name: [1, None] for name in rest}}
+
+
 def _train(fields: dict, segs: list[int], blob: bytes = b"") -> bytes:
     return _frame({"type": "Train", "fields": fields, "segs": segs}, blob)
 
@@ -211,15 +225,18 @@ def _train(fields: dict, segs: list[int], blob: bytes = b"") -> bytes:
         (_train({"step": 1, "batch": [], "extra": 1}, []), r"fields \['extra'\]"),
         (_train({"step": "1", "batch": []}, []), "Train.step: str '1' where int"),
         (_train({"step": True, "batch": []}, []), "Train.step: bool"),
-        (_train({"step": 1, "batch": [["t", ["int64", [2], 0]]]}, [8], b"\0" * 8), "needs 16"),
-        (_train({"step": 1, "batch": [["t", ["int64", [2], 0]]]}, [16]), "declare 16 bytes"),
-        (_train({"step": 1, "batch": [["t", ["object", [1], 0]]]}, [8], b"\0" * 8), "dtype"),
-        (_train({"step": 1, "batch": [["t", ["int64", [-1], 0]]]}, [8], b"\0" * 8), "shape"),
-        (_train({"step": 1, "batch": [["t", ["int64", [1], 5]]]}, [8], b"\0" * 8), "segment 5"),
-        (_train({"step": 1, "batch": [["t", {"__reduce__": 1}]]}, []), "tensor is declared"),
-        (_train({"step": 1, "batch": [[1, ["int64", [1], 0]]]}, [8], b"\0" * 8), "key: int"),
-        (_train({"step": 1, "batch": [1] * 10}, []), r"Train.batch: list where dict"),
-        (_train({"step": 1, "batch": "[" * 100_000}, []), "Train.batch: str"),
+        (_train({"step": 1, "batch": _tb(["int64", [2], 0])}, [8], b"\0" * 8), "needs 16"),
+        (_train({"step": 1, "batch": _tb(["int64", [2], 0])}, [16]), "declare 16 bytes"),
+        (_train({"step": 1, "batch": _tb(["object", [1], 0])}, [8], b"\0" * 8), "dtype"),
+        (_train({"step": 1, "batch": _tb(["int64", [-1], 0])}, [8], b"\0" * 8), "shape"),
+        (_train({"step": 1, "batch": _tb(["int64", [1], 5])}, [8], b"\0" * 8), "segment 5"),
+        (_train({"step": 1, "batch": _tb({"__reduce__": 1})}, []), "tensor is declared"),
+        (
+            _train({"step": 1, "batch": {**_tb(["int64", [1], 0]), "evil": 1}}, [8], b"\0" * 8),
+            r"Train.batch: fields \['evil'\] do not match TrainBatch's",
+        ),
+        (_train({"step": 1, "batch": [1] * 10}, []), r"Train.batch: expected the fields"),
+        (_train({"step": 1, "batch": "[" * 100_000}, []), r"Train.batch: expected the fields"),
         (b"\x00\x00\x00\x03\xff\xfe\xfa", "not JSON"),
     ],
 )
@@ -346,16 +363,16 @@ def test_chunked_messages_failures_and_type_checks_still_work(store):
     reader = Channel(store, "big", (trn.Train,), 5, KEY)
     writer = Channel(store, "big", (trn.Train,), 5, KEY)
     big = torch.arange(1_500_000, dtype=torch.float32)  # 6 MB: two chunks
-    writer.put(trn.Train(1, {"x": big}))
+    writer.put(trn.Train(1, TrainBatch(big.view(1, -1))))
     got = reader.expect(trn.Train, timeout=2)
-    assert torch.equal(got.batch["x"], big) and not store.check(["big/blob/x"])
+    assert torch.equal(got.batch.tokens, big.view(1, -1)) and not store.check(["big/blob/x"])
     writer.put(Failed("trainer", 1, "Traceback: ValueError: boom"))
     with pytest.raises(RemoteError, match="trainer rank 1 failed:\nTraceback: ValueError"):
         reader.get(timeout=2)
     with pytest.raises(ChannelError, match="carries Train, not Push"):
         writer.put(trn.Push(1))
-    with pytest.raises(ChannelError, match=r"Train.batch\['x'\]: int value where Tensor"):
-        writer.put(trn.Train(1, {"x": 3}))
+    with pytest.raises(ChannelError, match=r"Train.batch.tokens: int value where Tensor"):
+        writer.put(trn.Train(1, TrainBatch(3)))  # type: ignore[arg-type]
     store.queue_push("big", b"B" + bytes(56) + json.dumps(["big/blob/never"]).encode())
     store.queue_push("big", b"B" + bytes(56) + json.dumps(["trainer/in/0"]).encode())
     with pytest.raises(ChannelTimeout):

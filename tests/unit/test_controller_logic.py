@@ -27,17 +27,17 @@ def _r(prompt, out, logprobs=None, versions=None, finish="stop"):
 def test_batch_alignment_and_padding():
     g = [[_r([1, 5, 6], [7, 2], [-0.1, -0.2], [4, 5]), _r([1, 5, 6], [8], [-0.3], [5])]]
     b = build_batch(g, [[1.0, 0.0]], normalize_std=False, pad_id=0)
-    assert b["tokens"].tolist() == [[1, 5, 6, 7, 2], [1, 5, 6, 8, 0]]
+    assert b.tokens.tolist() == [[1, 5, 6, 7, 2], [1, 5, 6, 8, 0]]
     # index t scores token t+1: the response starts predicting at the prompt's last index
-    assert b["loss_mask"].tolist() == [[0, 0, 1, 1, 0], [0, 0, 1, 0, 0]]
+    assert b.loss_mask.tolist() == [[0, 0, 1, 1, 0], [0, 0, 1, 0, 0]]
     torch.testing.assert_close(
-        b["behaviour_logprobs"], torch.tensor([[0, 0, -0.1, -0.2, 0], [0, 0, -0.3, 0, 0]])
+        b.behaviour_logprobs, torch.tensor([[0, 0, -0.1, -0.2, 0], [0, 0, -0.3, 0, 0]])
     )
-    assert b["versions"].tolist() == [[-1, -1, 4, 5, -1], [-1, -1, 5, -1, -1]]
+    assert b.versions.tolist() == [[-1, -1, 4, 5, -1], [-1, -1, 5, -1, -1]]
     torch.testing.assert_close(
-        b["advantages"], torch.tensor([[0, 0, 0.5, 0.5, 0], [0, 0, -0.5, 0, 0]])
+        b.advantages, torch.tensor([[0, 0, 0.5, 0.5, 0], [0, 0, -0.5, 0, 0]])
     )
-    assert b["rewards"].tolist() == [1.0, 0.0]
+    assert b.rewards.tolist() == [1.0, 0.0]
 
 
 def test_overlong_responses_are_kept_masked_or_penalised():
@@ -45,25 +45,25 @@ def test_overlong_responses_are_kept_masked_or_penalised():
     the loss (its reward still sets the group's baseline), penalise replaces its reward."""
     g = [[_r([1, 5], [7, 2]), _r([1, 5], [8, 9], finish="length"), _r([1, 5], [6, 2])]]
     keep = build_batch(g, [[1.0, 1.0, 0.0]], normalize_std=False)
-    assert keep["overlong"].tolist() == [0.0, 1.0, 0.0]
-    assert keep["loss_mask"][1].tolist() == [0, 1, 1, 0]
-    assert keep["rewards"].tolist() == [1.0, 1.0, 0.0]
+    assert keep.overlong.tolist() == [0.0, 1.0, 0.0]
+    assert keep.loss_mask[1].tolist() == [0, 1, 1, 0]
+    assert keep.rewards.tolist() == [1.0, 1.0, 0.0]
     masked = build_batch(g, [[1.0, 1.0, 0.0]], normalize_std=False, overlong="mask")
-    assert masked["loss_mask"][1].tolist() == [0, 0, 0, 0]
-    assert masked["loss_mask"][0].tolist() == [0, 1, 1, 0]
-    torch.testing.assert_close(masked["advantages"], keep["advantages"] * masked["loss_mask"])
+    assert masked.loss_mask[1].tolist() == [0, 0, 0, 0]
+    assert masked.loss_mask[0].tolist() == [0, 1, 1, 0]
+    torch.testing.assert_close(masked.advantages, keep.advantages * masked.loss_mask)
     pen = build_batch(g, [[1.0, 1.0, 0.0]], normalize_std=False, overlong="penalise",
                       overlong_penalty=-1.0)  # fmt: skip
-    assert pen["rewards"].tolist() == [1.0, -1.0, 0.0]
+    assert pen.rewards.tolist() == [1.0, -1.0, 0.0]
     # group mean 0: advantages are the rewards themselves
-    assert pen["advantages"][:, 1].tolist() == [1.0, -1.0, 0.0]
+    assert pen.advantages[:, 1].tolist() == [1.0, -1.0, 0.0]
     with pytest.raises(ValueError, match=r"algorithm\.overlong='drop'"):
         build_batch(g, [[1.0, 1.0, 0.0]], overlong="drop")
 
 
 def test_batch_fixed_length_and_errors():
     g = [[_r([1, 2], [3]), _r([1, 2], [4])]]
-    assert build_batch(g, [[1, 0]], seq_len=6)["tokens"].shape == (2, 6)
+    assert build_batch(g, [[1, 0]], seq_len=6).tokens.shape == (2, 6)
     with pytest.raises(ValueError, match="seq_len=2 is shorter"):
         build_batch(g, [[1, 0]], seq_len=2)
     with pytest.raises(ValueError, match="same number of samples"):
@@ -265,7 +265,7 @@ def test_a_group_is_uniform_after_the_overlong_rule():
     cut, mixed = group(["length"] * 3), group(["length", "stop", "stop"])
     raw = [0.1, 0.2, 0.3]
     assert no_signal(cut, raw, "penalise", 0.0)
-    adv = build_batch([cut], [raw], overlong="penalise", overlong_penalty=0.0)["advantages"]
+    adv = build_batch([cut], [raw], overlong="penalise", overlong_penalty=0.0).advantages
     assert adv.abs().max() == 0  # what no_signal predicts
     assert not no_signal(cut, raw, "keep", 0.0)
     assert no_signal(cut, raw, "mask", 0.0)

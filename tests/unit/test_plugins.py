@@ -16,6 +16,7 @@ import torch
 from rl import plugins, tasks
 from rl.algorithms import corrections, objectives
 from rl.algorithms import registry as algorithms
+from rl.batch import TrainBatch
 from rl.config.schema import AlgorithmConfig
 from rl.ddma import transport, transports
 from tests.helpers.configs import composed
@@ -75,9 +76,9 @@ def test_a_correction_is_one_module(extended: Path):
     )
     loss = algorithms.loss_from_config(AlgorithmConfig(correction="half"))
     lp = torch.tensor([[-1.0, -2.0, 0.0]], requires_grad=True)
-    mb = {"loss_mask": torch.tensor([[1.0, 1.0, 0.0]]),
-          "behaviour_logprobs": torch.tensor([[-1.5, -0.5, 0.0]]),
-          "advantages": torch.tensor([[2.0, -1.0, 0.0]])}  # fmt: skip
+    mb = TrainBatch(torch.zeros(1, 3, dtype=torch.long), torch.tensor([[1.0, 1.0, 0.0]]),
+                    behaviour_logprobs=torch.tensor([[-1.5, -0.5, 0.0]]),
+                    advantages=torch.tensor([[2.0, -1.0, 0.0]]))  # fmt: skip
     assert loss(lp, mb).loss_sum.item() == pytest.approx(-0.5 * (2.0 * -1.0 + -1.0 * -2.0))
 
 

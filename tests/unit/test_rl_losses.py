@@ -19,6 +19,7 @@ from rl.algorithms.corrections.none import no_weight
 from rl.algorithms.corrections.tis import tis_weight
 from rl.algorithms.losses import LossFn, pg_loss, ppo_clip_loss
 from rl.algorithms.registry import loss_from_config
+from rl.batch import TrainBatch
 from rl.config.schema import AlgorithmConfig
 
 R0, R1 = math.exp(0.5), math.exp(-1.5)
@@ -30,15 +31,20 @@ def aipo_loss(rho: float = 4.0, kl_coef: float = 0.0) -> LossFn:
     return pg_loss(aipo_weight(rho), kl_coef)
 
 
+def _mb(**fields: torch.Tensor) -> TrainBatch:
+    """A microbatch of these fields (the losses never read its tokens)."""
+    return TrainBatch(torch.zeros_like(fields["loss_mask"], dtype=torch.long), **fields)
+
+
 def _batch(ref: list[float] | None = None):
     lp = torch.tensor([[-1.0, -2.0, -0.5, 0.0]], requires_grad=True)
-    mb = {
-        "loss_mask": torch.tensor([[1.0, 1.0, 1.0, 0.0]]),
-        "behaviour_logprobs": torch.tensor([[-1.5, -0.5, -0.5, 0.0]]),
-        "advantages": torch.tensor([[2.0, 2.0, -1.0, 0.0]]),
-    }
+    mb = _mb(
+        loss_mask=torch.tensor([[1.0, 1.0, 1.0, 0.0]]),
+        behaviour_logprobs=torch.tensor([[-1.5, -0.5, -0.5, 0.0]]),
+        advantages=torch.tensor([[2.0, 2.0, -1.0, 0.0]]),
+    )
     if ref is not None:
-        mb["ref_logprobs"] = torch.tensor([[*ref, 0.0]])
+        mb.ref_logprobs = torch.tensor([[*ref, 0.0]])
     return lp, mb
 
 
@@ -93,8 +99,8 @@ def test_kl_penalty_to_reference():
 
 def test_masked_positions_change_nothing():
     lp, mb = _batch()
-    mb["advantages"][0, 3] = 100.0
-    mb["behaviour_logprobs"][0, 3] = -50.0
+    mb.advantages[0, 3] = 100.0
+    mb.behaviour_logprobs[0, 3] = -50.0
     out = aipo_loss(rho=1.5)(lp, mb)
     out.loss_sum.backward()
     assert lp.grad[0, 3].item() == 0.0
@@ -156,13 +162,13 @@ MISMATCH4 = 0.5 + 1.5 + 0.0 + 1.0
 
 def _batch4(ref: list[float] | None = None):
     lp = torch.tensor([[-1.0, -2.0, -0.5, -1.0, 0.0]], requires_grad=True)
-    mb = {
-        "loss_mask": torch.tensor([[1.0, 1.0, 1.0, 1.0, 0.0]]),
-        "behaviour_logprobs": torch.tensor([[-1.5, -0.5, -0.5, -2.0, -5.0]]),
-        "advantages": torch.tensor([[2.0, 2.0, -1.0, -3.0, 7.0]]),
-    }
+    mb = _mb(
+        loss_mask=torch.tensor([[1.0, 1.0, 1.0, 1.0, 0.0]]),
+        behaviour_logprobs=torch.tensor([[-1.5, -0.5, -0.5, -2.0, -5.0]]),
+        advantages=torch.tensor([[2.0, 2.0, -1.0, -3.0, 7.0]]),
+    )
     if ref is not None:
-        mb["ref_logprobs"] = torch.tensor([[*ref, 0.0]])
+        mb.ref_logprobs = torch.tensor([[*ref, 0.0]])
     return lp, mb
 
 
@@ -248,7 +254,7 @@ def test_none_and_aipo_agree_only_on_policy():
     lp, mb = _batch4()
     none, aipo = pg_loss(no_weight()), aipo_loss(rho=4.0)
     assert none(lp, mb).loss_sum.item() != pytest.approx(aipo(lp, mb).loss_sum.item())
-    mb["behaviour_logprobs"] = lp.detach().clone()  # r == 1 exactly
+    mb.behaviour_logprobs = lp.detach().clone()  # r == 1 exactly
     grads = []
     for fn in (none, aipo):
         lp.grad = None
@@ -263,21 +269,21 @@ def test_aipo_correction_is_bit_identical_to_the_old_aipo():
     g = torch.Generator().manual_seed(0)
     lp0 = -torch.rand(3, 7, generator=g) * 3
     mu = lp0 + torch.randn(3, 7, generator=g)
-    mb = {
-        "loss_mask": (torch.rand(3, 7, generator=g) > 0.3).float(),
-        "behaviour_logprobs": mu,
-        "advantages": torch.randn(3, 7, generator=g),
-    }
+    mb = _mb(
+        loss_mask=(torch.rand(3, 7, generator=g) > 0.3).float(),
+        behaviour_logprobs=mu,
+        advantages=torch.randn(3, 7, generator=g),
+    )
     lp_old = lp0.clone().requires_grad_()
     w = torch.clamp(torch.exp((lp_old - mu).detach()), max=1.5)
-    old = (-(w * mb["advantages"] * lp_old) * mb["loss_mask"]).sum()
+    old = (-(w * mb.advantages * lp_old) * mb.loss_mask).sum()
     old.backward()
     lp_new = lp0.clone().requires_grad_()
     new = loss_from_config(AlgorithmConfig(rho=1.5))(lp_new, mb)
     new.loss_sum.backward()
     assert torch.equal(new.loss_sum.detach(), old.detach())
     assert torch.equal(lp_new.grad, lp_old.grad)
-    want_truncated = ((torch.exp(lp0 - mu) > 1.5).float() * mb["loss_mask"]).sum()
+    want_truncated = ((torch.exp(lp0 - mu) > 1.5).float() * mb.loss_mask).sum()
     assert torch.equal(new.stats["truncated_frac"], want_truncated)
 
 

@@ -147,9 +147,9 @@ def test_sft_batch_masks_prompt_and_padding(tok_dir, tmp_path):
     b = sft_batch(task.train, task.codec.pad_id)
     for i, e in enumerate(task.train):
         p, t = len(e.prompt_ids), len(e.target_ids)
-        assert b["tokens"][i, : p + t].tolist() == [*e.prompt_ids, *e.target_ids]
-        assert b["tokens"][i, p + t :].eq(task.codec.pad_id).all()
-        mask = b["loss_mask"][i]
+        assert b.tokens[i, : p + t].tolist() == [*e.prompt_ids, *e.target_ids]
+        assert b.tokens[i, p + t :].eq(task.codec.pad_id).all()
+        mask = b.loss_mask[i]
         assert mask.nonzero().flatten().tolist() == list(range(p - 1, p - 1 + t))
 
 

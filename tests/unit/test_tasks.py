@@ -90,7 +90,7 @@ def test_sft_batch_mask_covers_exactly_answer_predictions() -> None:
     task = AdditionTask(digits=2, seed=0, eval_size=8)
     problems = [Problem(7, 35), Problem(99, 99), Problem(0, 0)]
     batch = task.sft_batch(problems)
-    tokens, mask = batch["tokens"], batch["loss_mask"]
+    tokens, mask = batch.tokens, batch.loss_mask
     seq = task.prompt_len + task.answer_len
     assert tokens.shape == mask.shape == (3, seq)
     assert tokens.dtype == torch.long

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from rl.batch import TrainBatch
 from rl.tasks.common import Example, TaskError, TaskKind, resume_position
 
 if TYPE_CHECKING:
@@ -124,7 +125,7 @@ class AdditionTask:
         """1.0 for the exact answer followed by EOS, else 0.0."""
         return float(list(response[: self.answer_len]) == p.answer(self.digits))
 
-    def sft_batch(self, problems: list[Problem]) -> dict[str, torch.Tensor]:
+    def sft_batch(self, problems: list[Problem]) -> TrainBatch:
         """Prompt+answer sequences with the loss on the answer tokens only.
 
         ``loss_mask[:, t]`` weights the prediction of token ``t+1`` (the trainer's
@@ -135,7 +136,7 @@ class AdditionTask:
         tokens = torch.tensor(seqs, dtype=torch.long)
         mask = torch.zeros_like(tokens, dtype=torch.float32)
         mask[:, self.prompt_len - 1 : self.prompt_len - 1 + self.answer_len] = 1.0
-        return {"tokens": tokens, "loss_mask": mask}
+        return TrainBatch(tokens, mask)
 
 
 def check_config(cfg: RootConfig) -> None:

@@ -1,0 +1,59 @@
+"""The trainer's batch: the one list of its fields, from the controller (rl/controller/batch.py
+builds RL batches, rl/tasks/common.py supervised ones) to the losses (rl/algorithms).
+
+One row per sample. Per-token tensors are ``[B, S]`` and follow the trainer's log-prob
+convention: index t scores token t+1 (so the last column is never scored). Per-row
+tensors are ``[B]``. It crosses processes on a channel as it is (rl/runtime/codec.py
+rebuilds it from these type hints), and a microbatch is a :class:`TrainBatch` too.
+
+Pure logic: torch only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class TrainBatch:
+    tokens: torch.Tensor  # [B, S] int64: prompt, response, right padding
+    loss_mask: torch.Tensor | None = None  # [B, S] 1 on the scored positions (None: none)
+    behaviour_logprobs: torch.Tensor | None = None  # [B, S] log mu, as the generator sampled
+    advantages: torch.Tensor | None = None  # [B, S] each token's (its sequence's) advantage
+    versions: torch.Tensor | None = None  # [B, S] the policy version of each token (-1: none)
+    rewards: torch.Tensor | None = None  # [B] each sample's trained reward
+    overlong: torch.Tensor | None = None  # [B] 1: the response was cut by max_new_tokens
+    ref_logprobs: torch.Tensor | None = None  # [B, S] log pi_ref (the KL penalty's reference)
+
+    @property
+    def rows(self) -> int:
+        return self.tokens.shape[0]
+
+    @property
+    def seq(self) -> int:
+        return self.tokens.shape[1]
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The fields that are set, by name."""
+        fields = ((f.name, getattr(self, f.name)) for f in dataclasses.fields(self))
+        return {name: t for name, t in fields if t is not None}
+
+    def map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> TrainBatch:
+        """``fn`` applied to every field that is set (a row selection, a device move)."""
+        return TrainBatch(**{k: fn(v) for k, v in self.tensors().items()})
+
+    def per_token(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> TrainBatch:
+        """``fn`` applied to the ``[B, S]`` fields only (a cut or pad of the columns)."""
+        seq = self.seq
+        return self.map(lambda t: fn(t) if t.dim() >= 2 and t.shape[1] == seq else t)
+
+    def require(self, *names: str) -> None:
+        """Raise ValueError naming the first of ``names`` that is not set (a loss's
+        inputs)."""
+        missing = [n for n in names if getattr(self, n) is None]
+        if missing:
+            raise ValueError(f"the batch has no {missing[0]} (a field of rl.batch.TrainBatch)")

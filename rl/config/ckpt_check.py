@@ -25,6 +25,8 @@ import zipfile
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from rl.config.schema import ARCH_FIELDS
+
 FORMAT_VERSION = 1  # of our common state (rl/weights/dist_ckpt.py writes it)
 METADATA_JSON = "metadata.json"
 COMMON = "common.pt"
@@ -37,25 +39,6 @@ _SAFE_BUILTINS = {"set": set, "frozenset": frozenset, "slice": slice, "complex":
                   "bytearray": bytearray, "range": range}  # fmt: skip
 
 
-# Fields that must agree between a checkpoint and the model loading it.
-ARCH_FIELDS = (
-    "architecture",
-    "num_layers",
-    "hidden_size",
-    "ffn_hidden_size",
-    "num_attention_heads",
-    "num_query_groups",
-    "vocab_size",
-    "make_vocab_size_divisible_by",
-    "qkv_bias",
-    "qk_norm",
-    "head_dim",
-    "tie_embeddings",
-    "num_experts",
-    "moe_ffn_hidden_size",
-    "shared_expert_ffn_hidden_size",
-    "shared_expert_gate",
-)
 # What a field absent from an older checkpoint meant (a Llama-family dense model).
 ARCH_DEFAULTS = {
     "architecture": "LlamaForCausalLM",

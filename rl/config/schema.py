@@ -25,6 +25,39 @@ class RopeScalingConfig:
     original_max_position_embeddings: int = 8192
 
 
+# The model's fields that make its architecture: a checkpoint and the model loading it
+# must agree on every one (rl/config/ckpt_check.py).
+ARCH_FIELDS = (
+    "architecture",
+    "num_layers",
+    "hidden_size",
+    "ffn_hidden_size",
+    "num_attention_heads",
+    "num_query_groups",
+    "vocab_size",
+    "make_vocab_size_divisible_by",
+    "qkv_bias",
+    "qk_norm",
+    "head_dim",
+    "tie_embeddings",
+    "num_experts",
+    "moe_ffn_hidden_size",
+    "shared_expert_ffn_hidden_size",
+    "shared_expert_gate",
+)
+# Its sizes: every one an integer >= 1 (rl/models/checks.py).
+SIZE_FIELDS = (
+    "num_layers",
+    "hidden_size",
+    "ffn_hidden_size",
+    "num_attention_heads",
+    "num_query_groups",
+    "vocab_size",
+    "max_position_embeddings",
+    "make_vocab_size_divisible_by",
+)
+
+
 @dataclass
 class ModelConfig:
     """A decoder of one registered architecture (rl/models/families): RMSNorm, RoPE,

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from rl.config.errors import ConfigError, positive, require
+from rl.config.schema import SIZE_FIELDS
 from rl.config.validate import validate_batch, validate_trainer_fields
 from rl.models import registry
 from rl.models.arch import kv_channels
@@ -27,18 +28,7 @@ MCORE_LLAMA3_ROPE = {
 
 
 def validate_model(m: ModelConfig) -> None:
-    positive(
-        "model",
-        m,
-        "num_layers",
-        "hidden_size",
-        "ffn_hidden_size",
-        "num_attention_heads",
-        "num_query_groups",
-        "vocab_size",
-        "max_position_embeddings",
-        "make_vocab_size_divisible_by",
-    )
+    positive("model", m, *SIZE_FIELDS)
     try:
         arch = registry.get(m.architecture)
     except registry.UnknownArchitecture as e:

@@ -25,10 +25,8 @@ class RopeScalingConfig:
     original_max_position_embeddings: int = 8192
 
 
-# The model's fields that make its architecture: a checkpoint and the model loading it
-# must agree on every one (rl/config/ckpt_check.py).
-ARCH_FIELDS = (
-    "architecture",
+# The model's sizes.
+_SIZES = (
     "num_layers",
     "hidden_size",
     "ffn_hidden_size",
@@ -36,6 +34,12 @@ ARCH_FIELDS = (
     "num_query_groups",
     "vocab_size",
     "make_vocab_size_divisible_by",
+)
+# The fields that make its architecture: a checkpoint and the model loading it must agree
+# on every one (rl/config/ckpt_check.py).
+ARCH_FIELDS = (
+    "architecture",
+    *_SIZES,
     "qkv_bias",
     "qk_norm",
     "head_dim",
@@ -45,17 +49,8 @@ ARCH_FIELDS = (
     "shared_expert_ffn_hidden_size",
     "shared_expert_gate",
 )
-# Its sizes: every one an integer >= 1 (rl/models/checks.py).
-SIZE_FIELDS = (
-    "num_layers",
-    "hidden_size",
-    "ffn_hidden_size",
-    "num_attention_heads",
-    "num_query_groups",
-    "vocab_size",
-    "max_position_embeddings",
-    "make_vocab_size_divisible_by",
-)
+# Every size, the context included, an integer >= 1 (rl/models/checks.py).
+SIZE_FIELDS = (*_SIZES, "max_position_embeddings")
 
 
 @dataclass

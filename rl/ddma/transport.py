@@ -29,6 +29,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from functools import cache
+from types import ModuleType
 from typing import TYPE_CHECKING, ClassVar, Protocol
 
 from rl.config.errors import ConfigError
@@ -59,10 +60,11 @@ class Transport(ABC):
     one_host: ClassVar[bool] = False  # every trainer rank and server on one host
     relays: ClassVar[bool] = False  # servers can forward buckets to servers (rl/ddma/relay.py)
     cuda: ClassVar[bool] = False  # only between CUDA trainer ranks and CUDA servers
+    host_buckets: ClassVar[bool] = False  # buckets lie in host memory whatever the devices
 
     def bucket_device(self, trainer: str, rollout: str) -> str:
         """Where buckets lie in transit, from trainer.device and rollout.device."""
-        return link_device(trainer, rollout)
+        return "cpu" if self.host_buckets else link_device(trainer, rollout)
 
     def refusal(self, trainer: str, rollout: str) -> str | None:
         """Why this transport cannot join trainer ranks on ``trainer`` to servers on
@@ -74,9 +76,15 @@ class Transport(ABC):
 
 
 class GroupTransport(Transport):
-    """Point to point over a DDMA group; the signatures of :mod:`rl.ddma.engine`."""
+    """Point to point over a DDMA group, run by an engine module with the signatures of
+    :mod:`rl.ddma.engine` (``send`` and ``receive``; a module whose servers do not relay
+    takes no ``replica``/``dst_ranks``). A transport names its engine; one with another
+    kind of engine overrides :meth:`send` and :meth:`receive` instead."""
 
     @abstractmethod
+    def engine(self) -> ModuleType:
+        """The module that moves the bytes, imported here (not when the transport is)."""
+
     def send(
         self, plan: Plan, src_rank: int, shards: wire.SrcGetter, version: int,
         dtype: torch.dtype, pg: dist.ProcessGroup | None, dst_ranks: Sequence[int],
@@ -84,8 +92,8 @@ class GroupTransport(Transport):
     ) -> TransferStats:  # fmt: skip
         """Send this trainer rank's buckets of ``plan`` to the group ranks ``dst_ranks``; a
         rank that fails is reported in ``lost`` (or raises :class:`TransferError`)."""
+        return self.engine().send(plan, src_rank, shards, version, dtype, pg, dst_ranks, device)
 
-    @abstractmethod
     def receive(
         self, plan: Plan, dst_rank: int, tensors: wire.DstGetter, version: int,
         dtype: torch.dtype, pg: dist.ProcessGroup | None, src_ranks: Sequence[int],
@@ -93,6 +101,13 @@ class GroupTransport(Transport):
     ) -> TransferStats:  # fmt: skip
         """Receive, verify and scatter this server rank's buckets into ``tensors`` (in a
         relay plan as ``replica``, forwarding to its children among ``dst_ranks``)."""
+        engine = self.engine()
+        if self.relays:
+            return engine.receive(plan, dst_rank, tensors, version, dtype, pg, src_ranks,
+                                  device, replica=replica, dst_ranks=dst_ranks)  # fmt: skip
+        if replica or len(dst_ranks) > plan.dst.tp:
+            raise ValueError(f"a relay sync runs over a relaying transport, not {self.name}")
+        return engine.receive(plan, dst_rank, tensors, version, dtype, pg, src_ranks, device)
 
 
 class Slots(Protocol):

@@ -123,6 +123,6 @@ def test_a_cuda_ipc_entry_must_carry_its_bucket():
 
 
 def test_p2p_shm_refuses_a_relay_plan():
-    with pytest.raises(ValueError, match="relay sync runs over the p2p transport"):
+    with pytest.raises(ValueError, match="relay sync runs over a relaying transport, not p2p_shm"):
         transport.grouped("p2p_shm").receive(PLAN, 0, lambda n: torch.empty(0), 1,
                                              torch.float32, None, [0], replica=1)  # fmt: skip

@@ -50,9 +50,7 @@ class Ipc(StagedTransport):
     name = "ipc"
     summary = "host shared-memory rings named in the servers' HTTP API; one host"
     one_host = True
-
-    def bucket_device(self, trainer: str, rollout: str) -> str:
-        return "cpu"
+    host_buckets = True
 
     def slots(self, bucket_bytes: int, count: int, device: str) -> RingSlots:
         return RingSlots(bucket_bytes, count)

@@ -7,18 +7,9 @@ through host memory. The only transport whose servers relay buckets to other ser
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from types import ModuleType
 
 from rl.ddma.transport import GroupTransport
-
-if TYPE_CHECKING:
-    import torch
-    import torch.distributed as dist
-
-    from rl.ddma import wire
-    from rl.ddma.engine import TransferStats
-    from rl.ddma.plan import Plan
 
 
 class P2P(GroupTransport):
@@ -26,24 +17,10 @@ class P2P(GroupTransport):
     summary = "point to point over a process group (gloo, or NCCL GPU to GPU); any hosts"
     relays = True
 
-    def send(
-        self, plan: Plan, src_rank: int, shards: wire.SrcGetter, version: int,
-        dtype: torch.dtype, pg: dist.ProcessGroup | None, dst_ranks: Sequence[int],
-        device: str | torch.device = "cpu",
-    ) -> TransferStats:  # fmt: skip
+    def engine(self) -> ModuleType:
         from rl.ddma import engine
 
-        return engine.send(plan, src_rank, shards, version, dtype, pg, dst_ranks, device)
-
-    def receive(
-        self, plan: Plan, dst_rank: int, tensors: wire.DstGetter, version: int,
-        dtype: torch.dtype, pg: dist.ProcessGroup | None, src_ranks: Sequence[int],
-        device: str | torch.device = "cpu", replica: int = 0, dst_ranks: Sequence[int] = (),
-    ) -> TransferStats:  # fmt: skip
-        from rl.ddma import engine
-
-        return engine.receive(plan, dst_rank, tensors, version, dtype, pg, src_ranks, device,
-                              replica=replica, dst_ranks=dst_ranks)  # fmt: skip
+        return engine
 
 
 TRANSPORT = P2P()

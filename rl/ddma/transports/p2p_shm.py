@@ -7,47 +7,21 @@ only: a CUDA trainer packs into the ring, a CUDA server scatters from it.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from types import ModuleType
 
 from rl.ddma.transport import GroupTransport
-
-if TYPE_CHECKING:
-    import torch
-    import torch.distributed as dist
-
-    from rl.ddma import wire
-    from rl.ddma.engine import TransferStats
-    from rl.ddma.plan import Plan
 
 
 class P2PShm(GroupTransport):
     name = "p2p_shm"
     summary = "signals over a process group, bytes through shared-memory rings; one host"
     one_host = True
+    host_buckets = True
 
-    def bucket_device(self, trainer: str, rollout: str) -> str:
-        return "cpu"
-
-    def send(
-        self, plan: Plan, src_rank: int, shards: wire.SrcGetter, version: int,
-        dtype: torch.dtype, pg: dist.ProcessGroup | None, dst_ranks: Sequence[int],
-        device: str | torch.device = "cpu",
-    ) -> TransferStats:  # fmt: skip
+    def engine(self) -> ModuleType:
         from rl.ddma import shm
 
-        return shm.send(plan, src_rank, shards, version, dtype, pg, dst_ranks, device)
-
-    def receive(
-        self, plan: Plan, dst_rank: int, tensors: wire.DstGetter, version: int,
-        dtype: torch.dtype, pg: dist.ProcessGroup | None, src_ranks: Sequence[int],
-        device: str | torch.device = "cpu", replica: int = 0, dst_ranks: Sequence[int] = (),
-    ) -> TransferStats:  # fmt: skip
-        if replica or len(dst_ranks) > plan.dst.tp:
-            raise ValueError("a relay sync runs over the p2p transport, not p2p_shm")
-        from rl.ddma import shm
-
-        return shm.receive(plan, dst_rank, tensors, version, dtype, pg, src_ranks, device)
+        return shm
 
 
 TRANSPORT = P2PShm()

@@ -373,6 +373,9 @@ class HardwareConfig:
     eager_layer_us: float = 75.0
     reward_s_per_sample: float = 0.01  # one reward worker (a CPU process)
     step_overhead_s: float = 0.5  # controller per step: batch assembly, logging
+    # What the synchronous baseline's co-located trainer moves off its GPUs while they
+    # generate: none | optimizer | optimizer_grads (rl/simulate/colocated.py).
+    baseline_offload: str = "none"
     responses: ResponseLengthConfig = field(default_factory=ResponseLengthConfig)
 
 

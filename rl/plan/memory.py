@@ -155,13 +155,16 @@ def microbatches(cfg: RootConfig) -> int:
     return max(1, rows // (t.micro_batch_size * t.dp))
 
 
-def trainer_gpu(cfg: RootConfig, stage: int) -> TrainerGPU:
+def trainer_gpu(cfg: RootConfig, stage: int, dp: int | None = None) -> TrainerGPU:
+    """``dp``: data-parallel replicas instead of ``trainer.dp`` (the simulator's co-located
+    baseline runs the trainer's TP x PP on every GPU of the cluster)."""
     m, t = cfg.model, cfg.trainer
+    dp = dp or t.dp
     w = dtypes.itemsize(t.params_dtype)
     p = stage_params(m, t.tp, t.pp, stage, t.ep)
     experts = stage_expert_params(m, t.tp, t.pp, t.ep)
     adam = 8 + (4 if w != 4 else 0)
-    shards = t.dp if t.use_distributed_optimizer else 1
+    shards = dp if t.use_distributed_optimizer else 1
     expert_shards = max(1, shards // t.ep)
     tokens = t.micro_batch_size * sequence_length(cfg)
     in_flight = min(t.pp - stage, microbatches(cfg))

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 from rl.config.errors import ConfigError
 from rl.config.schema import HardwareConfig, ResponseLengthConfig
+from rl.simulate.colocated import OFFLOADS
 
 if TYPE_CHECKING:
     from rl.config.schema import RootConfig
@@ -41,6 +42,10 @@ SOURCES: dict[str, str] = {
     "and 80-480 ms a symbolic one on this project's CPU (FACTS.md)",
     "step_overhead_s": "assumption: the controller's batch assembly, logging and hand-offs per "
     "step, overlapped by neither loop",
+    "baseline_offload": "assumption, after DeepSpeed-Chat (arXiv 2308.01320) step 3, whose "
+    "hybrid engine generates with the actor's weights, grads and optimizer states resident "
+    "on the same GPUs by default (none); its --offload moves the optimizer to host memory "
+    "(ZeRO-Offload: optimizer); optimizer_grads also frees the grad buffer",
     "responses.median_frac": "assumption: median response a quarter of max_new_tokens",
     "responses.sigma": "assumption: lognormal spread of response lengths (the tail reaches "
     "max_new_tokens in a 1,024-sample batch)",
@@ -50,8 +55,8 @@ ZERO_OK = ("latency_us", "layer_us", "overhead_s", "sigma", "per_sample")
 NETWORK = "cluster.interconnect_gbps: one 400 Gb/s NIC per GPU (ConnectX-7 on HGX H100)"
 
 
-def _flat(hw: HardwareConfig) -> dict[str, float]:
-    out: dict[str, float] = {}
+def _flat(hw: HardwareConfig) -> dict[str, float | str]:
+    out: dict[str, float | str] = {}
     for f in fields(HardwareConfig):
         value = getattr(hw, f.name)
         if f.name == "responses":
@@ -93,7 +98,14 @@ def check(cfg: RootConfig) -> None:
         )
     if cfg.rl.steps <= 0:
         raise ConfigError(f"rl.steps={cfg.rl.steps}: no RL step to simulate")
+    if c.hardware.baseline_offload not in OFFLOADS:
+        raise ConfigError(
+            f"cluster.hardware.baseline_offload={c.hardware.baseline_offload}: must be one "
+            f"of {', '.join(OFFLOADS)}"
+        )
     for name, value in _flat(c.hardware).items():
+        if isinstance(value, str):
+            continue
         share = name.endswith(("mfu", "efficiency", "frac"))
         may_be_zero = name.endswith(ZERO_OK)
         if (value < 0 if may_be_zero else value <= 0) or (share and value > 1):

@@ -16,10 +16,8 @@ Generation (per decoding replica: ``tp`` GPUs per stage, ``pp`` stages run in tu
   next batch), so a server is bound by the mean length at a full batch.
 
 The synchronous baseline (DeepSpeed-Chat-like) has trainer and generator share every GPU
-of the cluster with the trainer's TP x PP layout, its KV cache in what the trainer's
-weights, grads and optimizer leave (waves when it does not hold the batch), and reloads
-the weights each step: grads and optimizer to host memory and back over PCIe, and each
-GPU's weights gathered from its data-parallel peers over the NIC.
+of the cluster with the trainer's TP x PP layout; its memory, KV cache, waves and
+offload traffic are rl/simulate/colocated.py's.
 
 Training: 6·N_active·tokens (8 with a reference model's forward) over the trainer's GPUs
 at ``train_mfu``, stretched by the 1F1B pipeline bubble (pp - 1) / micro-batches.
@@ -37,11 +35,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from rl.config import dtypes
-from rl.config.errors import ConfigError
 from rl.models.arch import Dims
 from rl.models.registry import active_count
 from rl.models.shapes import padded_vocab_size
-from rl.plan.memory import GIB, TRAINER_OVERHEAD, kv_bytes_per_token, stage_params
+from rl.plan.memory import kv_bytes_per_token, stage_params
+from rl.simulate.colocated import SharedLayout, shared_layout
 from rl.simulate.lengths import Lengths
 from rl.simulate.step import Phases
 
@@ -179,64 +177,29 @@ def async_phases(cfg: RootConfig, plan: ClusterPlan, w: Workload) -> Phases:
     )
 
 
-@dataclass(frozen=True)
-class SharedLayout:
-    """The synchronous baseline's layout: the trainer's TP x PP on every GPU."""
-
-    gpus: int
-    replicas: int
-    samples_per_replica: float
-    waves: int
-    kv_tokens: float  # per replica
-
-
-def shared_layout(cfg: RootConfig, w: Workload) -> tuple[SharedLayout, Engine, float]:
-    """The layout, its decoding engine and its per-step weight reload (seconds)."""
-    c, t, m, hw = cfg.cluster, cfg.trainer, cfg.model, cfg.cluster.hardware
-    size = t.tp * t.pp
-    replicas = c.nodes * c.gpus_per_node // size
-    if replicas < 1:
-        raise ConfigError(
-            f"trainer.tp*pp = {size} GPUs > the cluster's {c.nodes * c.gpus_per_node}: the "
-            "synchronous baseline runs the trainer's layout on every GPU"
-        )
+def shared_engine(cfg: RootConfig, w: Workload) -> Engine:
+    """The baseline's decoding replica: the trainer's TP x PP, eager (no CUDA graphs)."""
+    t, m, hw = cfg.trainer, cfg.model, cfg.cluster.hardware
     itemsize = dtypes.itemsize(t.params_dtype)
-    params = [stage_params(m, t.tp, t.pp, s, t.ep) for s in range(t.pp)]
-    e = Engine(t.tp, t.pp, m.num_layers, sum(params) * itemsize,
-               kv_bytes_per_token(m, t.tp, itemsize), 2 * w.active_params,
-               tflops(hw, False), eager=True)  # fmt: skip
-    # The busiest stage's GPU: weights, fp32 grads and Adam (sharded over the replicas)
-    # stay resident; the KV cache gets the rest.
-    p = max(params)
-    adam = (8 + (4 if itemsize != 4 else 0)) * p / (replicas if t.use_distributed_optimizer else 1)
-    resident = p * itemsize + p * 4 + adam + TRAINER_OVERHEAD
-    free = max(c.gpu_memory_gb * GIB - resident, 0.0)
-    kv_tokens = free * t.pp / e.kv_per_token  # a token's KV is split over the stages
-    if kv_tokens < w.prompt + w.lengths.cap:
-        raise ConfigError(
-            f"the synchronous baseline's GPUs (trainer.tp={t.tp}, pp={t.pp}) keep "
-            f"{resident / GIB:.1f} GB of trainer state of cluster.gpu_memory_gb="
-            f"{c.gpu_memory_gb:g}: no room for one sample's KV cache"
-        )
-    n = w.samples / replicas
-    need = n * (w.prompt + w.lengths.cap)
-    waves = max(1, math.ceil(need / kv_tokens))
-    reload = 2 * (p * 4 + adam) / (hw.pcie_gbps * 1e9)
-    reload += p * itemsize / (c.interconnect_gbps * 1e9 / 8 * hw.network_efficiency)
-    return SharedLayout(replicas * size, replicas, n, waves, kv_tokens), e, reload
+    params = sum(stage_params(m, t.tp, t.pp, s, t.ep) for s in range(t.pp))
+    return Engine(t.tp, t.pp, m.num_layers, params * itemsize,
+                  kv_bytes_per_token(m, t.tp, itemsize), 2 * w.active_params,
+                  tflops(hw, False), eager=True)  # fmt: skip
 
 
 def sync_phases(cfg: RootConfig, w: Workload) -> tuple[Phases, SharedLayout]:
     hw = cfg.cluster.hardware
-    lay, e, reload = shared_layout(cfg, w)
-    longest = w.lengths.longest(w.samples)
+    lay = shared_layout(cfg, w.prompt, w.lengths.cap, w.samples)
+    e = shared_engine(cfg, w)
+    # Every replica's wave k ends with the longest of the samples in all of them.
+    longest = w.lengths.longest(math.ceil(w.samples / lay.waves))
     wave = lay.samples_per_replica / lay.waves
     gen = lay.waves * straggler_s(e, hw, wave, w.prompt, w.lengths, longest)
     phases = Phases(
         generate=gen,
         reward=reward_s(cfg, w.samples),
         train=train_s(cfg, w, lay.gpus, lay.replicas),
-        sync=reload,
+        sync=lay.reload_s,
         overhead=hw.step_overhead_s,
     )
     return phases, lay

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from rl.plan.memory import GIB
 from rl.simulate.hardware import assumptions
 from rl.simulate.step import generator_loop, trainer_loop
 
@@ -22,6 +23,19 @@ LABELS = {
     "sync": "weights (sync: reload, async: DDMA)",
     "overhead": "controller overhead",
 }
+
+
+def memory(s: Simulation) -> str:
+    """The baseline's generation memory: what the trainer keeps, the KV cache, the waves."""
+    lay = s.shared
+    need = lay.samples_per_replica * (s.prompt_tokens + s.response_cap)
+    return (
+        f"sync memory per GPU: the trainer keeps {lay.resident / GIB:.1f} GiB while it "
+        f"generates (baseline_offload={lay.offload}, {lay.offloaded / GIB:.1f} GiB off), so "
+        f"a copy's KV cache holds {lay.kv_tokens / 1e6:.2f}M tokens against the "
+        f"{need / 1e6:.2f}M its {lay.samples_per_replica:.0f} samples reserve: "
+        f"{lay.waves} wave{'s' if lay.waves > 1 else ''}, {lay.offload_s:.2f} s of offload"
+    )
 
 
 def where_time_goes(s: Simulation) -> list[str]:
@@ -52,8 +66,8 @@ def render(s: Simulation) -> str:
         f"{s.prompt_tokens:.0f} tokens",
         f"  async (LlamaRL): trainer {s.trainer}; generator {s.generator}",
         f"  sync (DeepSpeed-Chat-like): every GPU shares the trainer's layout, "
-        f"{s.shared.replicas} replicas of {s.shared.gpus // max(s.shared.replicas, 1)} GPUs"
-        f"{'' if s.shared.waves == 1 else f', {s.shared.waves} waves (KV cache)'}",
+        f"{s.shared.replicas} replicas of {s.shared.gpus // max(s.shared.replicas, 1)} GPUs",
+        f"  {memory(s)}",
         "",
         f"  {'phase (s)':<38}{'sync':>10}{'async':>10}",
     ]
@@ -89,6 +103,17 @@ def to_json(s: Simulation, cfg: RootConfig | None = None) -> dict[str, Any]:
             "sync_replicas": s.shared.replicas,
             "sync_gpus": s.shared.gpus,
             "sync_waves": s.shared.waves,
+        },
+        "sync_memory": {
+            "offload": s.shared.offload,
+            "resident_gib": s.shared.resident / GIB,
+            "offloaded_gib": s.shared.offloaded / GIB,
+            "kv_tokens_per_copy": s.shared.kv_tokens,
+            "tokens_reserved_per_copy": s.shared.samples_per_replica
+            * (s.prompt_tokens + s.response_cap),
+            "waves": s.shared.waves,
+            "offload_s": s.shared.offload_s,
+            "gather_s": s.shared.gather_s,
         },
         "decode_step_ms": s.decode_ms,
         "decode_batch": s.batch,

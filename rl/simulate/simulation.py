@@ -13,15 +13,15 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from rl.plan.cluster import plan_cluster
+from rl.simulate.colocated import SharedLayout
 from rl.simulate.hardware import check
 from rl.simulate.phases import (
-    SharedLayout,
     Workload,
     async_phases,
     decode_step_s,
     server_engine,
     server_slots,
-    shared_layout,
+    shared_engine,
     sync_phases,
 )
 from rl.simulate.step import Phases, async_step, bottleneck, sync_step
@@ -47,6 +47,7 @@ class Simulation:
     prompt_tokens: float
     mean_response: float
     longest_response: float
+    response_cap: float  # rollout.sampling.max_new_tokens
     sync: Phases
     asyn: Phases
     shared: SharedLayout  # the synchronous baseline's layout
@@ -86,7 +87,7 @@ def simulate(cfg: RootConfig, plan: ClusterPlan | None = None) -> Simulation:
     sync, shared = sync_phases(cfg, w)
     c, t, r, hw = cfg.cluster, cfg.trainer, cfg.rollout, cfg.cluster.hardware
     ctx = w.prompt + w.lengths.mean()
-    _, engine, _ = shared_layout(cfg, w)
+    engine = shared_engine(cfg, w)
     batch = {"sync": shared.samples_per_replica / shared.waves, "async": server_slots(cfg, plan, w)}
     decode = {
         "sync": 1e3 * decode_step_s(engine, hw, batch["sync"], ctx),
@@ -99,6 +100,7 @@ def simulate(cfg: RootConfig, plan: ClusterPlan | None = None) -> Simulation:
         prompt_tokens=w.prompt,
         mean_response=w.lengths.mean(),
         longest_response=w.lengths.longest(w.samples),
+        response_cap=w.lengths.cap,
         sync=sync,
         asyn=asyn,
         shared=shared,

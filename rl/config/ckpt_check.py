@@ -14,7 +14,8 @@ rl/weights/dist_ckpt.py through Megatron's dist_checkpointing):
 * ``__<rank>_<n>.distcp``: the shards.
 
 The pickles are read with stand-in classes: no class named in the file is imported and no
-code from it runs.
+code from it runs. ``.metadata`` may name only what torch writes into a checkpoint index
+(rl/config/dcp_metadata.py): anything else is refused here, before any rank would load it.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import zipfile
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from rl.config import dcp_metadata
 from rl.config.schema import ARCH_FIELDS
 
 FORMAT_VERSION = 1  # of our common state (rl/weights/dist_ckpt.py writes it)
@@ -73,11 +75,16 @@ class _Stub:
 
 
 class _StubUnpickler(pickle.Unpickler):
-    def __init__(self, file: BinaryIO) -> None:
+    def __init__(self, file: BinaryIO, index: str | None = None) -> None:
         super().__init__(file)
         self.stubs: dict[tuple[str, str], type] = {}
+        self.index = index  # a checkpoint index: the file's name, and only its names allowed
 
     def find_class(self, module: str, name: str) -> object:
+        # A stand-in runs nothing, but an index naming anything else would run it in the
+        # trainer, whose reader imports what the index names: refuse it here already.
+        if self.index is not None and not dcp_metadata.allowed(module, name):
+            raise dcp_metadata.RefusedPickle(self.index, f"{module}.{name}")
         if module == "builtins" and name in _SAFE_BUILTINS:
             return _SAFE_BUILTINS[name]
         if module == "collections" and name == "OrderedDict":
@@ -90,13 +97,17 @@ class _StubUnpickler(pickle.Unpickler):
         return self.stubs[key]
 
     def persistent_load(self, pid: object) -> object:  # torch's tensor storages in common.pt
+        if self.index is not None:
+            raise dcp_metadata.RefusedPickle(self.index, "a persistent object (a storage)")
         return _Stub(pid)
 
 
-def _unpickle(data: bytes) -> Any:  # stand-ins with whatever attributes the file set
+def _unpickle(data: bytes, index: str | None = None) -> Any:
+    """Stand-ins with whatever attributes the file set; ``index``: the file is a checkpoint
+    index of that name (see :class:`_StubUnpickler`)."""
     import io
 
-    return _StubUnpickler(io.BytesIO(data)).load()
+    return _StubUnpickler(io.BytesIO(data), index).load()
 
 
 def read_backend(path: Path) -> str:
@@ -117,11 +128,13 @@ def expected_shard_sizes(path: Path) -> dict[str, int]:
     if not f.is_file():
         raise Unreadable(f"has no {TORCH_METADATA} (the tensor index): incomplete save")
     try:
-        storage = _unpickle(f.read_bytes()).storage_data
+        storage = _unpickle(f.read_bytes(), index=str(f)).storage_data
         sizes: dict[str, int] = {}
         for info in storage.values():
             end = int(info.offset) + int(info.length)
             sizes[info.relative_path] = max(sizes.get(info.relative_path, 0), end)
+    except dcp_metadata.RefusedPickle as e:  # names the file and what it would load
+        raise Unreadable(f"cannot be loaded: {e}") from None
     except Exception as e:  # any damage to the pickle: one line, not its traceback
         raise Unreadable(
             f"{TORCH_METADATA} is unreadable ({type(e).__name__}): cut short?"

@@ -106,6 +106,7 @@ class RolloutStream:
         self.first = self.committed = version
         self.started = self.consumed = self.drawn = 0
         self._ids = itertools.count()
+        self._rid_prefix = ""  # a resumed attempt's: its ids never repeat an earlier one's
         self._gen: dict[cf.Future, tuple[Group, int]] = {}  # segment -> (group, tokens before)
         self._scoring: dict[cf.Future, Group] = {}
         self._parked: list[tuple[Group, Rollout]] = []
@@ -244,6 +245,7 @@ class RolloutStream:
             self.started += carried
             self.drawn = state.drawn
             self._ids = itertools.count(max((g.gid for g in state.groups), default=-1) + 1)
+            self._rid_prefix = f"s{state.step}."
             self._resume_parked()
             self._restored = {"resume_groups": float(carried), "resume_rollouts": float(resumed),
                               "resume_dropped_groups": float(dropped)}  # fmt: skip
@@ -307,6 +309,7 @@ class RolloutStream:
                 self.sampling,
                 group=group.gid,
                 segment_tokens=self.segment_tokens,
+                rid_prefix=self._rid_prefix,
             )
             for f in futures:
                 group.rollouts.append(f.rollout)

@@ -49,6 +49,7 @@ import ctypes
 import json
 import logging
 import os
+import stat
 import tempfile
 import threading
 import time
@@ -73,13 +74,54 @@ STATUS_DIR_ENV = "MSRL_DDMA_STATUS_DIR"
 log = logging.getLogger(__name__)
 
 
+class StatusDirError(RuntimeError):
+    """The status directory is not this user's own: one line saying why and what to do."""
+
+
 @lru_cache(maxsize=1)
 def status_dir() -> Path:
     """``$MSRL_DDMA_STATUS_DIR``, else a per-user directory under the temp dir; read once,
-    so a server's directory is the one it started with (owner-only, created if missing)."""
+    so a server's directory is the one it started with (owner-only, created if missing;
+    see :func:`own_dir`)."""
     where = os.environ.get(STATUS_DIR_ENV) or Path(tempfile.gettempdir(), f"ddma-{os.getuid()}")
-    path = Path(os.path.realpath(where))
-    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    where = Path(where)
+    # The parents resolved (a site's /scratch link is fine); the directory itself not.
+    path = Path(os.path.realpath(where.parent), where.name)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return own_dir(path)
+
+
+def own_dir(path: Path) -> Path:
+    """``path`` as a directory of this user's that no one else can enter: created 0700, or,
+    if it exists, neither a symlink nor another user's (refused), its mode narrowed to 0700.
+
+    Why: ``/tmp/ddma-<uid>`` is a name anyone can predict and create first. A directory
+    another user made (0777) or a symlink to one let that user read every status and
+    plant or swap the files a trainer reads back."""
+    refuse = f"DDMA status directory {path}"
+    fix = f"remove it, or set {STATUS_DIR_ENV} to a directory of your own"
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    st = os.lstat(path)
+    if stat.S_ISLNK(st.st_mode):
+        raise StatusDirError(f"{refuse} is a symlink: refused ({fix})")
+    if not stat.S_ISDIR(st.st_mode):
+        raise StatusDirError(f"{refuse} is not a directory: refused ({fix})")
+    # Checked and narrowed through one descriptor: no swap between the check and the chmod.
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    try:
+        st = os.fstat(fd)
+        if st.st_uid != os.getuid():
+            raise StatusDirError(
+                f"{refuse} belongs to uid {st.st_uid}, not to this user ({os.getuid()}): "
+                f"refused ({fix})"
+            )
+        if stat.S_IMODE(st.st_mode) & 0o077:  # ours, but open to others: close it
+            os.fchmod(fd, 0o700)
+    finally:
+        os.close(fd)
     return path
 
 

@@ -38,7 +38,7 @@ import torch
 from rl.config.sampling import RequestError, SamplingParams
 from rl.generator import server_api as api
 from rl.generator.launcher import ServerError, ServerLauncher
-from rl.generator.types import ModelLimits, Rollout, parse_result
+from rl.generator.types import ModelLimits, Rollout, new_rid, parse_result
 from rl.generator.weight_payload import FlatBucket, buckets, update_call, use_file_system_sharing
 
 if TYPE_CHECKING:
@@ -59,6 +59,15 @@ class RolloutFuture(cf.Future[Rollout]):
 
 class ServerLost(ServerError):
     """A server that stopped answering: marked dead; its requests are re-queued."""
+
+    def __init__(self, server: int, message: str) -> None:
+        super().__init__(message)
+        self.server = server
+
+
+# The requests a lost server held fail together, within milliseconds: their re-queues are
+# counted for this long, then reported in one line per lost server.
+REQUEUE_REPORT_S = 0.5
 
 
 class GeneratorClient:
@@ -96,6 +105,7 @@ class GeneratorClient:
         self.wait_for_server = wait_for_server
         self.requeued = 0  # rollouts re-sent after their server was lost
         self.requeued_rids: list[str] = []  # their ids, for the run's rollout ledger
+        self._unreported: dict[int, int] = {}  # lost server -> rollouts re-queued, not yet said
         self.no_server_s = 0.0  # seconds with requests waiting and no server ready
         self._no_server_since: float | None = None
         self._failure_error: BaseException | None = None
@@ -160,15 +170,17 @@ class GeneratorClient:
         *,
         group: int | None = None,
         segment_tokens: int | None = None,
+        rid_prefix: str = "",
     ) -> list[RolloutFuture]:
         """Start ``sampling.n`` rollouts of one prompt, sent as one request (see
         ``resume_many``). Validation happens here, so a bad request raises before anything
         is sent. With ``segment_tokens``, each future resolves after at most that many new
-        tokens; resume it with ``resume``."""
+        tokens; resume it with ``resume``. ``rid_prefix``: of the rollouts' ids."""
         self.limits.check(prompt_ids, sampling)
         if segment_tokens is not None and segment_tokens < 1:
             raise RequestError(f"segment_tokens={segment_tokens} must be >= 1")
-        rollouts = [Rollout(list(prompt_ids), sampling, i, group) for i in range(sampling.n)]
+        rollouts = [Rollout(list(prompt_ids), sampling, i, group, rid=new_rid(rid_prefix))
+                    for i in range(sampling.n)]  # fmt: skip
         return self.resume_many(rollouts, segment_tokens)
 
     def resume(self, rollout: Rollout, segment_tokens: int | None = None) -> RolloutFuture:
@@ -248,8 +260,20 @@ class GeneratorClient:
             except ServerLost as e:
                 self.requeued += len(rollouts)
                 self.requeued_rids.extend(r.rid for r in rollouts)
-                print(f"[generator] {str(e).splitlines()[0]}; re-queued {len(rollouts)} "
-                      f"rollout(s)", flush=True)  # fmt: skip
+                self._requeued_from(e, len(rollouts))
+
+    def _requeued_from(self, lost: ServerLost, n: int) -> None:
+        """Count ``n`` rollouts re-queued from ``lost.server``; the first of a loss schedules
+        the one line that reports them all."""
+        first = lost.server not in self._unreported
+        self._unreported[lost.server] = self._unreported.get(lost.server, 0) + n
+        if first:
+            why = str(lost).splitlines()[0]
+            self._loop.call_later(REQUEUE_REPORT_S, self._report_requeued, lost.server, why)
+
+    def _report_requeued(self, server: int, why: str) -> None:
+        n = self._unreported.pop(server)
+        print(f"[generator] {why}; re-queued {n} rollout(s)", flush=True)
 
     async def _request_on(
         self, server: int, rollouts: list[Rollout], segment_tokens: int | None
@@ -367,9 +391,9 @@ class GeneratorClient:
         if self.launcher is not None:
             s = self.launcher.servers[server]
             if not s.alive():
-                return ServerLost(str(s.error(f"died (exit code {s.exit_code})")))
+                return ServerLost(server, str(s.error(f"died (exit code {s.exit_code})")))
         where = f"generator server {server} ({self.urls[server]})"
-        return ServerLost(f"{where} unreachable: {err.detail}")
+        return ServerLost(server, f"{where} unreachable: {err.detail}")
 
     def restart_server(self, server: int) -> int:
         """Restart a server through the launcher; return the weight version it came back

@@ -24,6 +24,12 @@ FINISHED = ("stop", "length", "abort")
 _ids = itertools.count()
 
 
+def new_rid(prefix: str = "") -> str:
+    """A rollout id unique in this process; ``prefix`` keeps it unique across the attempts
+    of one run (each attempt's process counts from 0)."""
+    return f"{prefix}r{next(_ids)}"
+
+
 class ServerResponseError(RuntimeError):
     """A server answered with something that is not a well-formed generation result."""
 
@@ -98,7 +104,7 @@ class Rollout:
     finish_reason: str | None = None
     segments: int = 0
     server: int | None = None  # the server that produced the last segment
-    rid: str = field(default_factory=lambda: f"r{next(_ids)}")
+    rid: str = field(default_factory=lambda: new_rid())
 
     @property
     def finished(self) -> bool:

@@ -21,7 +21,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, cast
 
-from rl.runtime.channel import ChannelError, ChannelTimeout, Failed
+from rl.runtime.channel import ChannelTimeout, Failed, ProtocolError
 from rl.tasks.scoring import ScoreItem, ScoreResult
 
 if TYPE_CHECKING:
@@ -48,6 +48,13 @@ class Scored:
 @dataclass
 class Stop:
     pass
+
+
+@dataclass
+class Wake:
+    """The controller to its own reply thread, on ``reward/out``: look at your stop flag.
+    Only that flag stops the thread, so no message can stop it quietly and leave every
+    waiting group unanswered; a Wake it did not ask for is a protocol error."""
 
 
 def serve(cfg: RootConfig, job: Job) -> None:
@@ -115,12 +122,13 @@ class RewardHandle:
     def __init__(self, job: Job):
         n = job.role_size("reward")
         self._to = [job.channel(f"reward/in/{r}", Score, Stop) for r in range(n)]
-        self._from = job.channel("reward/out", Scored)  # read by the reply thread only
-        self._wake = job.channel("reward/out", Scored)
+        self._from = job.channel("reward/out", Scored, Wake)  # read by the reply thread only
+        self._wake = job.channel("reward/out", Scored, Wake)
+        self._stopping = threading.Event()  # what stops the reply thread: never a message
         self._ids = itertools.count()
         self._next = itertools.cycle(range(n))
-        # request -> (its future, the rank scoring it)
-        self._pending: dict[int, tuple[Future[list[ScoreResult]], int]] = {}
+        # request -> (its future, the rank scoring it, the number of items)
+        self._pending: dict[int, tuple[Future[list[ScoreResult]], int, int]] = {}
         self._lock = threading.Lock()
         self._per_rank: dict[int, tuple[int, int]] = {}
         self._error: BaseException | None = None
@@ -134,7 +142,7 @@ class RewardHandle:
                 fut.set_exception(self._error)
                 return fut
             request, rank = next(self._ids), next(self._next)
-            self._pending[request] = (fut, rank)
+            self._pending[request] = (fut, rank, len(items))
             self._to[rank].put(Score(request, list(items)))
         return fut
 
@@ -143,29 +151,44 @@ class RewardHandle:
         that is not an answer to a pending request) fails every future waiting and every
         later ``score``, then ends this thread by raising, which ends the controller's
         rank (rl/runtime/launch.py install_thread_hook): once this thread is gone nothing
-        answers, so returning quietly left the job waiting forever."""
+        answers, so returning quietly left the job waiting forever. A message that breaks
+        the protocol is a :class:`ProtocolError`, reported in one line."""
         while True:
             try:
                 try:
-                    msg = cast(Scored, self._from.get())  # the one type the channel carries
+                    msg = self._from.get()  # a Scored or a Wake: the channel checked
                 except ChannelTimeout:  # no group to score for a while (a long evaluation)
                     continue
-                if msg.request < 0:  # stop() woke us
-                    return
-                with self._lock:
-                    if msg.request not in self._pending:
-                        raise ChannelError(f"reward/out: an answer to request {msg.request}, "
-                                           "which is not pending")  # fmt: skip
-                    fut, rank = self._pending.pop(msg.request)
-                self._per_rank[rank] = (msg.failures, msg.timeouts)
-                fut.set_result(msg.results)
+                if isinstance(msg, Wake):
+                    if self._stopping.is_set():  # stop() woke us
+                        return
+                    raise ProtocolError("reward/out: a stop that this controller did not send")
+                self._deliver(cast(Scored, msg))
             except BaseException as e:
                 with self._lock:
                     self._error = e
                     waiting, self._pending = list(self._pending.values()), {}
-                for f, _ in waiting:
+                for f, _, _ in waiting:
                     f.set_exception(e)
                 raise
+
+    def _deliver(self, msg: Scored) -> None:
+        """Give ``msg``'s results to the request it answers, which must be pending and of
+        as many items (else :class:`ProtocolError`)."""
+        with self._lock:
+            if msg.request not in self._pending:
+                raise ProtocolError(
+                    f"reward/out: a reply to request {msg.request}, which is not pending"
+                )
+            fut, rank, n = self._pending[msg.request]
+            if len(msg.results) != n:
+                raise ProtocolError(
+                    f"reward/out: a reply to request {msg.request} with {len(msg.results)} "
+                    f"results for its {n} items"
+                )
+            del self._pending[msg.request]
+        self._per_rank[rank] = (msg.failures, msg.timeouts)
+        fut.set_result(msg.results)
 
     @property
     def failures(self) -> int:
@@ -178,5 +201,6 @@ class RewardHandle:
     def stop(self) -> None:
         for ch in self._to:
             ch.put(Stop())
-        self._wake.put(Scored(-1, [], 0, 0))  # wakes the reply thread
+        self._stopping.set()
+        self._wake.put(Wake())  # wakes the reply thread, which then sees the flag
         self._thread.join(timeout=5)

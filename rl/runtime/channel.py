@@ -58,6 +58,13 @@ class ChannelError(RuntimeError):
     """A message that is not one the channel carries, or no message in time."""
 
 
+class ProtocolError(ChannelError):
+    """An authentic message (signed with the job's key) that breaks the protocol of its
+    channel, such as a reply to a request that is not pending. The message names the
+    channel and says all there is (a traceback would only show the reader's own code), so
+    the launcher reports it in one line (rl/runtime/launch.py)."""
+
+
 class ChannelTimeout(ChannelError):
     """No message arrived within the wait: for a rank that idles by design (a generator
     rank between start and stop), the normal state, not a failure."""

@@ -40,6 +40,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from rl.runtime import lifeline, tree
+from rl.runtime.channel import ProtocolError
 from rl.runtime.net import free_port
 from rl.runtime.rank_output import RankOutput, redirect_into
 from rl.runtime.supervise import MARK_ENV, RankFailed, Supervisor
@@ -47,7 +48,7 @@ from rl.runtime.supervise import MARK_ENV, RankFailed, Supervisor
 if TYPE_CHECKING:
     from multiprocessing.connection import Connection
     from multiprocessing.queues import Queue
-    from types import FrameType
+    from types import FrameType, TracebackType
 
 R = TypeVar("R")
 
@@ -136,13 +137,24 @@ def install_thread_hook(report: Callable[[str], None] | None = None) -> None:
         if a.exc_type is SystemExit:
             return
         name = a.thread.name if a.thread is not None else "?"
-        text = "".join(traceback.format_exception(a.exc_type, a.exc_value, a.exc_traceback))
+        text = failure_text(a.exc_type, a.exc_value, a.exc_traceback)
+        sep = "\n" if "\n" in text else " "  # a one-line error stays one line
         try:
-            (report or _print_error)(f"thread {name!r} died:\n{text}")
+            (report or _print_error)(f"thread {name!r} died:{sep}{text}")
         finally:
             os._exit(1)
 
     threading.excepthook = hook
+
+
+def failure_text(
+    exc_type: type[BaseException], exc: BaseException | None, tb: TracebackType | None
+) -> str:
+    """How a rank reports an exception: its traceback; one line for a
+    :class:`~rl.runtime.channel.ProtocolError`, whose message is the whole story."""
+    if isinstance(exc, ProtocolError):
+        return f"{exc_type.__name__}: {exc}"
+    return "".join(traceback.format_exception(exc_type, exc, tb))
 
 
 def _print_error(text: str) -> None:
@@ -199,9 +211,9 @@ def _child(
         torch.save(out, buf)
         results.put((rank, True, buf.getvalue()))
         code = 0
-    except BaseException:
+    except BaseException as e:
         # The launcher prints this once, under the rank's name: no second copy from here.
-        results.put((rank, False, traceback.format_exc()))
+        results.put((rank, False, failure_text(type(e), e, e.__traceback__)))
         code = 1
     finally:
         if dist.is_initialized():

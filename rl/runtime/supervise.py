@@ -121,8 +121,9 @@ class Supervisor:
             causes = [r for r, t in failed.items() if not any(c in t for c in _CONSEQUENCES)]
             rank = causes[0] if causes else next(iter(failed))
             report = failed[rank].rstrip()
+            sep = "\n" if "\n" in report else " "  # one line stays one (launch.failure_text)
             head = (f"{self.name(rank)}: {report}" if report.startswith("thread ")
-                    else f"{self.name(rank)} failed:\n{report}")  # fmt: skip
+                    else f"{self.name(rank)} failed:{sep}{report}")  # fmt: skip
         others = sorted((set(failed) | set(dead)) - {rank})
         lines = self.outputs[rank].tail() or ["(it printed nothing)"]
         text = f"{head}\nlast lines of {self.name(rank)}:\n" + "\n".join(f"  | {x}" for x in lines)

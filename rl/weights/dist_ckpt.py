@@ -6,7 +6,9 @@ common state carries a format version and the model config, which a reader check
 the model it builds. The trainer (rl/trainer/checkpoint.py, which adds optimizer state) and
 the converters (rl/weights/convert.py) both write through :func:`write`: a sibling
 temporary directory that rank 0 renames once every rank has written, so a crash never
-leaves a half-written checkpoint under the final name.
+leaves a half-written checkpoint under the final name. Every read goes through torch
+DCP's reader with its index unpickled by a restricted unpickler (rl/weights/dcp_guard.py),
+so a checkpoint cannot run code in the ranks that load it.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ from omegaconf import DictConfig, OmegaConf
 from rl.checkpoints import files as ckpt_files
 from rl.config import ckpt_check
 from rl.config.ckpt_check import ARCH_FIELDS, FORMAT_VERSION, architecture_diffs
+from rl.config.dcp_metadata import RefusedPickle
+from rl.weights import dcp_guard
 
 if TYPE_CHECKING:
     from megatron.core.transformer.module import MegatronModule
@@ -65,6 +69,7 @@ def check(path: str | os.PathLike) -> Path:
     named here, before torch's reader fails on it with a bare EOFError)."""
     from megatron.core import dist_checkpointing
 
+    dcp_guard.apply()  # before the first read of any checkpoint in this process
     p = Path(path)
     if not p.is_dir():
         raise CheckpointError(f"checkpoint {str(p)!r} does not exist or is not a directory")
@@ -86,9 +91,12 @@ def load(state: dict[str, Any], path: str | os.PathLike) -> dict[str, Any]:
     from megatron.core import dist_checkpointing
     from torch.distributed.checkpoint import CheckpointException
 
+    dcp_guard.apply()
     p = Path(path)
     try:
         return dist_checkpointing.load(state, str(p))
+    except RefusedPickle as e:  # where no collective wrapped it: it names the file itself
+        raise CheckpointError(f"checkpoint {str(p)!r} cannot be loaded: {e}") from None
     except (CheckpointException, EOFError, pickle.UnpicklingError, RuntimeError) as e:
         try:
             problem = ckpt_check.problem(p)

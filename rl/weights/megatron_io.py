@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from rl.models import arch as a
+from rl.weights import dcp_guard
 from rl.weights import keymap as km
 from rl.weights.keymap import LAYERS
 
@@ -130,6 +131,7 @@ def checkpoint_tensors(path: str) -> dict[str, tuple[tuple[int, ...], torch.dtyp
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+    dcp_guard.apply()  # the index is unpickled: only checkpoint metadata, no code
     md = FileSystemReader(path).read_metadata()
     out = {}
     for key, m in md.state_dict_metadata.items():
@@ -181,6 +183,7 @@ def read_layer(
         def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
             return self.state_dict[index.fqn]  # read items carry chunk-relative offsets
 
+    dcp_guard.apply()
     with warnings.catch_warnings():  # "assuming ... single process" is exactly the intent
         warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single")
         dcp.load(bufs, storage_reader=FileSystemReader(path), planner=_ChunkPlanner(), no_dist=True)

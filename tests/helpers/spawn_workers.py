@@ -51,6 +51,18 @@ def fail(run_dir: str, victim: int, how: str) -> int:
             raise RuntimeError("the reply thread met a malformed message")
 
         threading.Thread(target=die, name="replies").start()
+    elif how == "protocol":  # an authentic message that breaks the protocol: one line
+
+        def refuse() -> None:
+            from rl.runtime.channel import ProtocolError
+
+            raise ProtocolError("reward/out: a reply to request 7, which is not pending")
+
+        threading.Thread(target=refuse, name="replies").start()
+    elif how == "protocol_raise":  # the same, met by the rank's main thread
+        from rl.runtime.channel import ProtocolError
+
+        raise ProtocolError("reward/out: a reply to request 7, which is not pending")
     time.sleep(120)
     return rank
 

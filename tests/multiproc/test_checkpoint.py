@@ -49,3 +49,49 @@ def test_missing_and_corrupt_checkpoints_fail_clearly(tmp_path):
     (tmp_path / "half" / "__0_0.distcp").write_bytes(b"\0" * 10)
     with pytest.raises(CheckpointError, match="not a Megatron torch_dist checkpoint"):
         check(tmp_path / "half")
+
+
+def test_a_checkpoint_index_that_would_run_code_is_refused_by_every_reader(tmp_path):
+    """A checkpoint the trainer wrote loads back through the restricted reader of
+    its index (rl/weights/dcp_guard.py, applied by the trainer's load). Prefixed with a
+    pickled ``exec``, that index is refused, naming the file, by the launcher's check, by
+    dist_ckpt's check, by Megatron's own reader and by the converters' reader; the payload
+    never runs."""
+    import megatron_patches
+
+    megatron_patches.apply_all("cpu")  # before Megatron is imported, as every rank does
+    from megatron.core import dist_checkpointing
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from rl.config import ckpt_check
+    from rl.config.dcp_metadata import RefusedPickle
+    from rl.weights import dcp_guard
+    from rl.weights.dist_ckpt import CheckpointError, check
+    from rl.weights.megatron_io import checkpoint_tensors
+    from tests.unit.test_dcp_metadata import exec_prefix
+
+    ckpt = tmp_path / "ckpt"
+    src = spawn(run_layout, 1, _layout(1, 1), random_batches(1), None, None, False, str(ckpt))
+    dst = spawn(run_layout, 1, _layout(1, 1), [], None, str(ckpt))[0]
+    torch.testing.assert_close(dst["logprobs"][0], src[0]["logprobs"][-1], atol=1e-6, rtol=0)
+    check(ckpt)
+    assert dcp_guard.applied()  # check() put the restricted reader in place
+    assert "embedding.word_embeddings.weight" in checkpoint_tensors(str(ckpt))
+    assert dist_checkpointing.load_tensors_metadata(str(ckpt))
+
+    index, marker = ckpt / ".metadata", tmp_path / "pwned"
+    index.write_bytes(exec_prefix(marker) + index.read_bytes()[2:])
+    refused = f"{index}: refused: it would load builtins.exec, not checkpoint metadata"
+    assert ckpt_check.problem(ckpt) == f"cannot be loaded: {refused}"
+    with pytest.raises(CheckpointError) as e:
+        check(ckpt)
+    assert str(e.value) == f"checkpoint {str(ckpt)!r} cannot be loaded: {refused}"
+    for read in (
+        lambda: FileSystemReader(str(ckpt)).read_metadata(),
+        lambda: dist_checkpointing.load_tensors_metadata(str(ckpt)),
+        lambda: checkpoint_tensors(str(ckpt)),
+    ):
+        with pytest.raises(RefusedPickle) as r:
+            read()
+        assert str(r.value) == refused
+    assert not marker.exists()

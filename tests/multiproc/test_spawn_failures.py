@@ -46,8 +46,12 @@ def _assert_gone(pids: list[int], timeout: float = 3.0) -> None:
         ("exit", "worker rank 1 exited with code 3 without reporting a result"),
         ("raise", "worker rank 1 failed:\nTraceback"),
         ("thread", "worker rank 1: thread 'replies' died:\nTraceback"),
+        ("protocol", "worker rank 1: thread 'replies' died: ProtocolError: reward/out: a reply "
+                     "to request 7, which is not pending\nlast lines of worker rank 1:"),
+        ("protocol_raise", "worker rank 1 failed: ProtocolError: reward/out: a reply to "
+                           "request 7, which is not pending\nlast lines of worker rank 1:"),
     ],
-)
+)  # fmt: skip
 def test_a_dying_rank_fails_the_job_in_seconds_with_its_name_and_last_lines(tmp_path, how, message):
     with pytest.raises(RankFailed) as err:
         spawn(fail, 3, str(tmp_path), 1, how, setup=False, names=_names)

@@ -161,6 +161,8 @@ def test_a_killed_job_resumes_its_parked_rollouts_and_its_prompt_stream(tmp_path
     # come from the resumed job's versions (its first is resumed_from + 1).
     trained = _jsonl(out / "trained_prompts.jsonl")
     assert [r["step"] for r in trained] == list(range(1, STEPS + 1))
+    rids = [rid for rec in trained for g in rec["groups"] for rid in g["rids"]]
+    assert len(set(rids)) == len(rids), "a rollout id was used again by the resumed attempt"
     finished = {
         r["rid"].rsplit("@", 1)[0]: r
         for rec in trained

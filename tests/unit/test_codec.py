@@ -136,6 +136,7 @@ MESSAGES = [
         rew.Scored(3, [ScoreResult(1.0), ScoreResult(0.0, {"format_ok": 0.0}, True)], 1, 0),
     ),
     ((rew.Scored,), rew.Scored(4, [], 0, 2)),
+    ((rew.Scored, rew.Wake), rew.Wake()),
     ((Examples,), Examples([EXAMPLE, Example("u", (), "", None)], EXAMPLE, [ROLLOUT])),
     ((Examples,), Examples([], None, [])),
 ]

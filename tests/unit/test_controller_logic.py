@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from types import SimpleNamespace
 
 import pytest
@@ -197,14 +198,14 @@ class _InstantClient:
     """Finishes every sample at once with one token: ``prompt_ids[0]`` (the tests' reward
     reads it back), so a stream can be driven without a server."""
 
-    def submit(self, prompt_ids, sampling, group=None, segment_tokens=None):
+    def submit(self, prompt_ids, sampling, group=None, segment_tokens=None, rid_prefix=""):
         from concurrent.futures import Future
 
-        from rl.generator.types import Rollout
+        from rl.generator.types import Rollout, new_rid
 
         out = []
         for i in range(sampling.n):
-            r = Rollout(list(prompt_ids), sampling, i, group)
+            r = Rollout(list(prompt_ids), sampling, i, group, rid=new_rid(rid_prefix))
             r.append([prompt_ids[0]], [-0.1], [1], "stop")
             f: Future = Future()
             f.rollout = r
@@ -245,6 +246,46 @@ def test_uniform_groups_are_skipped_counted_and_replaced():
     assert [g.item.prompt_ids[0] % 2 for g in groups] == [1, 1, 1]
     assert all(len(set(g.rewards)) == 2 for g in groups)
     assert stats["uniform_skipped_total"] >= 3 and gate.skipped == stats["uniform_skipped_total"]
+
+
+def test_a_resumed_stream_never_reuses_an_earlier_attempts_rollout_ids():
+    """Each attempt's process counts ids from 0: a stream resumed at step 3 prefixes its
+    new rollouts' ids with the step, so the run's ledger never holds one id twice."""
+    from concurrent.futures import Future
+
+    from rl.config.sampling import SamplingParams
+    from rl.controller.rollouts import RolloutStream, StreamState
+    from rl.tasks.common import Example
+    from rl.tasks.scoring import ScoreResult
+
+    def score(group):
+        f: Future = Future()
+        f.set_result([ScoreResult(float(k % 2)) for k in range(2)])
+        return f
+
+    def batch(restore: StreamState | None) -> list[str]:
+        prompts = (Example(f"p{i}", (i + 1, 7), "") for i in range(100))
+        gate = StalenessGate(max_lag=1, mode="throttle", per_step=2)
+        stream = RolloutStream(_InstantClient(), score, lambda: next(prompts),
+                               SamplingParams(n=2), gate, 3)  # fmt: skip
+        if restore is not None:
+            stream.restore(restore)
+        stream.start()
+        try:
+            groups, _ = stream.next_batch(1)
+        finally:
+            stream.close()
+        return [r.rid for g in groups for r in g.rollouts]
+
+    import rl.generator.types as types
+
+    types._ids = itertools.count()  # what a fresh attempt's process starts from
+    first = batch(None)
+    types._ids = itertools.count()
+    resumed = batch(StreamState(step=3, version=3, drawn=2, position={}, groups=[]))
+    assert len(first) == len(resumed) == 4
+    assert all(rid.startswith("s3.") for rid in resumed), resumed
+    assert not set(first) & set(resumed), (first, resumed)
 
 
 def test_a_group_is_uniform_after_the_overlong_rule():

@@ -1,5 +1,6 @@
 """The DDMA receiver's status files (rl/ddma/sglang_receiver.py): written only inside the
-directory fixed when the server starts, never where a request points elsewhere; and its
+directory fixed when the server starts, never where a request points elsewhere, and that
+directory this user's alone (not a symlink, not another user's, mode 0700); and its
 staging option checked when a weight update opens. In process, no server."""
 
 from __future__ import annotations
@@ -7,6 +8,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -96,3 +98,76 @@ def test_staging_option_is_checked_when_an_update_opens(status_root: Path) -> No
     rx.load(torch.nn.Module(), _entry(op="discard", staging="none", status=out))
     got = json.loads(Path(out).read_text())
     assert got["ok"] and got["staging"] == "none" and got["staging_bytes"] == 0
+
+
+# ------------------------------------------------------- the directory itself
+@pytest.fixture
+def default_root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """No $MSRL_DDMA_STATUS_DIR: the per-user default, under a temp dir of this test's."""
+    monkeypatch.delenv(rx.STATUS_DIR_ENV, raising=False)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    rx.status_dir.cache_clear()
+    yield tmp_path / f"ddma-{os.getuid()}"
+    rx.status_dir.cache_clear()
+
+
+def _refusal() -> str:
+    with pytest.raises(rx.StatusDirError) as e:
+        rx.status_dir()
+    assert "\n" not in str(e.value) and rx.STATUS_DIR_ENV in str(e.value)
+    return str(e.value)
+
+
+def test_the_default_directory_is_created_owner_only(default_root: Path) -> None:
+    assert rx.status_dir() == default_root
+    assert default_root.stat().st_mode & 0o777 == 0o700
+
+
+def test_an_existing_directory_of_ours_open_to_others_is_closed(default_root: Path) -> None:
+    default_root.mkdir()
+    default_root.chmod(0o777)
+    assert rx.status_dir() == default_root
+    assert default_root.stat().st_mode & 0o777 == 0o700
+
+
+def test_a_symlink_in_its_place_is_refused(default_root: Path, tmp_path: Path) -> None:
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir(mode=0o700)
+    default_root.symlink_to(elsewhere)
+    assert _refusal() == (
+        f"DDMA status directory {default_root} is a symlink: refused (remove it, or set "
+        f"{rx.STATUS_DIR_ENV} to a directory of your own)"
+    )
+
+
+def test_another_users_directory_is_refused(
+    default_root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another user created /tmp/ddma-<our uid> first, 0777 (here: we pretend to be uid
+    ``them + 1``, since a test cannot chown)."""
+    them = os.getuid()
+    monkeypatch.setattr(os, "getuid", lambda: them + 1)
+    squatted = tmp_path / f"ddma-{them + 1}"
+    squatted.mkdir()
+    squatted.chmod(0o777)
+    assert _refusal().startswith(
+        f"DDMA status directory {squatted} belongs to uid {them}, not to this user ({them + 1})"
+    )
+    assert squatted.stat().st_mode & 0o777 == 0o777  # not touched
+
+
+def test_a_file_or_a_symlinked_env_directory_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    rx.status_dir.cache_clear()
+    (tmp_path / "afile").write_text("")
+    monkeypatch.setenv(rx.STATUS_DIR_ENV, str(tmp_path / "afile"))
+    assert "afile is not a directory: refused" in _refusal()
+    (tmp_path / "real").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "real")
+    monkeypatch.setenv(rx.STATUS_DIR_ENV, str(tmp_path / "link"))
+    assert "link is a symlink: refused" in _refusal()
+    # A symlink among its parents is the site's layout, not a swap: followed.
+    monkeypatch.setenv(rx.STATUS_DIR_ENV, str(tmp_path / "link" / "status"))
+    assert rx.status_dir() == tmp_path / "real" / "status"
+    rx.status_dir.cache_clear()

@@ -102,8 +102,8 @@ def test_the_stream_reports_generation_and_reward_time_per_batch():
 class _SilentClient(_InstantClient):
     """Accepts every request and never answers it."""
 
-    def submit(self, prompt_ids, sampling, group=None, segment_tokens=None):
-        out = super().submit(prompt_ids, sampling, group, segment_tokens)
+    def submit(self, prompt_ids, sampling, group=None, segment_tokens=None, rid_prefix=""):
+        out = super().submit(prompt_ids, sampling, group, segment_tokens, rid_prefix)
         silent = []
         for f in out:
             g: Future = Future()

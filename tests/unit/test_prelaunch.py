@@ -2,12 +2,14 @@
 context checks of rl/tasks/checks.py: each bad input is one ConfigError naming field and value.
 
 The checkpoints here are built by hand in the torch_dist layout (a pickled index whose
-classes only have to carry the same fields, a zip holding ``data.pkl``), so no torch
-is needed; tests/multiproc/test_prelaunch_cli.py runs the checks on checkpoints torch wrote.
+classes only have to carry the same fields and names, a zip holding ``data.pkl``), so no
+torch is needed; tests/multiproc/test_prelaunch_cli.py runs the checks on checkpoints
+torch wrote.
 """
 
 from __future__ import annotations
 
+import io
 import json
 import pickle
 import zipfile
@@ -26,6 +28,7 @@ from rl.config.prelaunch import (
 )
 from rl.tasks.checks import check_context
 from tests.helpers.configs import composed
+from tests.unit.test_dcp_metadata import exec_prefix
 
 
 def tiny() -> dict:
@@ -54,6 +57,32 @@ class Metadata:
     storage_data: dict = field(default_factory=dict)
 
 
+_DCP = "torch.distributed.checkpoint."
+# The names torch pickles its classes under: the index may name only those.
+TORCH_NAMES = {MetadataIndex: _DCP + "metadata\nMetadataIndex",
+               _StorageInfo: _DCP + "filesystem\n_StorageInfo",
+               Metadata: _DCP + "metadata\nMetadata"}  # fmt: skip
+
+
+class _AsTorch(pickle._Pickler):  # type: ignore[name-defined]  # the pure-Python pickler
+    """Writes the stand-ins under torch's names (the C pickler checks that a class is
+    importable by the name it writes)."""
+
+    def save_global(self, obj: object, name: str | None = None) -> None:
+        if obj in TORCH_NAMES:
+            self.write(pickle.GLOBAL + TORCH_NAMES[obj].encode() + b"\n")
+            self.memoize(obj)
+        else:
+            super().save_global(obj, name)
+
+
+def index_bytes(md: Metadata) -> bytes:
+    """``md`` pickled as torch pickles its ``Metadata`` (protocol 2: no frames)."""
+    buf = io.BytesIO()
+    _AsTorch(buf, protocol=2).dump(md)
+    return buf.getvalue()
+
+
 def make_checkpoint(path: Path, shards: dict[str, int], model: dict | None = None) -> Path:
     """A torch_dist directory whose shards hold ``shards`` bytes each, in two chunks."""
     path.mkdir(parents=True)
@@ -64,7 +93,7 @@ def make_checkpoint(path: Path, shards: dict[str, int], model: dict | None = Non
         storage[MetadataIndex(f"{name}/a")] = _StorageInfo(name, 0, half)
         storage[MetadataIndex(f"{name}/b")] = _StorageInfo(name, half, size - half)
         (path / name).write_bytes(b"\0" * size)
-    (path / ".metadata").write_bytes(pickle.dumps(Metadata(storage)))
+    (path / ".metadata").write_bytes(index_bytes(Metadata(storage)))
     common = {"format_version": 1, "model_config": model or tiny()}
     with zipfile.ZipFile(path / "common.pt", "w") as z:
         z.writestr("common/data.pkl", pickle.dumps(common))
@@ -151,7 +180,7 @@ def test_a_checkpoint_of_another_model_is_refused(ckpt: Path) -> None:
 
 
 def test_the_index_is_read_without_running_its_code(tmp_path: Path) -> None:
-    """A pickle that names os.system gets a stand-in, never the function."""
+    """A pickle that names os.system is refused by name, never called."""
     path = make_checkpoint(tmp_path / "c", {"__0_0.distcp": 10})
 
     class Evil:
@@ -161,8 +190,26 @@ def test_the_index_is_read_without_running_its_code(tmp_path: Path) -> None:
             return (os.system, ("touch " + str(tmp_path / "pwned"),))
 
     (path / ".metadata").write_bytes(pickle.dumps(Evil()))
-    assert "is unreadable" in (ckpt_check.problem(path) or "")
+    assert ckpt_check.problem(path) == (
+        f"cannot be loaded: {path / '.metadata'}: refused: it would load posix.system, "
+        "not checkpoint metadata"
+    )
     assert not (tmp_path / "pwned").exists()
+
+
+def test_an_index_prefixed_with_code_is_refused_in_one_line(tmp_path: Path) -> None:
+    """``exec(payload)``, its result popped, then a complete, valid index. The
+    stand-ins ran nothing, but the check passed it and every trainer rank then ran it."""
+    path = make_checkpoint(tmp_path / "c", {"__0_0.distcp": 10})
+    marker = tmp_path / "pwned"
+    index = path / ".metadata"
+    index.write_bytes(exec_prefix(marker, proto=2) + index.read_bytes()[2:])
+    msg = _message(check_checkpoint, str(path), "trainer.load_dir")
+    assert msg == (
+        f"trainer.load_dir={str(path)!r} cannot be loaded: {path / '.metadata'}: refused: "
+        "it would load builtins.exec, not checkpoint metadata"
+    )
+    assert not marker.exists()
 
 
 # ------------------------------------------------------------------- output and models

@@ -17,7 +17,7 @@ from rl.controller import rollout_state
 from rl.controller.rollout_state import RolloutStateError
 from rl.controller.rollouts import Group, RolloutStream, StreamState
 from rl.controller.staleness import StalenessGate
-from rl.generator.types import Rollout
+from rl.generator.types import Rollout, new_rid
 from rl.tasks.common import Example
 from rl.tasks.scoring import ScoreResult
 
@@ -32,8 +32,9 @@ class _ScriptedClient:
         self.futures: dict[str, Future] = {}  # rid -> its running segment
         self.sent: list[Rollout] = []
 
-    def submit(self, prompt_ids, sampling, group=None, segment_tokens=None):
-        rs = [Rollout(list(prompt_ids), sampling, i, group) for i in range(sampling.n)]
+    def submit(self, prompt_ids, sampling, group=None, segment_tokens=None, rid_prefix=""):
+        rs = [Rollout(list(prompt_ids), sampling, i, group, rid=new_rid(rid_prefix))
+              for i in range(sampling.n)]  # fmt: skip
         return self.resume_many(rs, segment_tokens)
 
     def resume_many(self, rollouts, segment_tokens=None):

@@ -138,6 +138,24 @@ def _leave(code: int, message: str | None = None) -> NoReturn:
     os._exit(code)
 
 
+def check_overrides(argv: list[str]) -> None:
+    """Exit with one line on an override or config group Hydra cannot compose (its own
+    report takes 6-20 lines). Hydra's flags (``--help``, ``--cfg``, ``-m``) and ``hydra.*``
+    overrides are left to Hydra."""
+    if any(a.startswith("-") for a in argv):
+        return
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    from rl.config import compose, composition_error
+
+    try:
+        compose([a for a in argv if not a.lstrip("+~").startswith("hydra.")])
+    except (HydraException, OmegaConfBaseException) as e:
+        sys.exit(f"config error: {composition_error(e)}")
+
+
 if __name__ == "__main__":
     register()
+    check_overrides(sys.argv[1:])
     main()

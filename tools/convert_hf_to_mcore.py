@@ -73,6 +73,7 @@ def main(argv: list[str] | None = None) -> int:
 
     quiet_known_warnings()  # before Megatron is imported: some of its warnings fire then
     from rl.config.errors import ConfigError
+    from rl.config.prelaunch import check_output_dir
     from rl.weights.convert import hf_to_mcore, hf_to_mcore_rank, prepare_hf_to_mcore
     from rl.weights.hf_config import HFConfigError
     from rl.weights.hf_io import HFCheckpointError
@@ -81,6 +82,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if out.exists() and not args.force:
             raise FileExistsError(f"--out {str(out)!r} exists (pass --force to replace it)")
+        # Written beside its final name, then renamed: the parent must take files, which
+        # is checked before any rank starts or any shard is written.
+        check_output_dir(str(out.parent), f"--out {str(out)!r}: its parent")
         if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
             from rl.runtime.launch import setup_rank
 

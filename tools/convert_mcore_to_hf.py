@@ -69,6 +69,8 @@ def main(argv: list[str] | None = None) -> int:
     from rl.runtime.launch import quiet_known_warnings
 
     quiet_known_warnings()  # before Megatron is imported: some of its warnings fire then
+    from rl.config.errors import ConfigError
+    from rl.config.prelaunch import check_output_dir
     from rl.weights.convert import mcore_to_hf
     from rl.weights.dist_ckpt import CheckpointError
     from rl.weights.hf_config import HFConfigError
@@ -78,8 +80,11 @@ def main(argv: list[str] | None = None) -> int:
         max_bytes = parse_size(args.max_shard_size)
         if out.exists() and not args.force:
             raise FileExistsError(f"--out {str(out)!r} exists (pass --force to replace it)")
+        # Written beside its final name, then renamed: the parent must take files, which
+        # is checked before any rank starts or any shard is written.
+        check_output_dir(str(out.parent), f"--out {str(out)!r}: its parent")
         s = mcore_to_hf(args.ckpt, str(out), args.arch, args.dtype, max_bytes, args.tokenizer_dir)
-    except (CheckpointError, HFConfigError, FileExistsError, FileNotFoundError,
+    except (CheckpointError, ConfigError, HFConfigError, FileExistsError, FileNotFoundError,
             argparse.ArgumentTypeError) as e:  # fmt: skip
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -34,10 +34,10 @@ if TYPE_CHECKING:
 WEIGHT_GLOBS = ("*.safetensors", "*.bin")  # what SGLang loads a model directory from
 
 
-def check_output_dir(path: str) -> None:
-    """``run.output_dir`` must be a directory this process can create files in: it is
-    created here (as Hydra would) and a file is written and removed."""
-    field = f"run.output_dir={path!r}"
+def check_output_dir(path: str, field: str | None = None) -> None:
+    """``run.output_dir`` (or what ``field`` names) must be a directory this process can
+    create files in: it is created here (as Hydra would) and a file is written and removed."""
+    field = field or f"run.output_dir={path!r}"
     p = Path(path)
     require(not p.exists() or p.is_dir(), f"{field} is a file, not a directory")
     try:

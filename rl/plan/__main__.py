@@ -32,7 +32,8 @@ def main(argv: list[str]) -> int:
     overrides = [a for a in argv if a not in OPTIONS]
     bad = [a for a in overrides if a.startswith("--")]
     if bad:
-        print(f"unknown option {bad[0]} (options: {', '.join(OPTIONS)})\n{USAGE}", file=sys.stderr)
+        opts = ", ".join((*OPTIONS, "--help"))
+        print(f"unknown option {bad[0]} (options: {opts})", file=sys.stderr)
         return 2
 
     from omegaconf.errors import OmegaConfBaseException

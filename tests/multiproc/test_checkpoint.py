@@ -52,8 +52,9 @@ def test_missing_and_corrupt_checkpoints_fail_clearly(tmp_path):
 
 
 def test_a_checkpoint_index_that_would_run_code_is_refused_by_every_reader(tmp_path):
-    """A checkpoint the trainer wrote loads back through the restricted reader of
-    its index (rl/weights/dcp_guard.py, applied by the trainer's load). Prefixed with a
+    """A checkpoint the trainer wrote is read through the restricted reader of its index
+    (rl/weights/dcp_guard.py; the trainer's load applies it too, so every test here that
+    resumes from a checkpoint loads through it). Prefixed with a
     pickled ``exec``, that index is refused, naming the file, by the launcher's check, by
     dist_ckpt's check, by Megatron's own reader and by the converters' reader; the payload
     never runs."""
@@ -71,9 +72,7 @@ def test_a_checkpoint_index_that_would_run_code_is_refused_by_every_reader(tmp_p
     from tests.unit.test_dcp_metadata import exec_prefix
 
     ckpt = tmp_path / "ckpt"
-    src = spawn(run_layout, 1, _layout(1, 1), random_batches(1), None, None, False, str(ckpt))
-    dst = spawn(run_layout, 1, _layout(1, 1), [], None, str(ckpt))[0]
-    torch.testing.assert_close(dst["logprobs"][0], src[0]["logprobs"][-1], atol=1e-6, rtol=0)
+    spawn(run_layout, 1, _layout(1, 1), random_batches(1), None, None, False, str(ckpt))
     check(ckpt)
     assert dcp_guard.applied()  # check() put the restricted reader in place
     assert "embedding.word_embeddings.weight" in checkpoint_tensors(str(ckpt))

@@ -36,6 +36,14 @@ def test_cli_errors_are_one_line_and_leave_no_output(tmp_path, llama, capsys):
     out.mkdir()
     assert convert_hf_to_mcore.main(["--hf-dir", str(llama), "--out", str(out)]) == 2
     assert "exists (pass --force" in capsys.readouterr().err
+    # An output under a file: refused in one line before a rank starts or a shard is written.
+    (tmp_path / "a_file").write_text("")
+    under = tmp_path / "a_file" / "out"
+    for tool, args in ((convert_hf_to_mcore, ["--hf-dir", str(llama)]),
+                       (convert_mcore_to_hf, ["--ckpt", str(llama)])):  # fmt: skip
+        assert tool.main([*args, "--out", str(under)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith(f"error: --out {str(under)!r}: its parent") and "\n" not in err, err
 
 
 @pytest.mark.parametrize("tool", [convert_hf_to_mcore, convert_mcore_to_hf])

@@ -56,3 +56,11 @@ def test_planner_imports_no_torch() -> None:
     out = _run("-c", code)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+def test_an_unknown_option_is_one_line(capsys) -> None:
+    from rl.plan.__main__ import main
+
+    assert main(["--bogus", "experiment=llama3_8b_256gpu"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("unknown option --bogus (options: --json") and "\n" not in err, err

@@ -163,3 +163,15 @@ def test_a_shard_damaged_after_launch_is_named_by_the_load(tmp_path, tiny_model,
     assert str(e.value) == (
         f"checkpoint {str(ckpt)!r} shard {str(shard)!r} is truncated: 10 of {size} bytes"
     )
+
+
+@pytest.mark.parametrize(
+    ("override", "said"),
+    [
+        ("trainer.bogus=1", "Could not override 'trainer.bogus'."),
+        ("experiment=nope", "In 'config': Could not find 'experiment/nope'"),
+    ],
+)
+def test_an_override_hydra_cannot_compose_is_one_line(tmp_path: Path, override, said) -> None:
+    line = _fails_before_launch(tmp_path / "run", override)
+    assert line.startswith(f"config error: {said}"), line

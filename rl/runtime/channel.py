@@ -10,21 +10,24 @@ A channel declares the message types it carries; ``put`` and ``get`` both check 
 protocol slip fails where it happens with both type names. Any executor that raises sends
 :class:`Failed` on its reply channel, and ``get`` raises it as :class:`RemoteError` with
 the remote traceback, so the controller never waits out a timeout for a dead peer.
-The libuv store refuses values over 8 MB: larger messages go as chunks under their own
-keys, with only a small descriptor in the queue (several writers may share a queue).
+The libuv store refuses values over 8 MB: larger messages (up to ``MAX_BYTES``) go as
+chunks under their own keys, with only a small signed descriptor in the queue (several
+writers may share a queue), which names the chunks, their size and their digest.
 
 The store listens on every interface, so what ``get`` pops is untrusted until checked.
 Messages are encoded by :mod:`rl.runtime.codec` (a schema codec: decoding never runs code
 the bytes name) and carry an HMAC-SHA256 tag under the job's key
 (:mod:`rl.runtime.secret`) over the channel's name, the writer's id and sequence number and
-the whole (reassembled) message: a message cannot be forged, moved to another channel,
-nor replayed on its own. A message that fails any check is dropped, counted
-(:attr:`Channel.rejected`, :func:`rejected_total`) and logged in one line, and ``get``
-goes on waiting for the next one.
+the message (a chunked one: its descriptor, checked before any chunk is fetched): a
+message cannot be forged, moved to another channel, nor replayed on its own. A message
+that fails any check is dropped, counted (:attr:`Channel.rejected`,
+:func:`rejected_total`) and logged in one line, and ``get`` goes on waiting for the next
+one.
 """
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import json
 import logging
@@ -48,7 +51,9 @@ M = TypeVar("M")
 _INLINE, _BLOB = b"I", b"B"
 _WRITER, _SEQ = 16, 8
 _PREFIX = 1 + secret.TAG_BYTES + _WRITER + _SEQ
-_MAX_CHUNKS = 1 << 12  # 16 GB of chunks: more is not a message of ours
+# The largest message (a trainer batch at the presets' sizes is well under it): a reader
+# never fetches more for one descriptor.
+MAX_BYTES = 1 << 30
 log = logging.getLogger(__name__)
 _rejected_lock = threading.Lock()
 _rejected_total = 0
@@ -132,19 +137,28 @@ class Channel:
             data = codec.encode(msg, self._schema)
         except codec.CodecError as e:
             raise ChannelError(f"channel {self.name!r}: cannot send {e}") from None
+        if len(data) > MAX_BYTES:
+            raise ChannelError(
+                f"channel {self.name!r}: a {type(msg).__name__} of {len(data)} bytes is over "
+                f"the {MAX_BYTES} a message may take"
+            )
         with self._lock:
             seq = next(self._seq)
             stamp = self._writer + seq.to_bytes(_SEQ, "big")
-            head = secret.sign(self._key, self._scope + stamp + data) + stamp
-            if len(data) <= CHUNK:
-                self.store.queue_push(self.name, _INLINE + head + data)
-                return
-            blob = f"{self.name}/blob/{os.getpid()}-{self._writer.hex()}-{seq}"
-            keys = [f"{blob}/{i}" for i in range(0, len(data), CHUNK)]
-            for key, i in zip(keys, range(0, len(data), CHUNK), strict=True):
-                # Store.set takes bytes too (torch's stub says str only).
-                self.store.set(key, data[i : i + CHUNK])  # type: ignore[arg-type]
-            self.store.queue_push(self.name, _BLOB + head + json.dumps(keys).encode())
+            kind, body = _INLINE, data
+            if len(data) > CHUNK:
+                blob = f"{self.name}/blob/{os.getpid()}-{self._writer.hex()}-{seq}"
+                keys = [f"{blob}/{i}" for i in range(0, len(data), CHUNK)]
+                for key, i in zip(keys, range(0, len(data), CHUNK), strict=True):
+                    # Store.set takes bytes too (torch's stub says str only).
+                    self.store.set(key, data[i : i + CHUNK])  # type: ignore[arg-type]
+                # Signed in the message's place, the descriptor carries the chunks' size and
+                # digest: a reader checks it before it fetches anything.
+                kind, body = _BLOB, json.dumps({"keys": keys, "size": len(data),
+                                                "sha256": hashlib.sha256(data).hexdigest()}
+                                               ).encode()  # fmt: skip
+            tag = secret.sign(self._key, self._scope + stamp + body)
+            self.store.queue_push(self.name, kind + tag + stamp + body)
 
     def get(self, timeout: float | None = None) -> object:
         """The next authentic message (blocks up to ``timeout``, default the channel's):
@@ -182,37 +196,45 @@ class Channel:
         kind, tag, stamp, body = raw[:1], raw[1:t], raw[t:_PREFIX], raw[_PREFIX:]
         if len(raw) < _PREFIX or kind not in (_INLINE, _BLOB):
             raise _Rejected(f"{len(raw)}-byte value of kind {kind!r} is not a channel message")
-        data = body if kind == _INLINE else self._chunks(body)
-        if not secret.verify(self._key, self._scope + stamp + data, tag):
+        # Inline, the tag covers the message; chunked, the descriptor (with the chunks'
+        # size and digest), so nothing is fetched for a value not signed by the job.
+        if not secret.verify(self._key, self._scope + stamp + body, tag):
             raise _Rejected("bad tag (not signed with the job's key for this channel)")
         writer, seq = stamp[:_WRITER], int.from_bytes(stamp[_WRITER:], "big")
         if seq <= self._last.get(writer, 0):
             raise _Rejected(f"replayed message (writer {writer.hex()[:8]} sequence {seq})")
         self._last[writer] = seq
+        data = body if kind == _INLINE else self._chunks(body)
         try:
             return codec.decode(data, self._schema)
         except codec.CodecError as e:
             raise _Rejected(f"undecodable: {e}") from None
 
     def _chunks(self, body: bytes) -> bytes:
-        """A chunked message, reassembled from the keys its descriptor lists (which must be
-        this channel's chunk keys, all present: a forged list must not block the reader)."""
+        """A chunked message, reassembled from the keys its (authentic) descriptor lists,
+        which must be this channel's chunk keys, all present, adding up to its size and
+        digest."""
         try:
-            keys = json.loads(body)
-        except ValueError:
-            raise _Rejected("chunk descriptor is not JSON") from None
+            desc = json.loads(body)
+            keys, size, digest = desc["keys"], desc["size"], desc["sha256"]
+        except (ValueError, TypeError, KeyError):
+            raise _Rejected("chunk descriptor is not one of ours") from None
         prefix = f"{self.name}/blob/"
         if not (
-            isinstance(keys, list)
-            and 0 < len(keys) <= _MAX_CHUNKS
+            isinstance(size, int)
+            and 0 < size <= MAX_BYTES
+            and isinstance(keys, list)
+            and len(keys) == -(-size // CHUNK)
             and all(isinstance(k, str) and k.startswith(prefix) for k in keys)
         ):
-            raise _Rejected(f"chunk descriptor is not a list of {prefix}* keys")
+            raise _Rejected(f"chunk descriptor is not {prefix}* keys of at most {MAX_BYTES} bytes")
         if not self.store.check(keys):
             raise _Rejected("chunk descriptor names keys that do not exist")
         data = b"".join(self.store.multi_get(keys))
         for key in keys:
             self.store.delete_key(key)
+        if len(data) != size or hashlib.sha256(data).hexdigest() != digest:
+            raise _Rejected("chunks do not match their descriptor's size and digest")
         return data
 
     def _reject(self, why: str) -> None:

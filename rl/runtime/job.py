@@ -12,6 +12,7 @@ controller only through :class:`~rl.runtime.channel.Channel` queues.
 from __future__ import annotations
 
 import os
+import socket
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -83,6 +84,22 @@ def placed_rank(roles: RoleMap, env: Mapping[str, str], rank: int) -> int:
     return per_node[node][local]
 
 
+def job_store(rank: int, world: int, timeout: timedelta) -> Store:
+    """The job's store, from the launcher's ``env://`` variables. Rank 0 hosts it on a
+    socket it binds to ``MASTER_ADDR`` itself (127.0.0.1 under our spawner, the node's
+    address under a multi-node launcher): given only a host, torch's TCPStore listens on
+    every interface. Under torchrun the store is torchrun's agent store, which rank 0 does
+    not host."""
+    import torch.distributed as dist
+
+    if rank != 0 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        return next(dist.rendezvous("env://", timeout=timeout))[0]
+    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    sock = socket.create_server((host, port), backlog=1024)
+    # The store owns the descriptor from here: detached, Python never closes it.
+    return dist.TCPStore(host, port, world, True, timeout, master_listen_fd=sock.detach())
+
+
 def join(cfg: RootConfig, device: str = "cpu") -> Job:
     """Join the job as the rank the launcher says this process is (RANK, WORLD_SIZE)."""
     import torch
@@ -96,7 +113,7 @@ def join(cfg: RootConfig, device: str = "cpu") -> Job:
     roles.check_world(world)
     role, role_rank = roles.role_of(placed_rank(roles, os.environ, rank))
     timeout = float(cfg.rl.channel_timeout)
-    store, _, _ = next(dist.rendezvous("env://", timeout=timedelta(seconds=timeout)))
+    store = job_store(rank, world, timedelta(seconds=timeout))
     # The trainer is the one executor with heavy collectives: NCCL on GPUs.
     backend = "nccl" if (role == "trainer" and device == "cuda") else "gloo"
     if backend == "nccl":  # trainer ranks fill their nodes' GPUs in order (rl/plan)

@@ -30,6 +30,13 @@ def role_rank(cfg, fail_rank: int | None = None) -> dict:
     job = join(cfg)
     try:
         if job.role == "controller":
+            import os
+
+            import psutil
+
+            port = int(os.environ["MASTER_PORT"])  # the job's store, which this rank hosts
+            listens = [c.laddr.ip for c in psutil.Process().net_connections(kind="tcp")
+                       if c.status == psutil.CONN_LISTEN and c.laddr.port == port]  # fmt: skip
             n = job.role_size("trainer")
             outs = [job.channel(f"t/in/{r}", Ping) for r in range(n)]
             back = job.channel("t/out", Pong)
@@ -52,6 +59,7 @@ def role_rank(cfg, fail_rank: int | None = None) -> dict:
                 timed_out = str(e)
             return {
                 "got": got,
+                "store_listens": listens,
                 "wrong_type": wrong_type,
                 "remote": remote,
                 "timed_out": timed_out,

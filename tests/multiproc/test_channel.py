@@ -42,6 +42,7 @@ def test_roles_get_their_own_groups_and_channels_carry_big_messages(cfg):
     assert out[1]["sum"] == out[2]["sum"] == pytest.approx(want)
     assert "carries Ping, not Pong" in ctrl["wrong_type"]
     assert "within 1s" in ctrl["timed_out"]
+    assert ctrl["store_listens"] == ["127.0.0.1"]  # the job's store: loopback, not every interface
 
 
 def test_a_failed_executor_is_reported_with_its_traceback(cfg):
@@ -82,7 +83,7 @@ def test_wait_outlasts_the_channel_timeout_where_get_gives_up(key):
 # Run by a process outside the job: it reaches the store's port but holds no key.
 OUTSIDER = textwrap.dedent(
     """
-    import io, secrets, sys
+    import io, json, secrets, sys
     from datetime import timedelta
 
     import torch
@@ -103,14 +104,22 @@ OUTSIDER = textwrap.dedent(
     store.queue_push(name, b"I" + buf.getvalue())
     forged = codec.encode(Pong(66, 6.0, 6), (Pong,))  # well formed, but no valid tag
     store.queue_push(name, b"I" + secrets.token_bytes(32 + 24) + forged)
+    # 8 MB of chunks under the channel's keys, and a descriptor naming them: unsigned, so
+    # the reader must not fetch (nor delete) them.
+    keys = [f"{name}/blob/outsider/{i}" for i in range(2)]
+    for k in keys:
+        store.set(k, bytes(4 << 20))
+    desc = json.dumps({"keys": keys, "size": 8 << 20, "sha256": "0" * 64}).encode()
+    store.queue_push(name, b"B" + secrets.token_bytes(32 + 24) + desc)
     """
 )
 
 
 def test_a_process_outside_the_job_cannot_make_a_reader_act(key, tmp_path):
-    """An outsider pushes the old exploit (a pickle that creates a file) and a forged
-    message onto a reader's queue; the reader drops both, counted, runs nothing, and gets
-    the legitimate message that follows."""
+    """An outsider pushes the old exploit (a pickle that creates a file), a forged message
+    and a forged chunked one onto a reader's queue; the reader drops all three, counted,
+    runs nothing, fetches none of the forged chunks, and gets the legitimate message that
+    follows."""
     from datetime import timedelta
 
     import torch.distributed as dist
@@ -131,7 +140,8 @@ def test_a_process_outside_the_job_cannot_make_a_reader_act(key, tmp_path):
     Channel(store, "victim/in", (Pong,), timeout=30, key=key).put(Pong(1, 2.0, 3))
     assert reader.get() == Pong(1, 2.0, 3)
     assert not target.exists()
-    assert reader.rejected == 2 and rejected_total() - before == 2
+    assert reader.rejected == 3 and rejected_total() - before == 3
+    assert store.check([f"victim/in/blob/outsider/{i}" for i in range(2)])  # never fetched
 
 
 class _StoreJob:

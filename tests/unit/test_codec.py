@@ -14,6 +14,7 @@ import decimal
 import json
 import logging
 import math
+import os
 import pickle
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -360,7 +361,7 @@ def test_get_keeps_its_deadline_through_bad_messages(store):
     assert reader.rejected == 3
 
 
-def test_chunked_messages_failures_and_type_checks_still_work(store):
+def test_chunked_messages_failures_and_type_checks_still_work(store, caplog):
     reader = Channel(store, "big", (trn.Train,), 5, KEY)
     writer = Channel(store, "big", (trn.Train,), 5, KEY)
     big = torch.arange(1_500_000, dtype=torch.float32)  # 6 MB: two chunks
@@ -379,3 +380,21 @@ def test_chunked_messages_failures_and_type_checks_still_work(store):
     with pytest.raises(ChannelTimeout):
         reader.get(timeout=0.3)  # a forged descriptor does not block the reader
     assert reader.rejected == 2
+    # Signed, but a chunk changed after it was written: dropped once fetched.
+    fresh = Channel(store, "big", (trn.Train,), 5, KEY)  # its first message: sequence 1
+    fresh.put(trn.Train(2, TrainBatch(big.view(1, -1))))
+    chunk0 = f"big/blob/{os.getpid()}-{fresh._writer.hex()}-1/0"
+    store.set(chunk0, bytes(len(store.get(chunk0))))
+    with pytest.raises(ChannelTimeout):
+        reader.get(timeout=0.3)
+    assert reader.rejected == 3
+    assert "chunks do not match their descriptor's size and digest" in caplog.text
+
+
+def test_a_message_over_the_limit_is_refused_by_its_writer(store, monkeypatch):
+    import rl.runtime.channel as channel
+
+    monkeypatch.setattr(channel, "MAX_BYTES", 5 << 20)
+    writer = Channel(store, "huge", (trn.Train,), 5, KEY)
+    with pytest.raises(ChannelError, match=r"'huge': a Train of \d+ bytes is over the 5242880"):
+        writer.put(trn.Train(1, TrainBatch(torch.zeros(1, 1_500_000))))

@@ -10,7 +10,9 @@ bound (or a slow generator) requires it.
 Dynamic sampling: ``drop_uniform(group)`` tells a scored group that carries no advantage
 signal (rewards all equal after the overlong rule: every sample right, every one wrong, or
 every one cut by length); it is skipped, counted and replaced by a new group, so a batch
-holds only groups that teach something.
+holds only groups that teach something. A run of such groups with no group kept between
+them is said once at ``UNIFORM_WARN`` (with why and what to change) and ends the run at
+``UNIFORM_FAIL``: a task whose every group is uniform would otherwise resample forever.
 
 Partial rollouts: with ``segment_tokens`` a response is cut after that many new tokens
 and parked; it resumes (prompt + tokens so far) once a newer policy version is committed,
@@ -34,6 +36,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, cast
 
+from rl.config.errors import ConfigError
 from rl.config.sampling import SamplingParams
 from rl.controller.staleness import StalenessGate
 from rl.generator.types import Rollout
@@ -81,6 +84,27 @@ class StreamState:
     groups: list[Group]  # drawn, not trained on; the scored queue first, in its order
 
 
+# Uniform groups in a row (none kept between them) before a warning, and before the stream
+# gives up: a real task yields a group with signal long before either.
+UNIFORM_WARN = 64
+UNIFORM_FAIL = 1024
+
+
+class UniformStall(ConfigError):
+    """Dynamic sampling found no group with signal in ``UNIFORM_FAIL`` tries in a row."""
+
+
+def _why_uniform(g: Group) -> str:
+    """What the last uniform group looked like, and what to change."""
+    cap = g.rollouts[0].sampling.max_new_tokens if g.rollouts else 0
+    if g.rollouts and all(r.finish_reason == "length" for r in g.rollouts):
+        seen = f"every response was cut at rollout.sampling.max_new_tokens={cap}"
+    else:
+        seen = f"every sample scored {g.rewards[0] if g.rewards else '?'}"
+    return (f"{seen}; raise max_new_tokens if responses are cut, change the task's "
+            "difficulty, or set algorithm.drop_uniform_groups=false")  # fmt: skip
+
+
 class RolloutStream:
     def __init__(
         self,
@@ -107,6 +131,8 @@ class RolloutStream:
         self.started = self.consumed = self.drawn = 0
         self._ids = itertools.count()
         self._rid_prefix = ""  # a resumed attempt's: its ids never repeat an earlier one's
+        self._uniform_run = 0  # uniform groups since the last group kept
+        self.uniform_warn, self.uniform_fail = UNIFORM_WARN, UNIFORM_FAIL
         self._gen: dict[cf.Future, tuple[Group, int]] = {}  # segment -> (group, tokens before)
         self._scoring: dict[cf.Future, Group] = {}
         self._parked: list[tuple[Group, Rollout]] = []
@@ -251,6 +277,15 @@ class RolloutStream:
                               "resume_dropped_groups": float(dropped)}  # fmt: skip
         return dict(self._restored)
 
+    def _uniform_in_a_row(self, group: Group) -> None:
+        self._uniform_run += 1
+        n = self._uniform_run
+        if n >= self.uniform_fail:
+            raise UniformStall(f"{n} groups in a row carried no signal: {_why_uniform(group)}")
+        if n == self.uniform_warn:
+            print(f"[rollouts] warning: {n} groups in a row carried no signal, none trained "
+                  f"on ({_why_uniform(group)})", flush=True)  # fmt: skip
+
     def close(self) -> None:
         with self._cv:
             self._closed = True
@@ -291,7 +326,9 @@ class RolloutStream:
                             if self.drop_uniform is not None and self.drop_uniform(group):
                                 self.consumed += 1
                                 self.gate.skip()
+                                self._uniform_in_a_row(group)
                                 continue
+                            self._uniform_run = 0
                             self._ready.append(group)
                             self._cv.notify_all()
         except BaseException as e:

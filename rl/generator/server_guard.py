@@ -13,7 +13,10 @@ leave a detokenizer running with PPID 1. So the launcher runs this guard, which:
 * when SGLang exits on its own (a crash, or a kill by someone else), SIGKILLs what is left
   of the group and exits with SGLang's status (re-raising a fatal signal), so the launcher
   sees the same exit code as if it had run SGLang directly;
-* gives SGLang a parent-death SIGTERM as well, in case the guard itself is SIGKILLed.
+* gives SGLang a parent-death SIGTERM as well, in case the guard itself is SIGKILLed;
+* removes the POSIX shared-memory names SGLang's processes had open (``/dev/shm``: its
+  load-snapshot file, multiprocessing's semaphores) once they are all gone: SGLang unlinks
+  none of them when it is stopped by a signal, so every start left them behind.
 
 Run by file path and standard library only, so it starts in milliseconds and does not
 depend on PYTHONPATH or on this package being importable.
@@ -31,6 +34,11 @@ import sys
 import time
 
 PR_SET_PDEATHSIG = 1
+SHM = "/dev/shm/"
+# What SGLang's processes create there and leave on a signal: the scheduler's load
+# snapshot (sglang/srt/managers/load_snapshot.py) and multiprocessing's named semaphores.
+OWNED = ("sglang_loads_", "sem.mp-")
+SHM_SCAN_S = 2.0  # how often the server's mappings are read while it runs
 
 
 def _pdeathsig(sig: int) -> None:
@@ -54,6 +62,28 @@ def _group_members(pgid: int) -> list[int]:
         if len(fields) > 2 and int(fields[2]) == pgid and fields[0] != "Z":
             out.append(int(entry))
     return out
+
+
+def _shm_names(pids: list[int]) -> set[str]:
+    """The ``/dev/shm`` names of :data:`OWNED` kinds that ``pids`` have mapped."""
+    out = set()
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/maps") as f:
+                for line in f:
+                    i = line.find(SHM)
+                    path = line[i:].rstrip("\n") if i >= 0 else ""
+                    if path.startswith(tuple(SHM + o for o in OWNED)) and " " not in path:
+                        out.add(path)  # (a name already unlinked reads "... (deleted)")
+        except OSError:
+            continue
+    return out
+
+
+def _unlink(paths: set[str]) -> None:
+    for path in paths:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
 
 
 def _sweep() -> None:
@@ -89,13 +119,20 @@ def main(argv: list[str]) -> int:
     child = subprocess.Popen(cmd, preexec_fn=lambda: _pdeathsig(signal.SIGTERM))
     if stop_at:  # a stop arrived while the child was being created
         child.send_signal(signal.SIGTERM)
+    shm: set[str] = set()
+    scanned = 0.0
     while child.poll() is None:
         if stop_at and time.monotonic() > stop_at[0]:
             break
+        if time.monotonic() - scanned > SHM_SCAN_S:
+            shm |= _shm_names(_group_members(os.getpgid(0)))
+            scanned = time.monotonic()
         with contextlib.suppress(subprocess.TimeoutExpired):
             child.wait(timeout=0.2)
+    shm |= _shm_names(_group_members(os.getpgid(0)))
     _sweep()
     code = child.wait()
+    _unlink(shm)
     if code < 0:  # died of a signal: die of the same one, so our parent sees it too
         with contextlib.suppress(OSError, ValueError):  # SIGKILL/SIGSTOP have no handler
             signal.signal(-code, signal.SIG_DFL)

@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from rl.config.errors import ConfigError
 from rl.runtime import lifeline, tree
 from rl.runtime.channel import ProtocolError
 from rl.runtime.net import free_port
@@ -151,8 +152,9 @@ def failure_text(
     exc_type: type[BaseException], exc: BaseException | None, tb: TracebackType | None
 ) -> str:
     """How a rank reports an exception: its traceback; one line for a
-    :class:`~rl.runtime.channel.ProtocolError`, whose message is the whole story."""
-    if isinstance(exc, ProtocolError):
+    :class:`~rl.runtime.channel.ProtocolError` or a :class:`~rl.config.errors.ConfigError`
+    (a setting that cannot work, found while running), whose message is the whole story."""
+    if isinstance(exc, (ProtocolError, ConfigError)):
         return f"{exc_type.__name__}: {exc}"
     return "".join(traceback.format_exception(exc_type, exc, tb))
 

@@ -37,10 +37,16 @@ time.sleep(600)
 """
 
 
+def _shm_loads() -> set[str]:
+    """SGLang's load-snapshot files (one per server start) in /dev/shm."""
+    return {n for n in os.listdir("/dev/shm") if n.startswith("sglang_loads_")}
+
+
 def test_no_orphans_after_ctrl_c_or_a_killed_parent(model_dir, tmp_path):
     """A process that owns a server is interrupted (Ctrl-C: atexit stops the server) or
     SIGKILLed (no Python runs: the guard's parent-death signal stops the server); either
-    way no SGLang process survives it."""
+    way no SGLang process survives it, nor the /dev/shm files the servers made."""
+    before = _shm_loads()
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
     owners = {
         how: subprocess.Popen(
@@ -51,12 +57,14 @@ def test_no_orphans_after_ctrl_c_or_a_killed_parent(model_dir, tmp_path):
     }  # fmt: skip
     try:
         servers = {how: int(p.stdout.readline()) for how, p in owners.items()}
+        assert len(_shm_loads() - before) == 2  # one per server, made by its scheduler
         owners["sigint"].send_signal(signal.SIGINT)
         owners["sigkill"].kill()
         for p in owners.values():
             p.wait(timeout=60)
         for pid in servers.values():  # SGLang drains for a few seconds on SIGTERM
             assert_group_gone(pid, timeout=90)
+        assert _shm_loads() - before == set()  # each guard removed its server's
     finally:
         for p in owners.values():
             p.kill()

@@ -248,6 +248,50 @@ def test_uniform_groups_are_skipped_counted_and_replaced():
     assert stats["uniform_skipped_total"] >= 3 and gate.skipped == stats["uniform_skipped_total"]
 
 
+def test_a_stream_of_nothing_but_uniform_groups_warns_then_stops(capsys):
+    """Every response cut by length: every group is uniform, so no batch can fill. The
+    stream says so once, with what to change, then fails instead of resampling forever."""
+    from concurrent.futures import Future
+
+    from rl.config.sampling import SamplingParams
+    from rl.controller.rollouts import RolloutStream, UniformStall
+    from rl.tasks.common import Example
+    from rl.tasks.scoring import ScoreResult
+
+    class _CutClient(_InstantClient):
+        def submit(self, *args, **kwargs):
+            out = super().submit(*args, **kwargs)
+            for f in out:
+                f.rollout.finish_reason = "length"
+            return out
+
+    def score(group):
+        f: Future = Future()
+        f.set_result([ScoreResult(0.0) for _ in range(2)])
+        return f
+
+    prompts = (Example(f"p{i}", (i + 1, 7), "") for i in range(10_000))
+    gate = StalenessGate(max_lag=1, mode="throttle", per_step=2)
+    stream = RolloutStream(_CutClient(), score, lambda: next(prompts),
+                           SamplingParams(n=2, max_new_tokens=8), gate, 1,
+                           drop_uniform=lambda g: len(set(g.rewards)) == 1)  # fmt: skip
+    stream.uniform_warn, stream.uniform_fail = 5, 40
+    stream.start()
+    try:
+        with pytest.raises(UniformStall) as e:
+            stream.next_batch(1)
+    finally:
+        stream.close()
+    said = capsys.readouterr().out
+    assert said.count("groups in a row carried no signal") == 1, said
+    assert "5 groups in a row" in said
+    assert str(e.value).startswith("40 groups in a row carried no signal: every response was "
+                                   "cut at rollout.sampling.max_new_tokens=8; raise")  # fmt: skip
+    from rl.runtime.launch import failure_text  # how the controller rank reports it
+
+    assert failure_text(UniformStall, e.value, e.value.__traceback__) == f"UniformStall: {e.value}"
+
+
 def test_a_resumed_stream_never_reuses_an_earlier_attempts_rollout_ids():
     """Each attempt's process counts ids from 0: a stream resumed at step 3 prefixes its
     new rollouts' ids with the step, so the run's ledger never holds one id twice."""

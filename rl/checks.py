@@ -11,11 +11,18 @@ all. Each raises :class:`~rl.config.ConfigError` with one line.
 
 from __future__ import annotations
 
+import os
+import sys
+from typing import Any
+
 from hydra.errors import HydraException
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
 from rl.algorithms import registry as algorithms
 from rl.config import ConfigError, compose, composition_error
+from rl.config.prelaunch import prelaunch
 from rl.config.schema import RootConfig
 from rl.config.validate import validate
 from rl.ddma import plan, transport
@@ -24,7 +31,8 @@ from rl.tasks import checks as task_checks
 from rl.tasks.checks import check_task
 from rl.weights.hf_model import resolve_model
 
-__all__ = ["check", "check_task", "compose_resolved", "resolve_model"]
+__all__ = ["PrelaunchCheck", "check", "check_job", "check_task", "compose_resolved",
+           "resolve_model"]  # fmt: skip
 
 
 def check(cfg: RootConfig, world_size: int | None = None) -> None:
@@ -54,3 +62,26 @@ def compose_resolved(overrides: list[str]) -> RootConfig:
     except OmegaConfBaseException as e:
         raise ConfigError(str(e)) from None
     return cfg
+
+
+def check_job(cfg: RootConfig, world_size: int | None = None) -> None:
+    """All that rl.train checks before it writes a file or starts a rank: the architecture
+    from model.hf_checkpoint's config.json (filled into ``cfg``), every value, the task's
+    data (read and rendered: bad rows fail here) and the files and directories it names."""
+    resolve_model(cfg)
+    check(cfg, world_size)
+    check_task(cfg)
+    prelaunch(cfg)
+
+
+class PrelaunchCheck(Callback):
+    """:func:`check_job` as a Hydra callback (conf/config.yaml), which Hydra runs before it
+    creates ``run.output_dir`` and its log there: a config that cannot work exits in one
+    line and writes nothing. Under a launcher, each rank checks its world's size."""
+
+    def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
+        launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+        try:
+            check_job(config, int(os.environ["WORLD_SIZE"]) if launched else None)  # type: ignore[arg-type]
+        except ConfigError as e:
+            sys.exit(f"config error: {e}")

@@ -27,9 +27,7 @@ from typing import TYPE_CHECKING, NoReturn
 import hydra
 from omegaconf import OmegaConf
 
-from rl.checks import check, check_task, resolve_model
-from rl.config import ConfigError, register
-from rl.config.prelaunch import prelaunch
+from rl.config import register
 from rl.config.roles import RoleMap
 from rl.runtime.launch import (
     RankFailed,
@@ -93,13 +91,8 @@ def main(cfg: RootConfig) -> None:
     from rl.checkpoints import resume
     from rl.runtime import secret
 
-    try:  # under a launcher, its world must be exactly the role map's
-        resolve_model(cfg)  # model.hf_checkpoint: the architecture from its config.json
-        check(cfg, world_size=int(os.environ["WORLD_SIZE"]) if under_launcher() else None)
-        check_task(cfg)  # reads and renders the data: bad rows fail here
-        prelaunch(cfg)  # the files it names: model dirs, trainer.load_dir, run.output_dir
-    except ConfigError as e:
-        sys.exit(f"config error: {e}")
+    # Checked already (rl.checks.PrelaunchCheck, a Hydra callback run before Hydra wrote
+    # anything): the model resolved, every value, the task's data and the files it names.
     try:  # a restarted job's state, checked before any rank starts
         if cfg.rl.steps > 0:
             resume.read(cfg.run.output_dir, cfg.rl.resume)

@@ -6,9 +6,10 @@ traceback: a server that cannot find its model, a checkpoint shard cut short (a 
 finds them in milliseconds. Every check raises :class:`ConfigError` with one line naming
 the field and its value.
 
-The run directory is special: Hydra creates it (``hydra.run.dir`` is
-``run.output_dir``) before it calls the job's main, so :class:`OutputDirCheck`, a Hydra
-callback registered in conf/config.yaml, checks it first.
+The run directory is special: Hydra creates it (``hydra.run.dir`` is ``run.output_dir``)
+before it calls the job's main, so every check runs earlier, in a Hydra callback
+(rl/checks.py: ``PrelaunchCheck``, registered in conf/config.yaml), and the run directory
+is checked without being created: a config that cannot work writes nothing.
 
 Pure config layer: pathlib, json and rl/config/ckpt_check.py; no torch, Megatron or SGLang.
 """
@@ -17,12 +18,9 @@ from __future__ import annotations
 
 import json
 import os
-import sys
-import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
-from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
 from rl.config import ckpt_check
@@ -36,17 +34,16 @@ WEIGHT_GLOBS = ("*.safetensors", "*.bin")  # what SGLang loads a model directory
 
 def check_output_dir(path: str, field: str | None = None) -> None:
     """``run.output_dir`` (or what ``field`` names) must be a directory this process can
-    create files in: it is created here (as Hydra would) and a file is written and removed."""
+    create files in, or one it can create: checked on it, or on its nearest existing
+    parent, without creating anything."""
     field = field or f"run.output_dir={path!r}"
-    p = Path(path)
+    p = Path(path).absolute()
     require(not p.exists() or p.is_dir(), f"{field} is a file, not a directory")
-    try:
-        p.mkdir(parents=True, exist_ok=True)
-        fd, probe = tempfile.mkstemp(prefix=".msrl_write_check.", dir=p)
-        os.close(fd)
-        os.unlink(probe)
-    except OSError as e:
-        raise ConfigError(f"{field} cannot be written: {e.strerror or e}") from None
+    there = next(q for q in (p, *p.parents) if q.exists())
+    if not there.is_dir():
+        raise ConfigError(f"{field} cannot be written: Not a directory ({there} is a file)")
+    if not os.access(there, os.W_OK | os.X_OK):
+        raise ConfigError(f"{field} cannot be written: {there} is not writable")
 
 
 def check_hf_dir(path: str, field: str) -> dict[str, Any]:
@@ -120,16 +117,3 @@ def prelaunch(cfg: RootConfig) -> None:
         plain = OmegaConf.to_container(cast(DictConfig, cfg.model), resolve=True)
         model = cast("dict[str, Any]", plain)
         check_checkpoint(cfg.trainer.load_dir, "trainer.load_dir", model)
-
-
-class OutputDirCheck(Callback):
-    """Checks ``run.output_dir`` before Hydra creates it and writes its logs there."""
-
-    def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
-        path = OmegaConf.select(config, "run.output_dir")
-        if path is None:
-            return
-        try:
-            check_output_dir(str(path))
-        except ConfigError as e:
-            sys.exit(f"config error: {e}")

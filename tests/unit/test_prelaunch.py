@@ -20,7 +20,6 @@ import pytest
 
 from rl.config import ConfigError, ckpt_check
 from rl.config.prelaunch import (
-    OutputDirCheck,
     check_checkpoint,
     check_hf_dir,
     check_output_dir,
@@ -215,27 +214,34 @@ def test_an_index_prefixed_with_code_is_refused_in_one_line(tmp_path: Path) -> N
 # ------------------------------------------------------------------- output and models
 def test_output_dir_checks(tmp_path: Path) -> None:
     check_output_dir(str(tmp_path / "new" / "run"))
-    assert (tmp_path / "new" / "run").is_dir() and not list((tmp_path / "new" / "run").iterdir())
+    assert not (tmp_path / "new").exists()  # checked, not created
     afile = tmp_path / "afile"
     afile.write_text("")
     assert _message(check_output_dir, str(afile)) == (
         f"run.output_dir={str(afile)!r} is a file, not a directory"
     )
     assert _message(check_output_dir, str(afile / "run")) == (
-        f"run.output_dir={str(afile / 'run')!r} cannot be written: Not a directory"
+        f"run.output_dir={str(afile / 'run')!r} cannot be written: Not a directory ({afile} "
+        "is a file)"
     )
 
 
-def test_the_hydra_callback_exits_in_one_line(tmp_path: Path) -> None:
-    from omegaconf import OmegaConf
+def test_the_hydra_callback_exits_in_one_line_and_writes_nothing(tmp_path: Path) -> None:
+    from rl.checks import PrelaunchCheck
+    from rl.config import compose
 
     afile = tmp_path / "afile"
     afile.write_text("")
-    cfg = OmegaConf.create({"run": {"output_dir": str(afile / "run")}})
+    cfg = compose([f"run.output_dir={afile / 'run'}"])
     with pytest.raises(SystemExit) as e:
-        OutputDirCheck().on_run_start(config=cfg)
+        PrelaunchCheck().on_run_start(config=cfg)
     assert str(e.value.code).startswith("config error: run.output_dir=")
-    OutputDirCheck().on_run_start(config=OmegaConf.create({"run": {"output_dir": str(tmp_path)}}))
+    bad = compose([f"run.output_dir={tmp_path / 'run'}", "trainer.tp=3"])
+    with pytest.raises(SystemExit) as e:
+        PrelaunchCheck().on_run_start(config=bad)
+    assert str(e.value.code).startswith("config error: trainer.tp=3")
+    PrelaunchCheck().on_run_start(config=compose([f"run.output_dir={tmp_path / 'run'}"]))
+    assert list(tmp_path.iterdir()) == [afile]  # nothing written, even when it passes
 
 
 def test_model_dir_checks(tmp_path: Path) -> None:

@@ -55,6 +55,17 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+# The trainer's checks name its config fields; here the user typed flags.
+FLAGS = {"trainer.tp=": "--tp=", "trainer.pp=": "--pp=", "trainer.ep=": "--ep="}
+
+
+def as_flags(message: str) -> str:
+    """``message`` with the trainer fields it names spelled as this tool's flags."""
+    for field, flag in FLAGS.items():
+        message = message.replace(field, flag)
+    return message
+
+
 def bad_count(args: argparse.Namespace) -> str | None:
     """The first numeric flag out of range, named as the user typed it."""
     for flag, low in (("--tp", 1), ("--pp", 1), ("--ep", 1), ("--vocab-multiple", 0)):
@@ -102,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
                 args.hf_dir, str(out), args.tp, args.pp, args.vocab_multiple, args.dtype, args.ep
             )
     except (ConfigError, HFConfigError, HFCheckpointError, FileExistsError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {as_flags(str(e))}", file=sys.stderr)
         return 2
     rss = summary["peak_rss_mb"]
     print(

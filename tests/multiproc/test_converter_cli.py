@@ -27,7 +27,7 @@ def test_cli_errors_are_one_line_and_leave_no_output(tmp_path, llama, capsys):
     out = tmp_path / "out"
     assert convert_hf_to_mcore.main(["--hf-dir", str(llama), "--out", str(out), "--tp", "3"]) == 2
     err = capsys.readouterr().err.strip()
-    assert err.startswith("error: trainer.tp=3 does not divide") and "\n" not in err
+    assert err.startswith("error: --tp=3 does not divide") and "\n" not in err, err
     assert not out.exists() and not (tmp_path / "out.tmp").exists()
     missing = tmp_path / "nothing"
     assert convert_mcore_to_hf.main(["--ckpt", str(missing), "--out", str(out)]) == 2

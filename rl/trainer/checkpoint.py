@@ -41,10 +41,12 @@ def _state(
     scheduler: OptimizerParamScheduler | None,
     state: TrainState | None,
     is_loading: bool,
+    carried: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The sharded state to save or to load into; with ``state`` it includes the
-    optimizer, the scheduler and the train state, otherwise it is weights only."""
-    sd = model_state(model, model_cfg)
+    optimizer, the scheduler and the train state, otherwise it is weights only.
+    ``carried``: common fields kept from the loaded checkpoint (dist_ckpt.HF_FIELDS)."""
+    sd = model_state(model, model_cfg, **(carried or {}))
     if state is not None:
         assert optimizer is not None and scheduler is not None
         # "fully_reshardable": optimizer state stored by global parameter coordinates, so
@@ -89,6 +91,7 @@ def save(
     scheduler: OptimizerParamScheduler | None,
     state: TrainState,
     keep_previous: bool = False,
+    carried: dict[str, Any] | None = None,
 ) -> None:
     """Collective save of the model and, once a step was taken, the training state, to a
     temporary sibling renamed into place once every rank has written (a kill mid-save
@@ -100,7 +103,7 @@ def save(
     # The distributed optimizer gathers its state with .cuda() tensors: build it in scope.
     with cuda_to_cpu():
         saved = state if state.step > 0 else None
-        sd = _state(model, model_cfg, optimizer, scheduler, saved, is_loading=False)
+        sd = _state(model, model_cfg, optimizer, scheduler, saved, False, carried)
     write(sd, path, keep_previous)
 
 

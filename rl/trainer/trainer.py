@@ -14,7 +14,7 @@ import math
 import time
 from collections.abc import Sequence
 from functools import partial
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -27,6 +27,7 @@ from rl.models.parallel import Layout, init_model_parallel
 from rl.models.shapes import padded_vocab_size
 from rl.trainer import checkpoint
 from rl.trainer.checkpoint import TrainState
+from rl.weights.dist_ckpt import hf_fields, read_common
 
 if TYPE_CHECKING:
     from megatron.core.optimizer import MegatronOptimizer
@@ -92,6 +93,7 @@ class MegatronTrainer:
         """``frozen``: forward passes only (a reference policy), no optimizer state."""
         self.mcfg, self.tcfg, self.layout = model_cfg, trainer_cfg, layout
         self.step = 0
+        self.carried: dict[str, Any] = {}  # the loaded checkpoint's HF fields (dist_ckpt)
         self.token_budget: int | None = getattr(trainer_cfg, "max_tokens_per_microbatch", None)
         if self.token_budget is not None:
             if self.token_budget < 1:
@@ -446,7 +448,8 @@ class MegatronTrainer:
         (``keep_previous``: see rl/trainer/checkpoint.py)."""
         module = self.model.module
         opt, sched = self.optimizer, self.scheduler
-        checkpoint.save(path, module, self.mcfg, opt, sched, self.state_dict(), keep_previous)
+        checkpoint.save(path, module, self.mcfg, opt, sched, self.state_dict(), keep_previous,
+                        self.carried)  # fmt: skip
 
     def load(self, path: str, load_optimizer: bool = True) -> None:
         """Load a checkpoint of any TP/PP in place; the optimizer state and step too if
@@ -456,6 +459,8 @@ class MegatronTrainer:
         state = checkpoint.load(path, module, self.mcfg, opt, sched, load_optimizer)
         if state is not None:
             self.load_state_dict(state)
+        # The HF model's token ids and generation config, for every later save's export.
+        self.carried = hf_fields(read_common(path, self.mcfg)) or self.carried
 
 
 def build_trainer(

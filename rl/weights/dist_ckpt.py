@@ -149,6 +149,18 @@ def check_architecture(
         raise CheckpointError(f"checkpoint {path!r} is for a different model: " + "; ".join(diffs))
 
 
+# What a checkpoint keeps of the HF model it came from (rl/weights/convert.py writes them
+# into the conversion cache): not shapes, but what an HF export needs to stop and pad as
+# the original does (config.json's token ids, generation_config.json). Every later
+# checkpoint of a trainer that loaded one carries them on.
+HF_FIELDS = ("hf_config", "hf_generation_config")
+
+
+def hf_fields(common: dict[str, Any]) -> dict[str, Any]:
+    """The :data:`HF_FIELDS` of a checkpoint's common state that it has."""
+    return {k: common[k] for k in HF_FIELDS if common.get(k)}
+
+
 def read_common(path: str | os.PathLike, model_cfg: ModelConfig | DictConfig) -> dict[str, Any]:
     """The common (non-tensor) state of the checkpoint at ``path``, after checking that it
     is complete, of this format version and for ``model_cfg``'s architecture."""

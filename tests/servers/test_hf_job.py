@@ -124,15 +124,26 @@ def test_smollm2_from_jsonl_with_a_user_reward_file(smollm2_dir, tmp_path):
         load_file(smollm2_dir / "model.safetensors"),
     )
     assert not torch.equal(trained["model.norm.weight"], start["model.norm.weight"])
+    # It stops and pads as the original model: the token ids and generation config came
+    # through the conversion cache and every RL checkpoint into the export.
+    src, exp = (json.loads((d / "config.json").read_text()) for d in (smollm2_dir, export))
+    assert {k: exp.get(k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")} == {
+        k: src[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")
+    }
+    gen = json.loads((export / "generation_config.json").read_text())
+    assert gen == json.loads((smollm2_dir / "generation_config.json").read_text())
+    eos = set(gen["eos_token_id"])
     model = AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32).eval()
     for s in samples:
         n = len(s["output_ids"])
         prompt = torch.tensor([s["prompt_ids"]])
-        with torch.no_grad():
-            full = model.generate(prompt, max_new_tokens=n, do_sample=False, top_p=None,
+        with torch.no_grad():  # room past the sample: an answer that ended at EOS stops there
+            full = model.generate(prompt, max_new_tokens=n + 8, do_sample=False, top_p=None,
                                   top_k=None, temperature=None)  # fmt: skip
         got = full[0, prompt.shape[1] :].tolist()
-        assert got == s["output_ids"], (s["uid"], got, s["output_ids"])
+        stopped = s["output_ids"][-1] in eos
+        assert got[:n] == s["output_ids"] and (len(got) == n or not stopped), (s["uid"], got)
+    assert any(s["output_ids"][-1] in eos for s in samples)  # the stop was tested
 
     # The export holds the trainer's weights: logits of the Megatron checkpoint at TP=1.
     tokens = torch.tensor([samples[0]["prompt_ids"] + samples[0]["output_ids"]])

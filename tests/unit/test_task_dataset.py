@@ -89,6 +89,17 @@ def test_messages_json_and_parquet_files(tok_dir, tmp_path):
     assert len(task.train) == 5
     assert [e.label for e in task.train] == [3, 3, "4", "4", "4"]
     assert task.train[2].uid.endswith("b.parquet row 0")
+    # A conversation column holding JSON text is used as the messages list it spells.
+    rows = [{"prompt": json.dumps(msgs), "label": "5"}, {"prompt": "[{not json", "label": "6"}]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "c.parquet")
+    task = build_task(_cfg(tok_dir, train_files=[str(tmp_path / "c.parquet")]))
+    listed = build_task(_cfg(tok_dir, train_files=[str(tmp_path / "a.json")])).train[0]
+    assert task.train[0].prompt_ids == listed.prompt_ids
+    assert "[{not json" in task.train[1].prompt_text  # not JSON: the text itself
+    bad = [{"prompt": json.dumps([{"role": "user"}]), "label": "7"}]
+    pq.write_table(pa.Table.from_pylist(bad), tmp_path / "d.parquet")
+    with pytest.raises(TaskError, match=r"d.parquet row 0: 'prompt' must be a string or a"):
+        build_task(_cfg(tok_dir, train_files=[str(tmp_path / "d.parquet")]))
 
 
 def test_stream_shuffles_per_epoch_reproducibly_and_holds_out_eval(tok_dir, tmp_path):

@@ -1,7 +1,8 @@
 """Prompt files of the user's (JSONL, JSON, Parquet) as a task.
 
 Each row holds a prompt under ``task.prompt_key`` (a string, or a chat ``messages`` list of
-``{role, content}``), a label under ``task.label_key`` and optional metadata keys; the
+``{role, content}``, or a string of JSON that spells such a list, as parquet files often
+store a conversation column: it is used as that list), a label under ``task.label_key`` and optional metadata keys; the
 label and metadata go to the reward function untouched, and the label's text is the
 warm-up's supervised target. Prompts are rendered once, at construction, through the
 model's tokenizer (chat template with the assistant turn opened, optional system prompt),
@@ -84,7 +85,21 @@ def _object(row: object, where: str) -> dict[str, Any]:
     return row
 
 
+def _decoded(value: Any) -> Any:  # a JSON value
+    """A string that holds a JSON list of messages (``[{"role": ...}, ...]``, as parquet
+    files often store a conversation column) is that list; any other string is the text."""
+    if isinstance(value, str) and value.lstrip().startswith("[{"):
+        try:
+            parsed = json.loads(value)
+        except ValueError:
+            return value
+        if isinstance(parsed, list) and all(isinstance(m, dict) and "role" in m for m in parsed):
+            return parsed  # checked as any messages list is: a malformed one is refused
+    return value
+
+
 def _messages(value: Any, where: str, key: str) -> list[dict[str, str]]:  # a JSON value
+    value = _decoded(value)
     if isinstance(value, str):
         return [{"role": "user", "content": value}]
     ok = (

@@ -4,10 +4,11 @@ Each row holds a prompt under ``task.prompt_key`` (a string, or a chat ``message
 ``{role, content}``, or a string of JSON that spells such a list, as parquet files often
 store a conversation column: it is used as that list), a label under ``task.label_key``
 and optional metadata keys; the label and metadata go to the reward function untouched,
-and the label's text is the warm-up's supervised target. Prompts are rendered once, at construction, through the
-model's tokenizer (chat template with the assistant turn opened, optional system prompt),
-so everything wrong with the data is found before any rank starts: a missing file, a row
-without the prompt key (file and line named), an empty dataset, every prompt too long.
+and the label's text is the warm-up's supervised target. Prompts are rendered once, at
+construction, through the model's tokenizer (chat template with the assistant turn
+opened, optional system prompt), so everything wrong with the data is found before any
+rank starts: a missing file, a row without the prompt key (file and line named), an
+empty dataset, every prompt too long.
 
 Pure logic: no torch.distributed, no Megatron.
 """

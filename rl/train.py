@@ -106,6 +106,7 @@ def main(cfg: RootConfig) -> None:
         run(cfg)
         return
     roles, t = RoleMap.from_config(cfg), cfg.trainer
+    print("\n".join(settings(cfg)), flush=True)
     print(f"starting {roles.describe()}: trainer tp={t.tp} pp={t.pp} dp={t.dp} on {t.device}")
     print(OmegaConf.to_yaml(cfg), flush=True)
     try:
@@ -117,6 +118,24 @@ def main(cfg: RootConfig) -> None:
     except RankFailed as e:
         _leave(1, f"error: {e}")
     _leave(0)
+
+
+def settings(cfg: RootConfig) -> list[str]:
+    """The run's sizes in one line, as launched; and a warning when an HF model runs with
+    the embedded default's settings (sized for its 1.6M-parameter model)."""
+    r, a, s = cfg.rl, cfg.algorithm, cfg.rollout.sampling
+    lines = [
+        f"settings ({cfg.run.name}): sft.steps={cfg.sft.steps}, rl.steps={r.steps} of "
+        f"{r.prompts_per_step} prompts x {a.group_size} samples, up to {s.max_new_tokens} "
+        f"new tokens each, task.eval_size={cfg.task.eval_size}"
+    ]
+    if cfg.model.hf_checkpoint and cfg.run.name == "tiny_arithmetic":
+        lines.append(
+            "warning: model.hf_checkpoint runs with the embedded default's settings "
+            "(experiment=tiny_arithmetic, sized for a 1.6M-parameter model): for your model, "
+            "start from experiment=hf_model"
+        )
+    return lines
 
 
 def _leave(code: int, message: str | None = None) -> NoReturn:

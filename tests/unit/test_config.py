@@ -307,3 +307,17 @@ def test_the_tests_fast_compose_gives_hydras_config(overrides: list[str]) -> Non
     """tests/helpers/configs.py applies value overrides itself: it must agree with Hydra."""
     want = OmegaConf.to_container(compose(overrides))
     assert OmegaConf.to_container(composed(overrides)) == want
+
+
+def test_a_launch_says_its_sizes_and_warns_of_the_tiny_defaults_for_an_hf_model() -> None:
+    from rl.train import settings
+
+    tiny = settings(composed([]))
+    assert len(tiny) == 1 and tiny[0].startswith("settings (tiny_arithmetic): sft.steps=600")
+    hf = settings(composed(["model.hf_checkpoint=/ckpts/m", "task=dataset"]))
+    assert hf[1].startswith("warning: model.hf_checkpoint runs with the embedded default's")
+    own = settings(composed(["experiment=hf_model", "model.hf_checkpoint=/ckpts/m"]))
+    assert own == [
+        "settings (hf_model): sft.steps=0, rl.steps=200 of 8 prompts x 8 samples, up to 512 "
+        "new tokens each, task.eval_size=64"
+    ]

@@ -40,16 +40,19 @@ class RoleMap:
     @classmethod
     def from_config(cls, cfg: RootConfig) -> RoleMap:
         t, roles = cfg.trainer, cfg.cluster.roles
+        for role in ("generator", "reward"):
+            n = getattr(roles, role)
+            if not (isinstance(n, int) and n >= 0):
+                raise RoleError(f"cluster.roles.{role}={n!r} must be an integer >= 0")
+        # A warm-up-only run (rl.steps=0) starts no generator or reward rank: nothing would
+        # send them work, and idle ranks would only hold the job's end.
+        rl_only = 1 if cfg.rl.steps > 0 else 0
         counts = {
             "controller": 1,
             "trainer": t.tp * t.pp * t.dp,
-            "generator": roles.generator,
-            "reward": roles.reward,
+            "generator": roles.generator * rl_only,
+            "reward": roles.reward * rl_only,
         }
-        for role in ("generator", "reward"):
-            n = counts[role]
-            if not (isinstance(n, int) and n >= 0):
-                raise RoleError(f"cluster.roles.{role}={n!r} must be an integer >= 0")
         rl_steps = cfg.rl.steps
         if rl_steps > 0:
             for role in ("generator", "reward"):

@@ -192,6 +192,8 @@ def test_role_map_rejects_missing_executors():
     # Warm-up only: no generator, no reward.
     cfg = composed(["rl.steps=0", "cluster.roles.generator=0", "cluster.roles.reward=0"])
     assert RoleMap.from_config(cfg).world_size == 3
+    # The same without setting the roles: a warm-up-only run starts neither.
+    assert RoleMap.from_config(composed(["rl.steps=0"])).world_size == 3
 
 
 class _InstantClient:

@@ -8,6 +8,10 @@ lost attempt had logged already; the logger drops those records of the resumed p
 from both the JSONL and the TensorBoard files before it writes, so each step appears once.
 SummaryWriter's ``purge_step`` cannot do it here: it hides *every* tag at or after the
 step, and the warm-up's steps (up to ``sft.steps``) share the run and the step axis.
+
+With ``logging.wandb=true`` the same records also go to a Weights & Biases run (offline by
+default: under ``<run.output_dir>/wandb``, for ``wandb sync``), which a resumed run
+continues; wandb cannot drop what it logged, so there the repeated steps show twice.
 """
 
 from __future__ import annotations
@@ -15,13 +19,90 @@ from __future__ import annotations
 import json
 import math
 import os
+import secrets
 import shutil
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
+
+if TYPE_CHECKING:
+    from rl.config.schema import RootConfig
 
 JSONL, TENSORBOARD = "metrics.jsonl", "tensorboard"
+# wandb's directory and the id of the run dir's wandb run, both in the run dir.
+WANDB, WANDB_ID = "wandb", "wandb_run_id"
 RESUMED_PHASES = ("rl", "rl_eval")  # what a resumed run logs again
+
+
+@dataclass(frozen=True)
+class WandbRun:
+    """The wandb run a :class:`MetricsLogger` logs to beside TensorBoard (the config's
+    ``logging`` section): plain values, so the logger needs no config."""
+
+    project: str
+    name: str  # the run's display name (run.name)
+    mode: str = "offline"  # offline | online | disabled (wandb.init's mode)
+    entity: str | None = None
+    config: dict[str, Any] = field(default_factory=dict)  # shown as the run's config
+
+    @classmethod
+    def from_config(cls, cfg: RootConfig) -> WandbRun | None:
+        """The run ``cfg`` asks for; None when ``logging.wandb`` is off."""
+        lg = cfg.logging
+        if not lg.wandb:
+            return None
+        from omegaconf import DictConfig, OmegaConf
+
+        # The resolved config (interpolations filled in), as the launch printed it.
+        plain = OmegaConf.to_container(cast(DictConfig, cfg), resolve=True, enum_to_str=True)
+        config = cast(dict[str, Any], plain)
+        # str(): WandbMode's value (a StrEnum), or the str itself
+        return cls(lg.wandb_project, cfg.run.name, str(lg.wandb_mode), lg.wandb_entity, config)
+
+
+def wandb_run_id(out_dir: str | Path) -> str:
+    """The run dir's wandb run id, made by its first run and kept in ``<out>/wandb_run_id``:
+    every later attempt in the dir (a requeued job resumes there) logs to the same run."""
+    path = Path(out_dir) / WANDB_ID
+    if path.exists():
+        return path.read_text().strip()
+    run_id = secrets.token_hex(8)  # wandb ids: letters, digits, - and _; at most 64
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(run_id + "\n")
+    os.replace(tmp, path)  # whole or absent: a kill cannot leave an empty id
+    return run_id
+
+
+def open_wandb(out_dir: Path, run: WandbRun) -> Any:
+    """Start ``run`` (``wandb.init``) with every file it writes under ``out_dir``."""
+    # wandb's run files go to <out>/wandb (dir=); wandb-core's logs (~/.cache/wandb by
+    # default) and its upload staging (~/.local/share/wandb) beside them. A value the user
+    # set wins. wandb-core starts once per process, with the environment of that moment.
+    os.environ.setdefault("WANDB_CACHE_DIR", str(out_dir / WANDB / "cache"))
+    os.environ.setdefault("WANDB_DATA_DIR", str(out_dir / WANDB / "data"))
+    import wandb  # only when asked for: its import takes seconds
+
+    # Online, resume="allow" continues the run of this id (or starts it). Offline wandb
+    # ignores resume (and warns), so it is not passed: each attempt writes an
+    # offline-run-*-<id> directory, and `wandb sync` uploads those of one id in the order
+    # they started, into one run. wandb cannot delete the steps the lost attempt logged
+    # after its checkpoint (rewind, resume_from, is a server-side preview that only takes
+    # wandb's own _step, which the step axis here is not), so those steps show twice.
+    wb = wandb.init(
+        project=run.project,
+        entity=run.entity,
+        name=run.name,
+        id=wandb_run_id(out_dir),
+        resume="allow" if run.mode == "online" else None,
+        mode=cast(Any, run.mode),
+        dir=str(out_dir),
+        config=run.config,
+    )
+    # TensorBoard's step axis: wandb's own (_step) must only grow, but every phase counts
+    # its steps from 1 (RL's restart after the warm-up's), so charts use "step" instead.
+    wb.define_metric("step")
+    return wb
 
 
 class MetricsLogger:
@@ -31,21 +112,27 @@ class MetricsLogger:
         enabled: bool = True,
         totals: dict[str, int] | None = None,
         resume_step: int | None = None,
+        wandb_run: WandbRun | None = None,
     ):
         """``totals``: steps of each stage by phase prefix (``{"warmup": 200}`` shows
         "step 20/200" for the phases warmup and warmup_eval). ``resume_step``: the run
-        resumes after this RL step; records of later RL steps already on disk go."""
+        resumes after this RL step; records of later RL steps already on disk go.
+        ``wandb_run``: also log to this wandb run (see :func:`open_wandb`)."""
         self.enabled = enabled
         self.totals = totals or {}
         self.out_dir = Path(out_dir)
         self._t0 = time.perf_counter()
         self._tb = None
         self._jsonl = None
+        self._wandb: Any = None  # the wandb Run
+        self._wandb_phases: set[str] = set()  # the phases given their step axis
         if enabled:
             self.out_dir.mkdir(parents=True, exist_ok=True)
             if resume_step is not None:
                 drop_jsonl_after(self.out_dir / JSONL, resume_step)
                 drop_tensorboard_after(self.out_dir / TENSORBOARD, resume_step)
+            if wandb_run is not None:  # first: a wandb that cannot start opens nothing
+                self._wandb = open_wandb(self.out_dir, wandb_run)
             self._jsonl = open(self.out_dir / JSONL, "a", buffering=1)  # noqa: SIM115
             from torch.utils.tensorboard import SummaryWriter
 
@@ -59,8 +146,9 @@ class MetricsLogger:
         echo: bool = True,
         show: tuple[str, ...] | None = None,
     ) -> None:
-        """Write every metric to JSONL and TensorBoard; print a line of the ``show`` ones
-        (all of them by default) when ``echo``."""
+        """Write every metric to JSONL, TensorBoard (tag ``<phase>/<name>``) and wandb (the
+        same keys, with ``step``); print a line of the ``show`` ones (all of them by
+        default) when ``echo``."""
         if not self.enabled:
             return
         assert self._jsonl is not None and self._tb is not None
@@ -72,6 +160,12 @@ class MetricsLogger:
         # On disk now, like the JSONL line: a job stopped or killed (its ranks end at once)
         # lost up to the writer's 120 s of buffered events.
         self._tb.flush()
+        if self._wandb is not None:
+            if phase not in self._wandb_phases:
+                self._wandb.define_metric(f"{phase}/*", step_metric="step")
+                self._wandb_phases.add(phase)
+            row = {f"{phase}/{k}": float(v) for k, v in metrics.items()}
+            self._wandb.log({"step": step, **row})
         if echo:
             line = metrics if show is None else {k: metrics[k] for k in show if k in metrics}
             print(self.format_line(step, phase, line), flush=True)
@@ -96,6 +190,15 @@ class MetricsLogger:
             self._jsonl.close()
         if self._tb is not None:
             self._tb.close()
+        if self._wandb is not None:
+            import wandb
+
+            self._wandb.finish()
+            # finish() returns before wandb-core has written (offline) or sent (online) the
+            # last records, and a rank leaves with os._exit (rl/runtime/launch.py), which
+            # skips wandb's atexit teardown: wait here for wandb-core to end.
+            wandb.teardown()
+            self._wandb = None
 
 
 def drop_jsonl_after(path: str | Path, step: int, phases: tuple[str, ...] = RESUMED_PHASES) -> int:

@@ -10,6 +10,7 @@ them: rl/checks.py).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import StrEnum
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
@@ -410,6 +411,27 @@ class RunConfig:
     output_dir: str = "outputs/${run.name}"
 
 
+class WandbMode(StrEnum):
+    """An enum, not a plain str, so Hydra refuses any other value at composition (one line
+    naming ``logging.wandb_mode`` and the value), before a process starts. A ``str`` too:
+    ``mode == "offline"`` holds, and ``str(mode)`` is what ``wandb.init(mode=...)`` takes."""
+
+    offline = "offline"  # no network: the run stays under <run.output_dir>/wandb (wandb sync)
+    online = "online"
+    disabled = "disabled"  # wandb.init returns a no-op run
+
+
+@dataclass
+class LoggingConfig:
+    """Where the controller's metrics go besides the progress lines, metrics.jsonl and
+    TensorBoard (rl/metrics.py): Weights & Biases, off by default."""
+
+    wandb: bool = False
+    wandb_project: str = "megatron-sglang-rl"
+    wandb_mode: WandbMode = WandbMode.offline
+    wandb_entity: str | None = None  # null: the API key's default entity
+
+
 @dataclass
 class RootConfig:
     model: ModelConfig = MISSING
@@ -422,6 +444,7 @@ class RootConfig:
     rl: RLConfig = field(default_factory=RLConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     run: RunConfig = field(default_factory=RunConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
 
 
 _REGISTERED = False

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 from rl.checkpoints import resume
 from rl.controller import rollout_state
 from rl.controller.run import RLRun
-from rl.metrics import MetricsLogger, drop_jsonl_after, plot_curves, plot_rl
+from rl.metrics import MetricsLogger, WandbRun, drop_jsonl_after, plot_curves, plot_rl
 from rl.tasks import build_task
 
 if TYPE_CHECKING:
@@ -31,7 +31,8 @@ def controller(cfg: RootConfig, job: Job) -> dict[str, float | None]:
         drop_jsonl_after(out / rollout_state.TRAINED, point.step)  # metrics: the logger's
         print(f"resuming from RL step {point.step} ({point.checkpoint})", flush=True)
     log = MetricsLogger(out, totals={"warmup": cfg.sft.steps, "rl": cfg.rl.steps},
-                        resume_step=point.step if point is not None else None)  # fmt: skip
+                        resume_step=point.step if point is not None else None,
+                        wandb_run=WandbRun.from_config(cfg))  # fmt: skip
     trainer = TrainerHandle(job)
     handles: list[TrainerHandle | GeneratorHandle | RewardHandle] = [trainer]
     try:

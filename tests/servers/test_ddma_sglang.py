@@ -61,6 +61,7 @@ def client(model_dir, tmp_path_factory):
             GeneratorClient.for_launcher(launcher) as client,
         ):
             yield client
+            launcher.stop(grace=0)  # the module is done, nothing in flight: no drain
 
 
 def _assert_serves(client: GeneratorClient, ref: HFReferenceGenerator, version: int) -> None:

@@ -52,6 +52,7 @@ def launcher(model_dir, rollout_cfg, tmp_path_factory):
     logs = tmp_path_factory.mktemp("logs")
     with ServerLauncher(server, n=rollout_cfg.servers, log_dir=logs) as launcher:
         yield launcher
+        launcher.stop(grace=0)  # the module is done, nothing in flight: no drain
 
 
 @pytest.fixture(scope="module")

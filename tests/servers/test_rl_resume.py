@@ -30,7 +30,7 @@ from tests.helpers.procs import live_tagged
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 12
-ARGS = ["sft.steps=30", "sft.eval_every=30", "task.eval_size=32", "rl.prompts_per_step=8",
+ARGS = ["sft.steps=5", "sft.eval_every=5", "task.eval_size=32", "rl.prompts_per_step=8",
         f"rl.steps={STEPS}", "rl.eval_every=0", "rl.save_interval=1",
         "rollout.segment_tokens=1"]  # fmt: skip
 

@@ -40,7 +40,7 @@ from rl.runtime.launch import spawn
 from tests.helpers.job_workers import checkpoint_logits
 
 ROOT = Path(__file__).resolve().parents[2]
-SHORT = ["sft.steps=30", "sft.eval_every=30", "task.eval_size=16", "rl.prompts_per_step=8"]
+SHORT = ["sft.steps=5", "sft.eval_every=5", "task.eval_size=16", "rl.prompts_per_step=8"]
 
 
 def _rl_steps(out: Path) -> list[dict]:

@@ -35,7 +35,7 @@ from tests.helpers.procs import assert_tagged_gone
 ROOT = Path(__file__).resolve().parents[2]
 TAG = "MSRL_TEST_STOPS"
 ARGS = [
-    "sft.steps=20", "sft.eval_every=20", "task.eval_size=16", "rl.prompts_per_step=8",
+    "sft.steps=5", "sft.eval_every=5", "task.eval_size=16", "rl.prompts_per_step=8",
     "rl.steps=200", "rl.eval_every=0", "rl.save_interval=1",
 ]  # fmt: skip
 STOP_S = 10.0  # "within seconds", with room for a machine busy with other tests

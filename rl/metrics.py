@@ -27,6 +27,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 if TYPE_CHECKING:
+    from wandb.sdk.wandb_run import Run
+
     from rl.config.schema import RootConfig
 
 JSONL, TENSORBOARD = "metrics.jsonl", "tensorboard"
@@ -74,7 +76,7 @@ def wandb_run_id(out_dir: str | Path) -> str:
     return run_id
 
 
-def open_wandb(out_dir: Path, run: WandbRun) -> Any:
+def open_wandb(out_dir: Path, run: WandbRun) -> Run:
     """Start ``run`` (``wandb.init``) with every file it writes under ``out_dir``."""
     # wandb's run files go to <out>/wandb (dir=); wandb-core's logs (~/.cache/wandb by
     # default) and its upload staging (~/.local/share/wandb) beside them. A value the user
@@ -124,7 +126,7 @@ class MetricsLogger:
         self._t0 = time.perf_counter()
         self._tb = None
         self._jsonl = None
-        self._wandb: Any = None  # the wandb Run
+        self._wandb: Run | None = None
         self._wandb_phases: set[str] = set()  # the phases given their step axis
         if enabled:
             self.out_dir.mkdir(parents=True, exist_ok=True)

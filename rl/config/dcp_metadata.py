@@ -24,7 +24,7 @@ torch; :class:`MetadataUnpickler` imports the allowed torch modules only when it
 from __future__ import annotations
 
 import pickle
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, NoReturn
 
 _MD = "torch.distributed.checkpoint.metadata"
 _PLANNER = "torch.distributed.checkpoint.planner"
@@ -83,7 +83,7 @@ class MetadataUnpickler(pickle.Unpickler):
             raise RefusedPickle(self.where, f"{module}.{name}")
         return super().find_class(module, name)
 
-    def persistent_load(self, pid: Any) -> Any:
+    def persistent_load(self, pid: object) -> NoReturn:
         raise RefusedPickle(self.where, "a persistent object (a storage)")
 
 

@@ -22,7 +22,7 @@ rl/weights/megatron_io.py: the converters' reads); nothing is patched at import.
 from __future__ import annotations
 
 import threading
-from typing import Any
+from typing import BinaryIO, cast
 
 from rl.config import dcp_metadata
 
@@ -47,10 +47,13 @@ def apply() -> bool:
                 "this torch is not the one rl/weights/dcp_guard.py was written for; update it"
             )
 
-        def read_metadata(self: Any, *args: Any, **kwargs: Any) -> Metadata:
-            path = self._get_metadata_path(kwargs.get("rank"))
+        def read_metadata(
+            self: filesystem.FileSystemReader, *args: object, **kwargs: object
+        ) -> Metadata:
+            rank = kwargs.get("rank")  # torch's own takes only this, and ignores the rest
+            path = self._get_metadata_path(rank if isinstance(rank, int) else None)
             with self.fs.create_stream(path, "rb") as f:
-                metadata = dcp_metadata.load(f, str(path))
+                metadata = dcp_metadata.load(cast(BinaryIO, f), str(path))  # opened "rb"
             if not isinstance(metadata, Metadata):
                 raise dcp_metadata.RefusedPickle(str(path), f"a {type(metadata).__name__}")
             if metadata.storage_meta is None:

@@ -102,7 +102,7 @@ def no_network(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[None
     monkeypatch.setenv("WANDB_DATA_DIR", str(tmp_path / "wandb" / "data"))
     connect, tried = socket.socket.connect, []
 
-    def local_only(self: socket.socket, address: Any) -> Any:
+    def local_only(self: socket.socket, address: object) -> None:
         if self.family != socket.AF_UNIX:
             tried.append(address)  # kept: a raise in one of wandb's threads may be lost
             raise OSError(f"no network in this test: {address}")

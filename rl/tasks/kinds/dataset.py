@@ -86,7 +86,7 @@ def _object(row: object, where: str) -> dict[str, Any]:
     return row
 
 
-def _decoded(value: Any) -> Any:  # a JSON value
+def _decoded(value: object) -> object:
     """A string that holds a JSON list of messages (``[{"role": ...}, ...]``, as parquet
     files often store a conversation column) is that list; any other string is the text."""
     if isinstance(value, str) and value.lstrip().startswith("[{"):

@@ -28,6 +28,9 @@ class TrainBatch:
     rewards: torch.Tensor | None = None  # [B] each sample's trained reward
     overlong: torch.Tensor | None = None  # [B] 1: the response was cut by max_new_tokens
     ref_logprobs: torch.Tensor | None = None  # [B, S] log pi_ref (the KL penalty's reference)
+    # [B, S] log pi_old: the trainer's own, before a batch's first update (sample reuse:
+    # rl/algorithms/reuse.py); None with one update per batch, where pi_old is pi.
+    old_logprobs: torch.Tensor | None = None
 
     @property
     def rows(self) -> int:

@@ -78,12 +78,16 @@ def _rl_loss(
     log_ratio = logprobs - mu
     ratio = torch.exp(log_ratio.detach())
     per_token, weight = surrogate(logprobs, log_ratio, ratio, adv)
-    stats = {
-        # Train-vs-rollout mismatch: how far the trainer's log-probs are from the ones the
-        # generator sampled with (policy lag, numerics, sampling temperature).
-        "mismatch_abs_logp": (log_ratio.detach().abs() * mask).sum(),
-        "is_ratio": (ratio * mask).sum(),
-    }
+    # Train-vs-rollout mismatch: how far the trainer's log-probs are from the ones the
+    # generator sampled with (policy lag, numerics, sampling temperature), measured at
+    # pi_old, before this batch's updates moved the policy (rl/algorithms/reuse.py).
+    stats = {"is_ratio": (ratio * mask).sum()}
+    if mb.old_logprobs is None:  # one update per batch: pi_old is pi
+        stats["mismatch_abs_logp"] = (log_ratio.detach().abs() * mask).sum()
+    else:  # and the policy's own move within the batch
+        old = mb.old_logprobs.to(logprobs.dtype)
+        stats["mismatch_abs_logp"] = ((old - mu).abs() * mask).sum()
+        stats["policy_change_abs_logp"] = ((logprobs.detach() - old).abs() * mask).sum()
     masked = None if weight is None else weight.masked
     if weight is not None and weight.clipped is not None:
         stats["truncated_frac"] = (weight.clipped.to(mask.dtype) * mask).sum()
@@ -137,7 +141,10 @@ def ppo_clip_loss(clip_eps: float = 0.2, kl_coef: float = 0.0) -> LossFn:
     def surrogate(logprobs, log_ratio, _ratio, adv):
         ratio = torch.exp(log_ratio)  # with its gradient, unlike the detached _ratio
         clipped = torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps)
-        return -torch.minimum(ratio * adv, clipped * adv), None
+        # Where the clipped term is the smaller one and differs, the token has no gradient:
+        # reported as truncated_frac (PPO's clip fraction).
+        cut = (clipped * adv < ratio * adv).detach()
+        return -torch.minimum(ratio * adv, clipped * adv), Weight(torch.ones_like(ratio), cut)
 
     def loss(logprobs: torch.Tensor, mb: TrainBatch) -> LossOutput:
         return _rl_loss(logprobs, mb, surrogate, kl_coef)

@@ -270,6 +270,12 @@ class AlgorithmConfig:
     objective: str = "pg"
     rho: float = 4.0  # AIPO: truncation of the importance weight pi/mu
     clip_eps: float = 0.2  # GRPO/PPO clip range
+    # Sample reuse (rl/algorithms/reuse.py): passes over each RL batch, each cut into this
+    # many minibatches, one optimizer step per minibatch. With more than one step the
+    # trainer scores pi_old first (a forward pass) to log the policy's move apart from the
+    # train/rollout mismatch; the ratio stays pi/mu.
+    epochs: int = 1
+    minibatches: int = 1
     kl_coef: float = 0.0  # KL(pi || pi_ref) penalty; 0: no reference model
     group_size: int = 8  # samples per prompt; the group mean is the baseline
     normalize_std: bool = True  # divide advantages by the group's std
@@ -311,7 +317,9 @@ class RewardConfig:
 class RLConfig:
     """The RL stage driven by the single controller (rl/train.py)."""
 
-    steps: int = 0  # optimizer steps; 0: warm-up only (no generator, no reward ranks)
+    # RL steps (batches), algorithm.epochs*minibatches optimizer steps each; 0: warm-up only
+    # (no generator, no reward ranks).
+    steps: int = 0
     # async: the generator samples the next batches (up to algorithm.max_policy_lag policy
     # versions ahead) while the trainer trains; sync: generate -> score -> train -> push
     # weights, in sequence (the DeepSpeed-Chat-like baseline), with the same code.

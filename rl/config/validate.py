@@ -137,6 +137,9 @@ def validate_algorithm(a: AlgorithmConfig) -> None:
     require(a.rho > 0, f"algorithm.rho={a.rho} must be > 0 (the importance-weight cap)")
     require(0 < a.clip_eps < 1, f"algorithm.clip_eps={a.clip_eps} must be in (0, 1)")
     require(a.kl_coef >= 0, f"algorithm.kl_coef={a.kl_coef} must be >= 0")
+    for name in ("epochs", "minibatches"):
+        v = getattr(a, name)
+        require(isinstance(v, int) and v >= 1, f"algorithm.{name}={v!r} must be an integer >= 1")
     require(
         a.group_size >= 2,
         f"algorithm.group_size={a.group_size} must be >= 2 (the group mean is the baseline)",
@@ -187,6 +190,12 @@ def validate_rl(cfg: RootConfig) -> None:
         rows % unit == 0,
         f"rl.prompts_per_step*algorithm.group_size={rl.prompts_per_step}*{a.group_size}={rows} "
         f"is not a multiple of trainer.{what}{t.dp}",
+    )
+    require(
+        rows % (unit * a.minibatches) == 0,
+        f"algorithm.minibatches={a.minibatches} does not cut the batch of {rows} rows "
+        f"(rl.prompts_per_step*algorithm.group_size) into minibatches of whole "
+        f"trainer.{what}{t.dp}={unit} rows",
     )
     require(
         s.temperature > 0,

@@ -147,11 +147,12 @@ def activation_bytes_per_token_layer(m: ModelConfig, tp: int, itemsize: int) -> 
 
 
 def microbatches(cfg: RootConfig) -> int:
-    """Micro-batches per step per DP rank: the larger of the warm-up and RL batches."""
-    t = cfg.trainer
+    """Micro-batches per optimizer step per DP rank: the larger of the warm-up batch and
+    the RL minibatch."""
+    t, a = cfg.trainer, cfg.algorithm
     rows = t.global_batch_size
     if cfg.rl.steps > 0:
-        rows = max(rows, cfg.rl.prompts_per_step * cfg.algorithm.group_size)
+        rows = max(rows, cfg.rl.prompts_per_step * a.group_size // a.minibatches)
     return max(1, rows // (t.micro_batch_size * t.dp))
 
 

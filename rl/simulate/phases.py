@@ -19,8 +19,10 @@ The synchronous baseline (DeepSpeed-Chat-like) has trainer and generator share e
 of the cluster with the trainer's TP x PP layout; its memory, KV cache, waves and
 offload traffic are rl/simulate/colocated.py's.
 
-Training: 6·N_active·tokens (8 with a reference model's forward) over the trainer's GPUs
-at ``train_mfu``, stretched by the 1F1B pipeline bubble (pp - 1) / micro-batches.
+Training: 6·N_active·tokens per pass over the batch (``algorithm.epochs`` passes), +2 for
+a reference model's forward and +2 for pi_old's when a batch takes several updates, over
+the trainer's GPUs at ``train_mfu``, stretched by the 1F1B pipeline bubble (pp - 1) /
+micro-batches of one update.
 
 Weight sync (async): the DDMA plan's busiest sender or receiver (rl.plan.transfer) at the
 NIC's line rate times ``network_efficiency``. Reward: ``reward_s_per_sample`` on every
@@ -132,8 +134,11 @@ class Workload:
 
 def train_s(cfg: RootConfig, w: Workload, gpus: int, dp: int) -> float:
     t, hw = cfg.trainer, cfg.cluster.hardware
-    passes = 8 if cfg.algorithm.kl_coef > 0 else 6
-    micro = max(1, w.samples // (dp * t.micro_batch_size))
+    a = cfg.algorithm
+    # 6 per token per pass over the batch (forward and backward), 2 per forward-only
+    # scoring: the KL reference's and, with several updates, pi_old's.
+    passes = 6 * a.epochs + 2 * (a.kl_coef > 0) + 2 * (a.epochs * a.minibatches > 1)
+    micro = max(1, w.samples // (a.minibatches * dp * t.micro_batch_size))
     bubble = 1 + (t.pp - 1) / micro
     return passes * w.active_params * w.tokens / (gpus * tflops(hw, False) * hw.train_mfu) * bubble
 

@@ -197,7 +197,8 @@ def _prepare(
     elif point is not None and start is None and cfg.model.hf_checkpoint:
         start = _from_hf(cfg, out)  # the KL reference's starting weights
     temperature = float(cfg.rollout.sampling.temperature)
-    tr = build_trainer(cfg.model, t, total_steps=max(cfg.rl.steps, 1))
+    updates = cfg.algorithm.epochs * cfg.algorithm.minibatches  # optimizer steps per RL step
+    tr = build_trainer(cfg.model, t, total_steps=max(cfg.rl.steps * updates, 1))
     ref = None
     if cfg.algorithm.kl_coef > 0:  # same seed: without a checkpoint it is the same init
         ref = build_trainer(cfg.model, t, total_steps=1, frozen=True)
@@ -243,6 +244,7 @@ def serve(cfg: RootConfig, job: Job, make_target: TargetFactory) -> None:
     torch.set_num_threads(cfg.trainer.threads_per_rank)
     os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")  # Megatron's advice for TP
     from rl.algorithms.registry import loss_from_config
+    from rl.algorithms.reuse import Reuse
     from rl.config.dtypes import torch_dtype
     from rl.ddma import transport
     from rl.ddma.plan import plan_for
@@ -259,6 +261,8 @@ def serve(cfg: RootConfig, job: Job, make_target: TargetFactory) -> None:
         tr, ref, ready = _prepare(cfg, log)
         answer(ready)
         loss_fn = loss_from_config(cfg.algorithm)
+        a = cfg.algorithm
+        reuse = Reuse(a.epochs, a.minibatches, cfg.trainer.seed)
         dtype = torch_dtype(cfg.trainer.params_dtype)
         sender = None
         while not isinstance(msg := inbox.wait(), Stop):
@@ -266,7 +270,7 @@ def serve(cfg: RootConfig, job: Job, make_target: TargetFactory) -> None:
                 batch = msg.batch
                 if ref is not None:  # log pi_ref of every token, for the KL penalty
                     batch = replace(batch, ref_logprobs=ref.logprobs(batch))
-                answer(Trained(tr.train_step(batch, loss_fn)))
+                answer(Trained(tr.train_batch(batch, loss_fn, reuse, msg.step)))
             elif isinstance(msg, Connect):
                 plan = plan_for(cfg.model, cfg.trainer, cfg.rollout, dp=tr.layout.dp)
                 w = cfg.rollout.weight_sync

@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
@@ -21,6 +22,7 @@ import torch.distributed as dist
 
 from megatron_patches import cuda_to_cpu
 from rl.algorithms.losses import LossFn
+from rl.algorithms.reuse import Reuse, combine
 from rl.batch import TrainBatch
 from rl.models.megatron_gpt import build_gpt
 from rl.models.parallel import Layout, init_model_parallel
@@ -391,6 +393,26 @@ class MegatronTrainer:
         out["tokens_per_s"] = batch.tokens.numel() / out["step_seconds"]
         if self.moe is not None:
             out.update(self.moe.step(self._microbatch_count))
+        return out
+
+    def train_batch(
+        self, batch: TrainBatch, loss_fn: LossFn, reuse: Reuse, step: int
+    ) -> dict[str, float]:
+        """``reuse.updates`` optimizer steps on RL step ``step``'s batch, one per minibatch
+        of each epoch (rl/algorithms/reuse.py), pi_old's log-probs scored first when there
+        are several; returns their combined metrics, identical on all ranks."""
+        if reuse.updates == 1:
+            return combine([self.train_step(batch, loss_fn)])
+        t0 = time.perf_counter()
+        batch = replace(batch, old_logprobs=self.logprobs(batch))
+        scored = time.perf_counter() - t0
+        parts = [
+            self.train_step(batch.map(partial(_rows, sel=rows)), loss_fn)
+            for rows in reuse.minibatch_rows(batch.rows, step)
+        ]
+        out = combine(parts, reuse.epochs)
+        out["step_seconds"] += scored
+        out["old_logprobs_s"] = scored
         return out
 
     @torch.no_grad()

@@ -111,3 +111,24 @@ def budget_parity(overrides: list[str], batch: dict, budget: int) -> dict:
             "dp": tr.layout.dp,
         }
     return res
+
+
+def reuse_steps(overrides: list[str], batch: TrainBatch, epochs: int, minibatches: int) -> dict:
+    """One RL step of ``epochs`` x ``minibatches`` updates (MegatronTrainer.train_batch) on
+    ``batch`` sampled by the trainer's own starting policy (behaviour log-probs are its
+    own), with ``algorithm``'s loss. Returns the log-probs before and after, the step's
+    metrics and the optimizer steps taken."""
+    from dataclasses import replace
+
+    from rl.algorithms.registry import loss_from_config
+    from rl.algorithms.reuse import Reuse
+    from rl.config import compose
+    from rl.trainer.trainer import build_trainer
+
+    cfg = compose(overrides)
+    reuse = Reuse(epochs, minibatches, cfg.trainer.seed)
+    tr = build_trainer(cfg.model, cfg.trainer, total_steps=reuse.updates)
+    before = tr.logprobs(batch)
+    sampled = replace(batch, behaviour_logprobs=before)
+    m = tr.train_batch(sampled, loss_from_config(cfg.algorithm), reuse, step=3)
+    return {"before": before, "after": tr.logprobs(batch), "metrics": m, "step": tr.step}

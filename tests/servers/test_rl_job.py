@@ -77,10 +77,12 @@ def _no_server_left(out: Path) -> None:
 
 
 def test_async_job_streams_rollouts_within_the_lag_bound(tmp_path):
+    """With two minibatches per batch (algorithm.minibatches), as a user turns sample
+    reuse on."""
     out = tmp_path / "run"
-    res = _run(
-        *SHORT, "rl.steps=6", "rl.eval_every=3", "rollout.segment_tokens=2", f"run.output_dir={out}"
-    )
+    res = _run(*SHORT, "rl.steps=6", "rl.eval_every=3", "rollout.segment_tokens=2",
+               "algorithm.minibatches=2", "trainer.micro_batch_size=32",
+               f"run.output_dir={out}")  # fmt: skip
     assert res.returncode == 0, res.stderr[-4000:]
     assert "controller 1 + trainer 2 + generator 1 + reward 1 = 5 ranks" in res.stdout
     lines = [ln for ln in res.stdout.splitlines() if ln.startswith("[rl] step")]
@@ -92,6 +94,8 @@ def test_async_job_streams_rollouts_within_the_lag_bound(tmp_path):
         missing = [k for k in PER_STEP if k not in r]
         assert not missing, missing
         assert r["lag_max"] <= 1 and r["sync_s"] > 0 and 0 <= r["gen_idle_frac"] <= 1
+        # Two minibatches: two optimizer steps per batch, pi_old scored before them.
+        assert r["updates"] == 2 and r["old_logprobs_s"] > 0 and r["policy_change_abs_logp"] >= 0
     assert any(r["lag_max"] == 1 for r in steps)  # the generator really ran ahead
     # Answers are 4 tokens and segments 2: every response that did not end (EOS) within
     # its first 2 tokens was cut and resumed in the loop; after this warm-up that is most.

@@ -82,7 +82,7 @@ def test_ppo_clip_value_and_gradient():
     # t2: ratio 1 -> -1.
     want = -2.4 - R1 * 2 + 1.0
     assert out.loss_sum.item() == pytest.approx(want, rel=1e-6)
-    assert "truncated_frac" not in out.stats
+    assert out.stats["truncated_frac"].item() == 1  # t0: the clip took its gradient
     out.loss_sum.backward()
     torch.testing.assert_close(lp.grad, torch.tensor([[0.0, -2 * R1, 1.0, 0.0]]))
 
@@ -318,3 +318,57 @@ def test_weight_builders_validate_on_their_own():
     for make in (lambda: tis_weight(-1.0), lambda: icepop_weight(0.5), lambda: aipo_weight(-2)):
         with pytest.raises(ValueError, match="algorithm\\."):
             make()
+
+
+# ------------------------------------------------------------ sample reuse (pi_old != pi)
+# A later update of one batch (algorithm.epochs/minibatches): the generator sampled at
+# log mu = log pi_old = -1 for each token, and the first update moved the policy to log pi
+# = [-0.5, -1.5, -1]; advantages [1, -1, 1]. Ratios pi/mu: e^0.5 = 1.6487, e^-0.5 =
+# 0.6065, 1.
+def _moved():
+    lp = torch.tensor([[-0.5, -1.5, -1.0, 0.0]], requires_grad=True)
+    mb = _mb(
+        loss_mask=torch.tensor([[1.0, 1.0, 1.0, 0.0]]),
+        behaviour_logprobs=torch.tensor([[-1.0, -1.0, -1.0, 0.0]]),
+        advantages=torch.tensor([[1.0, -1.0, 1.0, 0.0]]),
+        old_logprobs=torch.tensor([[-1.0, -1.0, -1.0, 0.0]]),
+    )
+    return lp, mb
+
+
+def test_ppo_clip_acts_once_the_policy_moved_within_the_batch():
+    lp, mb = _moved()
+    out = ppo_clip_loss(clip_eps=0.2)(lp, mb)
+    # t0: min(1.6487*1, 1.2*1) = 1.2 (clipped); t1: min(-0.6065, -0.8) = -0.8 (clipped);
+    # t2: ratio 1 -> 1.
+    assert out.loss_sum.item() == pytest.approx(-(1.2 - 0.8 + 1.0), rel=1e-6)
+    assert out.stats["truncated_frac"].item() == 2
+    out.loss_sum.backward()
+    torch.testing.assert_close(lp.grad, torch.tensor([[0.0, 0.0, -1.0, 0.0]]))
+    # On policy, nothing of this is mismatch: it is the policy's own move.
+    assert out.stats["mismatch_abs_logp"].item() == 0
+    assert out.stats["policy_change_abs_logp"].item() == pytest.approx(0.5 + 0.5 + 0.0)
+
+
+def test_aipo_weight_follows_the_moved_policy():
+    lp, mb = _moved()
+    out = aipo_loss(rho=1.5)(lp, mb)
+    out.loss_sum.backward()
+    # w = min(pi/mu, 1.5) = [1.5, e^-0.5, 1], a constant: d/d log pi = -w * A.
+    want = torch.tensor([[-1.5, math.exp(-0.5), -1.0, 0.0]])
+    torch.testing.assert_close(lp.grad, want)
+    assert out.stats["truncated_frac"].item() == 1
+
+
+def test_mismatch_is_measured_at_pi_old_under_lag():
+    """Lagged samples (mu != pi_old) in a later update: mismatch |pi_old - mu|, the
+    policy change |pi - pi_old|, and the ratio still pi/mu (the same loss as without
+    pi_old)."""
+    lp, mb = _batch()  # log pi [-1, -2, -0.5], log mu [-1.5, -0.5, -0.5]
+    plain = aipo_loss(rho=1.5)(lp, mb)
+    mb.old_logprobs = torch.tensor([[-1.25, -0.5, -0.5, 0.0]])
+    out = aipo_loss(rho=1.5)(lp, mb)
+    assert out.loss_sum.item() == pytest.approx(plain.loss_sum.item(), rel=1e-6)
+    assert out.stats["mismatch_abs_logp"].item() == pytest.approx(0.25)
+    assert out.stats["policy_change_abs_logp"].item() == pytest.approx(0.25 + 1.5)
+    assert out.stats["is_ratio"].item() == pytest.approx(R0 + R1 + 1.0, rel=1e-6)

@@ -332,7 +332,7 @@ class ServerLauncher:
         env = server_env(self.config.device, self._shim, env, self.config.threads)
         # -I: the guard imports nothing from here (its own folder would shadow "types").
         guard = [sys.executable, "-I", str(GUARD), "--owner", str(os.getpid())]
-        guard += ["--grace", str(STOP_GRACE_S), "--"]
+        guard += ["--grace", str(STOP_GRACE_S), "--listen", f"{self.config.host}:{s.port}", "--"]
         _write_private(s.key_file, self.config.key_config())
         with open(s.log_path, "ab", opener=_private) as log:
             os.fchmod(log.fileno(), 0o600)  # a log from before may have a wider mode

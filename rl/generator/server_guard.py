@@ -14,6 +14,11 @@ leave a detokenizer running with PPID 1. So the launcher runs this guard, which:
   of the group and exits with SGLang's status (re-raising a fatal signal), so the launcher
   sees the same exit code as if it had run SGLang directly;
 * gives SGLang a parent-death SIGTERM as well, in case the guard itself is SIGKILLed;
+* with ``--listen HOST:PORT``, refuses at once, before SGLang starts, when that port is
+  taken: SGLang binds its HTTP port only after loading the model (half a minute on CPU,
+  minutes for a large model on GPU), so the launcher would otherwise learn of the clash
+  that late (the port can still be taken later, while SGLang loads: the launcher reads
+  the same line in the log then);
 * removes the POSIX shared-memory names SGLang's processes had open (``/dev/shm``: its
   load-snapshot file, multiprocessing's semaphores) once they are all gone: SGLang unlinks
   none of them when it is stopped by a signal, so every start left them behind.
@@ -27,8 +32,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
+import errno
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -92,10 +99,26 @@ def _sweep() -> None:
             os.kill(pid, signal.SIGKILL)
 
 
+def _port_taken(listen: str) -> bool:
+    """Is ``HOST:PORT`` bound by another socket now? Binds as uvicorn does (SO_REUSEADDR:
+    a port left in TIME_WAIT is free to it, so to us); any other bind error is SGLang's
+    to report."""
+    host, _, port = listen.rpartition(":")
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host.strip("[]"), int(port)))
+        except OSError as e:
+            return e.errno == errno.EADDRINUSE
+    return False
+
+
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--owner", type=int, required=True)
     ap.add_argument("--grace", type=float, default=20.0)
+    ap.add_argument("--listen", help="HOST:PORT the server will bind; refuse now if taken")
     ap.add_argument("command", nargs=argparse.REMAINDER)
     args = ap.parse_args(argv)
     cmd = args.command[1:] if args.command[:1] == ["--"] else args.command
@@ -110,6 +133,10 @@ def main(argv: list[str]) -> int:
             if child is not None and child.poll() is None:
                 child.send_signal(signal.SIGTERM)
 
+    if args.listen and _port_taken(args.listen):
+        # The words the launcher looks for (uvicorn's, when the clash comes later).
+        print(f"server_guard: cannot bind {args.listen}: address already in use", flush=True)
+        return 1
     child: subprocess.Popen | None = None
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, on_stop)

@@ -36,9 +36,9 @@ SBATCH = ROOT / "launch/slurm/train.sbatch"
 STEPS, SAVE_EVERY = 8, 3
 JOB = [
     "experiment=tiny_arithmetic_slurm",
-    "sft.steps=30",
+    "sft.steps=5",
     "sft.stop_at_accuracy=null",
-    "sft.eval_every=30",
+    "sft.eval_every=5",
     "task.eval_size=32",
     "rl.prompts_per_step=8",
     f"rl.steps={STEPS}",
@@ -130,7 +130,7 @@ def test_sbatch_job_is_requeued_resumes_from_its_checkpoint_and_completes(
     # The second attempt resumed: every RL step once, in order, and no second warm-up.
     assert _rl_steps(metrics) == list(range(1, STEPS + 1))
     recs = [json.loads(x) for x in metrics.read_text().splitlines()]
-    assert sum(r["phase"] == "warmup_eval" and r["step"] == 30 for r in recs) == 1
+    assert sum(r["phase"] == "warmup_eval" and r["step"] == 5 for r in recs) == 1
     assert json.loads(state.read_text())["step"] == STEPS
     assert "resuming from RL step" in text
     evals = [r for r in recs if r["phase"] == "rl_eval"]

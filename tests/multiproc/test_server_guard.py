@@ -76,3 +76,28 @@ def test_sigkilled_owner_stops_the_guarded_process_group():
         assert_group_gone(pgid, timeout=15)
     finally:
         owner.kill()
+
+
+def test_a_taken_port_is_refused_before_the_server_starts(tmp_path):
+    """``--listen``: a port someone listens on is refused in milliseconds with the words
+    the launcher looks for, and the command never runs; a free one (or one left in
+    TIME_WAIT) lets it run."""
+    import socket
+
+    ran = tmp_path / "ran"
+    argv = [sys.executable, "-I", str(GUARD), "--owner", str(os.getpid()), "--listen"]
+
+    def guard(port: int) -> subprocess.CompletedProcess:
+        cmd = [*argv, f"127.0.0.1:{port}", "--", "sh", "-c", f"touch {ran}"]
+        # A group of its own: the guard sweeps its whole group when its child is done.
+        return subprocess.run(cmd, capture_output=True, text=True, start_new_session=True)
+
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", 0))
+        squatter.listen()
+        port = squatter.getsockname()[1]
+        res = guard(port)
+    assert res.returncode == 1 and not ran.exists()
+    assert res.stdout == f"server_guard: cannot bind 127.0.0.1:{port}: address already in use\n"
+    res = guard(port)
+    assert res.returncode == 0 and ran.exists(), res.stdout

@@ -68,3 +68,20 @@ def test_the_straggler_costs_more_than_streaming() -> None:
     assert waited > 2 * streamed  # the batch waits for its longest sample
     # Fewer slots than samples: slower.
     assert streaming_s(e, HW, 8, 2, 256, d) > 2 * streamed
+
+
+def test_sample_reuse_costs_a_pass_per_epoch_and_a_scoring_forward() -> None:
+    """algorithm.epochs passes of forward+backward (6 per token and parameter), plus pi_old's
+    forward (2) once a batch takes several updates; minibatches alone add only that
+    forward (the pipeline bubble aside: pp=1 here)."""
+    from rl.config import compose
+    from rl.simulate.phases import Workload, train_s
+
+    cfg = compose(["experiment=llama3_8b_256gpu"])
+    cfg.trainer.pp = 1
+    w = Workload.of(cfg)
+    one = train_s(cfg, w, 8, 8)
+    cfg.algorithm.epochs, cfg.algorithm.minibatches = 2, 2
+    assert train_s(cfg, w, 8, 8) == pytest.approx(one * (6 * 2 + 2) / 6)
+    cfg.algorithm.epochs = 1
+    assert train_s(cfg, w, 8, 8) == pytest.approx(one * (6 + 2) / 6)

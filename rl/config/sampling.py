@@ -104,8 +104,8 @@ class SamplingParams:
         trainer must see (and learn) the token that ended the response.
 
         ``seed`` becomes SGLang's ``sampling_seed``, which SGLang honours only with
-        ``--enable-deterministic-inference`` (a GPU attention backend); on CPU sampling is
-        random regardless."""
+        ``--enable-deterministic-inference`` (a GPU attention backend); a CPU server
+        honours it through rl/generator/cpu_seeds.py."""
         out: dict[str, Any] = {
             "temperature": self.temperature,
             "top_p": self.top_p,

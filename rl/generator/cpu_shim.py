@@ -10,7 +10,9 @@ enough for the import to succeed.
 What it replaces: nothing in SGLang's code. It writes a ``vllm/_custom_ops.py`` stub into a
 directory and puts that directory on the *server's* PYTHONPATH only (the trainer and
 clients never see a fake ``vllm``). It also caps the server's intra-op threads so a server
-and trainer ranks sharing a small machine do not oversubscribe it.
+and trainer ranks sharing a small machine do not oversubscribe it, and makes SGLang honour
+per-request sampling seeds on CPU (rl/generator/cpu_seeds.py, through a ``sitecustomize``
+in the same directory, which shadows any other ``sitecustomize`` in the server only).
 
 Activated only for ``device == "cpu"``; on CUDA :func:`server_env` returns the environment
 unchanged. Versions: sglang 0.5.23 (torch 2.14.1). Re-check when SGLang is upgraded: if
@@ -39,16 +41,34 @@ def rotary_embedding(*args, **kwargs):
 '''
 
 
+# Run by Python at the start of every process of a CPU server (the shim's directory comes
+# first on its path): per-request sampling seeds, rl/generator/cpu_seeds.py.
+SITE = '''"""Written by rl/generator/cpu_shim.py: runs rl/generator/cpu_seeds.py."""
+
+try:
+    from rl.generator import cpu_seeds
+except ImportError:
+    pass
+else:
+    cpu_seeds.install()
+'''
+
+
+def _write(target: Path, text: str) -> None:
+    if not target.exists() or target.read_text() != text:
+        tmp = target.with_suffix(".tmp")
+        tmp.write_text(text)
+        os.replace(tmp, target)  # atomic: servers starting in parallel never see half a file
+
+
 def write_stub(root: Path) -> Path:
-    """Write the stub package under ``root``; return the directory to put on sys.path."""
+    """Write the stub package and the ``sitecustomize`` under ``root``; return the
+    directory to put on sys.path."""
     pkg = root / "vllm"
     pkg.mkdir(parents=True, exist_ok=True)
-    (pkg / "__init__.py").write_text('"""CPU-shim stub package (rl/generator/cpu_shim.py)."""\n')
-    target = pkg / "_custom_ops.py"
-    if not target.exists() or target.read_text() != STUB:
-        tmp = target.with_suffix(".tmp")
-        tmp.write_text(STUB)
-        os.replace(tmp, target)  # atomic: servers starting in parallel never see half a file
+    _write(pkg / "__init__.py", '"""CPU-shim stub package (rl/generator/cpu_shim.py)."""\n')
+    _write(pkg / "_custom_ops.py", STUB)
+    _write(root / "sitecustomize.py", SITE)
     return root
 
 

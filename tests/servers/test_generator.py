@@ -138,6 +138,20 @@ def test_segmented_generation_equals_one_shot(client, ref):
     assert max(r.segments for r in rollouts) == 3  # 12 tokens: 5 + 5 + 2
 
 
+def test_seeded_samples_depend_on_neither_the_batch_nor_the_cuts(client):
+    """rollout.sampling.seed: each token is drawn from (seed, position), which a CPU server
+    does through rl/generator/cpu_seeds.py. A sampled rollout is the same alone, batched
+    with other prompts (on either server) and cut into segments; unseeded samples of one
+    prompt still differ."""
+    seeded = SamplingParams(temperature=1.0, max_new_tokens=12, ignore_eos=True, seed=3)
+    alone = client.generate([PROMPTS[2]], seeded)[0].output_ids
+    batched = [r.output_ids for r in client.generate(PROMPTS * 2, seeded)]
+    cut = client.generate([PROMPTS[2]], seeded, segment_tokens=5)[0].output_ids
+    assert alone == batched[2] == batched[7] == cut
+    free = SamplingParams(temperature=1.0, max_new_tokens=12, ignore_eos=True, n=4)
+    assert len({tuple(r.output_ids) for r in client.generate([PROMPTS[2]], free)}) > 1
+
+
 def test_rollouts_stream_back_as_they_finish(client):
     long = client.submit(PROMPTS[0], LONG)
     two = SamplingParams(max_new_tokens=2, ignore_eos=True)  # a sampled EOS would end one early

@@ -173,7 +173,7 @@ def test_stop_ends_a_rollout_and_user_abort_is_final():
         Rollout([1], SamplingParams()).append([1, 2, 3], [0.0, 0.0], [0, 0, 0], None)
 
 
-def test_seeds_are_stable_and_differ_by_prompt_sample_and_progress():
+def test_seeds_are_stable_differ_by_prompt_and_sample_and_hold_across_segments():
     p = SamplingParams(seed=7, n=2)
 
     def seed(prompt, sample, done=()):
@@ -183,7 +183,8 @@ def test_seeds_are_stable_and_differ_by_prompt_sample_and_progress():
 
     a = seed([1, 5], 0)
     assert a == seed([1, 5], 0)  # stable (no Python hash randomisation)
-    assert len({a, seed([1, 6], 0), seed([1, 5], 1), seed([1, 5], 0, [9])}) == 4
+    assert len({a, seed([1, 6], 0), seed([1, 5], 1)}) == 3
+    assert seed([1, 5], 0, [9]) == a  # a resumed segment: the position moves the draw on
     assert Rollout([1], SamplingParams()).next_request(None)[2] is None
 
 

@@ -13,9 +13,10 @@ itself, token ids and per-token log-probs bit for bit:
 * mixed: the 16 in reverse order among 16 other questions (another batch composition).
 
 Twice: greedy, and sampled at temperature 1 with per-request seeds (SGLang's
-``sampling_seed``, from ``rollout.sampling.seed``: rl/generator/types.py). Then the
-same on a server started with SGLang's ``--enable-deterministic-inference``, with the
-batched throughput of both servers measured in this run. Writes
+``sampling_seed``, from ``rollout.sampling.seed``: rl/generator/types.py; a CPU server
+honours them through rl/generator/cpu_seeds.py). Then the same on a server started with
+SGLang's ``--enable-deterministic-inference`` (refused on CPU: its error is recorded),
+with the batched throughput of both measured in this run. Writes
 tools/bench/results/batch_invariance.json.
 """
 

@@ -97,17 +97,18 @@ def main(argv: list[str] | None = None) -> dict:
                        check=True)  # fmt: skip
     target = questions(MODEL, args.questions, 0)
     other = questions(MODEL, args.questions, 100)
+    n = args.max_new_tokens
     modes = {
-        "greedy": SamplingParams(temperature=0, max_new_tokens=args.max_new_tokens,
-                                 ignore_eos=True),  # fmt: skip
-        "sampled_seeded": SamplingParams(temperature=1.0, max_new_tokens=args.max_new_tokens,
-                                         ignore_eos=True, seed=1234),  # fmt: skip
+        "greedy": SamplingParams(temperature=0, max_new_tokens=n, ignore_eos=True),
+        "sampled_seeded": SamplingParams(max_new_tokens=n, ignore_eos=True, seed=1234),
     }
     result: dict = {"model": "smollm2-135m-instruct", "dtype": "float32",
-                    "questions": args.questions, "max_new_tokens": args.max_new_tokens}  # fmt: skip
-    for server, extra in (("default", ()), ("deterministic", ("--enable-deterministic-inference",))):
+                    "questions": args.questions, "max_new_tokens": n}  # fmt: skip
+    servers = (("default", ()), ("deterministic", ("--enable-deterministic-inference",)))
+    for server, extra in servers:
         cfg = ServerConfig(model_path=str(MODEL), dtype="float32", threads=1,
-                           max_total_tokens=16384, context_length=512, extra_args=extra)  # fmt: skip
+                           max_total_tokens=16384, context_length=512,
+                           extra_args=extra)  # fmt: skip
         with tempfile.TemporaryDirectory() as logs:
             try:
                 with ServerLauncher(cfg, n=1, log_dir=Path(logs)) as launcher:

@@ -188,6 +188,9 @@ class SamplingConfig:
     top_k: int = -1
     max_new_tokens: int = 16
     n: int = 1
+    # Each rollout's sampling seed is drawn from this, its prompt and its sample index, and
+    # each token from that seed and its position: the same samples in any batch and across
+    # resumed segments (rl/generator/cpu_seeds.py on CPU). null: random.
     seed: int | None = None
 
 

@@ -190,7 +190,9 @@ class SamplingConfig:
     n: int = 1
     # Each rollout's sampling seed is drawn from this, its prompt and its sample index, and
     # each token from that seed and its position: the same samples in any batch and across
-    # resumed segments (rl/generator/cpu_seeds.py on CPU). null: random.
+    # resumed segments on CPU (rl/generator/cpu_seeds.py); a CUDA server honours it only
+    # when started with SGLang's --enable-deterministic-inference, which the launcher does
+    # not pass. null: random.
     seed: int | None = None
 
 

@@ -23,11 +23,40 @@ Standard library only at import time: it runs before anything else in the proces
 from __future__ import annotations
 
 import importlib.abc
+import importlib.machinery
 import importlib.util
 import random
 import sys
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
+from types import ModuleType
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:  # imported at run time only once SGLang's sampler needs it
+    import torch
+
+
+class _Params(Protocol):
+    sampling_seed: int | None
+
+
+class _Req(Protocol):
+    """The part of SGLang's ``Req`` read here."""
+
+    @property
+    def sampling_params(self) -> _Params: ...
+
+
+class _Batch(Protocol):
+    """The part of SGLang's ``ScheduleBatch`` read here."""
+
+    @property
+    def reqs(self) -> Sequence[_Req]: ...
+
+    @property
+    def device(self) -> str: ...
+
+
+Patch = Callable[[ModuleType], None]
 
 BATCH_INFO = "sglang.srt.sampling.sampling_batch_info"
 SAMPLER = "sglang.srt.layers.sampler"
@@ -38,10 +67,12 @@ _M32 = 0xFFFFFFFF
 class _AfterImport(importlib.abc.MetaPathFinder):
     """Runs ``patches[name](module)`` right after ``name`` is first executed."""
 
-    def __init__(self, patches: dict[str, Callable[[Any], None]]) -> None:
+    def __init__(self, patches: dict[str, Patch]) -> None:
         self.patches = patches
 
-    def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
+    def find_spec(
+        self, name: str, path: Sequence[str] | None, target: ModuleType | None = None
+    ) -> importlib.machinery.ModuleSpec | None:
         fix = self.patches.pop(name, None)
         if fix is None:
             return None
@@ -53,7 +84,7 @@ class _AfterImport(importlib.abc.MetaPathFinder):
             return spec
         run = loader.exec_module
 
-        def exec_module(module: Any) -> None:
+        def exec_module(module: ModuleType) -> None:
             run(module)
             fix(module)
 
@@ -61,7 +92,7 @@ class _AfterImport(importlib.abc.MetaPathFinder):
         return spec
 
 
-def seeds_of(reqs: list[Any]) -> list[int]:
+def seeds_of(reqs: Sequence[_Req]) -> list[int]:
     """Each request's sampling seed, a random one drawn once for a request without."""
     out = []
     for r in reqs:
@@ -72,7 +103,7 @@ def seeds_of(reqs: list[Any]) -> list[int]:
     return out
 
 
-def patch_batch_info(module: Any) -> None:
+def patch_batch_info(module: ModuleType) -> None:
     cls = getattr(module, "SamplingBatchInfo", None)
     original = getattr(cls, "from_schedule_batch", None)
     if getattr(cls, "_msrl_seeds", False):
@@ -82,7 +113,9 @@ def patch_batch_info(module: Any) -> None:
         return
     build = original.__func__
 
-    def from_schedule_batch(klass: Any, batch: Any, vocab_size: int, *args: Any, **kw: Any):
+    def from_schedule_batch(
+        klass: type, batch: _Batch, vocab_size: int, *args: object, **kw: object
+    ) -> object:
         import torch
 
         info = build(klass, batch, vocab_size, *args, **kw)
@@ -95,7 +128,7 @@ def patch_batch_info(module: Any) -> None:
     cls._msrl_seeds = True
 
 
-def _mix(h: Any, k: Any) -> Any:
+def _mix(h: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     """One murmur3 round on 32-bit values held in int64 tensors (the products may wrap
     past 2**63; the low 32 bits, all that is kept, are right either way)."""
     k = (k * 0xCC9E2D51) & _M32
@@ -106,7 +139,7 @@ def _mix(h: Any, k: Any) -> Any:
     return (h * 5 + 0xE6546B64) & _M32
 
 
-def hash32(seed: Any, positions: Any, cols: Any) -> Any:
+def hash32(seed: torch.Tensor, positions: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
     """``[n, m]`` 32-bit hashes of (seed, position) per row and token id per column:
     murmur3 of seed (low, high), position and column, as SGLang's GPU kernel hashes."""
     seed = seed.long()
@@ -122,7 +155,9 @@ def hash32(seed: Any, positions: Any, cols: Any) -> Any:
     return h ^ (h >> 16)
 
 
-def multinomial_with_seed(logprobs: Any, seed: Any, positions: Any) -> Any:
+def multinomial_with_seed(
+    logprobs: torch.Tensor, seed: torch.Tensor, positions: torch.Tensor
+) -> torch.Tensor:
     """``[n, 1]`` token ids, row i drawn from ``softmax(logprobs[i])`` by inverse CDF at one
     uniform hashed from ``(seed[i], positions[i])``: a function of the row alone, so the
     same in any batch. SGLang's own draws a Gumbel variate per vocabulary entry with a CPU
@@ -137,11 +172,12 @@ def multinomial_with_seed(logprobs: Any, seed: Any, positions: Any) -> Any:
     return drawn.clamp_max(logprobs.shape[1] - 1)
 
 
-def patch_sampler(module: Any) -> None:
+def patch_sampler(module: ModuleType) -> None:
     if not hasattr(module, "multinomial_with_seed"):
         _unpatched(f"{SAMPLER}.multinomial_with_seed")
         return
-    module.multinomial_with_seed = multinomial_with_seed
+    # The sampler's functions look it up among the module's globals at each call.
+    vars(module)["multinomial_with_seed"] = multinomial_with_seed
 
 
 def _unpatched(what: str) -> None:
@@ -149,12 +185,12 @@ def _unpatched(what: str) -> None:
           file=sys.stderr)  # fmt: skip
 
 
-PATCHES: dict[str, Callable[[Any], None]] = {BATCH_INFO: patch_batch_info, SAMPLER: patch_sampler}
+PATCHES: dict[str, Patch] = {BATCH_INFO: patch_batch_info, SAMPLER: patch_sampler}
 
 
 def install() -> None:
     """Patch SGLang's sampling as its modules are imported (idempotent)."""
-    todo = {}
+    todo: dict[str, Patch] = {}
     for name, fix in PATCHES.items():
         if name in sys.modules:
             fix(sys.modules[name])

@@ -343,6 +343,10 @@ class RLConfig:
     resume: str = "auto"
     # A reply from another executor that takes longer than this is an error (seconds).
     channel_timeout: float = 1800.0
+    # Runs, and killed-and-resumed runs, that repeat bit for bit: batches and versions set
+    # by the step number (rl/controller/lockstep.py), seeded samples (rollout.sampling.seed,
+    # else trainer.seed) and batch-invariant servers. Costs step time: README.
+    deterministic: bool = False
 
 
 @dataclass

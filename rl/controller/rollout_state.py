@@ -22,6 +22,7 @@ at any moment leaves a resume point naming a complete state file. Format
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import tempfile
@@ -75,7 +76,8 @@ def _group_json(g: Group) -> dict[str, Any]:
             "target_ids": None if e.target_ids is None else list(e.target_ids)}  # fmt: skip
     results = None if g.results is None else [asdict(r) for r in g.results]
     return {"gid": g.gid, "index": g.index, "start_version": g.start_version, "item": item,
-            "rollouts": [_rollout_json(r) for r in g.rollouts], "results": results}  # fmt: skip
+            "rollouts": [_rollout_json(r) for r in g.rollouts], "results": results,
+            "step": g.step}  # fmt: skip
 
 
 def to_json(state: StreamState) -> dict[str, Any]:
@@ -104,6 +106,7 @@ def from_json(d: Any, where: str = "rollout state") -> StreamState:  # a JSON va
                 g["gid"], item, g["start_version"], rollouts,
                 None if results is None else [ScoreResult(**r) for r in results],
                 done=sum(r.finished for r in rollouts), index=g["index"],
+                step=g.get("step", 0),  # files of free-running streams before it had none
             ))  # fmt: skip
         return StreamState(d["step"], d["weight_version"], d["drawn"], dict(d["position"]),
                            groups)  # fmt: skip
@@ -193,18 +196,28 @@ def load(out_dir: str | os.PathLike, point: ResumePoint | None) -> StreamState |
     return state
 
 
+def digest(g: Group) -> str:
+    """A hash of a group's samples: their tokens, log-probs (bit for bit) and versions."""
+    h = hashlib.blake2b(digest_size=8)
+    for r in g.rollouts:
+        h.update(json.dumps([r.output_ids, r.logprobs, r.versions]).encode())
+    return h.hexdigest()
+
+
 def log_trained(
     out_dir: str | os.PathLike, step: int, groups: Sequence[Group], requeued: Sequence[str] = ()
 ) -> None:
-    """One line per RL step: each trained group's prompt (stream index and uid) and its
-    samples' ids, for a group carried over a restart its samples' tokens, log-probs and
-    versions, and the samples re-queued since the last step (their server was lost); so
-    a run's prompts, resumed and re-queued samples can be checked across attempts and
-    server restarts. The records are phase ``rl``: a resumed job drops the lost attempt's
-    lines after its checkpoint as it does its metrics."""
+    """One line per RL step: each trained group's prompt (stream index and uid), its
+    samples' ids and a digest of their tokens, log-probs and versions (two runs that
+    should repeat are compared by it: the first group that differs is where they part),
+    for a group carried over a restart the samples themselves, and the samples re-queued
+    since the last step (their server was lost); so a run's prompts, resumed and
+    re-queued samples can be checked across attempts and server restarts. The records are
+    phase ``rl``: a resumed job drops the lost attempt's lines after its checkpoint as it
+    does its metrics."""
     recs = []
     for g in groups:
-        rec: dict[str, Any] = {"index": g.index, "uid": g.item.uid,
+        rec: dict[str, Any] = {"index": g.index, "uid": g.item.uid, "digest": digest(g),
                                "rids": [r.rid for r in g.rollouts]}  # fmt: skip
         if g.restored_at is not None:
             rec["restored_at"] = g.restored_at

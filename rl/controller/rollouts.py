@@ -62,6 +62,7 @@ class Group:
     index: int = 0  # its prompt's place in the prompt stream (0: the run's first)
     restored_at: int | None = None  # the checkpoint step it was carried over from
     generated_at: float = 0.0  # when its last sample finished (perf_counter)
+    step: int = 0  # the RL step it is drawn for (lockstep streams: rl/controller/lockstep.py)
 
     @property
     def rewards(self) -> list[float]:
@@ -170,10 +171,7 @@ class RolloutStream:
         dropped = self.gate.dropped
         with self._cv:
             while len(batch) < self.gate.per_step:
-                if self._error is not None:
-                    raise self._error
-                if self._closed:
-                    raise StreamClosed("the rollout stream was closed while a batch was awaited")
+                self._wait_check()
                 if not self._ready:
                     self._cv.wait()
                     continue
@@ -182,39 +180,62 @@ class RolloutStream:
                 if self.gate.admit(group.versions, trainer_version):
                     batch.append(group)
                 self._poke()  # room for more groups
-            now = time.perf_counter()
-            since = self._idle_since
-            idle = self._idle_s + (now - since if since is not None else 0.0)
-            span = now - self._window_start
-            lags = Counter(trainer_version - min(g.versions) for g in batch)
-            stats = {
-                "wait_batch_s": now - t0,
-                "gen_tokens_per_s": self._tokens / max(span, 1e-9),
-                "gen_idle_frac": min(idle / max(span, 1e-9), 1.0),
-                # Seconds the servers had work since the last batch (paused ones included):
-                # per batch, what generation costs; and a group's wait for its rewards.
-                "gen_busy_s": max(span - idle, 0.0),
-                "reward_s": self._reward_s / max(self._scored, 1),
-                "dropped": float(self.gate.dropped - dropped),
-                "dropped_total": float(self.gate.dropped),
-                "uniform_skipped_total": float(self.gate.skipped),
-                "resumed_segments": float(self._resumed),
-                "lag_mean": sum(k * n for k, n in lags.items()) / len(batch),
-                "lag_max": float(max(lags)),
-                **{f"lag_{k}": float(n) for k, n in sorted(lags.items())},
-                **self._restored,
-            }
-            self._restored = {}
-            self._tokens = self._resumed = self._scored = 0
-            self._idle_s, self._reward_s, self._window_start = 0.0, 0.0, now
-            if since is not None:
-                self._idle_since = now
-        return batch, stats
+            return batch, self._window(batch, trainer_version, t0, dropped)
+
+    def _wait_check(self) -> None:
+        """Raise, instead of waiting on, a stream that failed or was closed."""
+        if self._error is not None:
+            raise self._error
+        if self._closed:
+            raise StreamClosed("the rollout stream was closed while a batch was awaited")
+
+    def _window(
+        self, batch: list[Group], trainer_version: int, t0: float, dropped: int
+    ) -> dict[str, float]:
+        """The generation stats since the last batch (under the lock), and a new window."""
+        now = time.perf_counter()
+        since = self._idle_since
+        idle = self._idle_s + (now - since if since is not None else 0.0)
+        span = now - self._window_start
+        lags = Counter(trainer_version - min(g.versions) for g in batch)
+        stats = {
+            "wait_batch_s": now - t0,
+            "gen_tokens_per_s": self._tokens / max(span, 1e-9),
+            "gen_idle_frac": min(idle / max(span, 1e-9), 1.0),
+            # Seconds the servers had work since the last batch (paused ones included):
+            # per batch, what generation costs; and a group's wait for its rewards.
+            "gen_busy_s": max(span - idle, 0.0),
+            "reward_s": self._reward_s / max(self._scored, 1),
+            "dropped": float(self.gate.dropped - dropped),
+            "dropped_total": float(self.gate.dropped),
+            "uniform_skipped_total": float(self.gate.skipped),
+            "resumed_segments": float(self._resumed),
+            "lag_mean": sum(k * n for k, n in lags.items()) / len(batch),
+            "lag_max": float(max(lags)),
+            **{f"lag_{k}": float(n) for k, n in sorted(lags.items())},
+            **self._restored,
+        }
+        self._restored = {}
+        self._tokens = self._resumed = self._scored = 0
+        self._idle_s, self._reward_s, self._window_start = 0.0, 0.0, now
+        if since is not None:
+            self._idle_since = now
+        return stats
 
     @property
     def parked(self) -> int:
         with self._cv:
             return len(self._parked)
+
+    def _held(self) -> list[Group]:
+        """Every group drawn and not trained on: the scored queue first, in its order."""
+        pending = [g for g, _ in self._gen.values()] + [g for g, _ in self._parked]
+        return [*self._ready, *pending, *self._scoring.values()]
+
+    def finish_round(self) -> float:
+        """Before a weight push: nothing to wait for in a free-running stream (a segment
+        on a server continues under the new version). Seconds waited."""
+        return 0.0
 
     def snapshot(self) -> StreamState:
         """Everything drawn from the prompt stream and not yet trained on, with the
@@ -224,9 +245,7 @@ class RolloutStream:
         client may be appending to it right now). Copies: the stream runs on."""
         with self._cv:
             sent = {id(cast("RolloutFuture", f).rollout): n for f, (_, n) in self._gen.items()}
-            pending = [g for g, _ in self._gen.values()] + [g for g, _ in self._parked]
-            pending += self._scoring.values()
-            groups = {g.gid: g for g in [*self._ready, *pending]}  # queue order first
+            groups = {g.gid: g for g in self._held()}  # the first place of each
 
             def cut(r: Rollout) -> Rollout:
                 n = sent.get(id(r))
@@ -323,18 +342,21 @@ class RolloutStream:
                             group.results = list(f.result())
                             self._reward_s += time.perf_counter() - group.generated_at
                             self._scored += 1
-                            if self.drop_uniform is not None and self.drop_uniform(group):
-                                self.consumed += 1
-                                self.gate.skip()
-                                self._uniform_in_a_row(group)
-                                continue
-                            self._uniform_run = 0
-                            self._ready.append(group)
-                            self._cv.notify_all()
+                            self._on_scored(group)
         except BaseException as e:
             with self._cv:
                 self._error = e
                 self._cv.notify_all()
+
+    def _on_scored(self, group: Group) -> None:
+        if self.drop_uniform is not None and self.drop_uniform(group):
+            self.consumed += 1
+            self.gate.skip()
+            self._uniform_in_a_row(group)
+            return
+        self._uniform_run = 0
+        self._ready.append(group)
+        self._cv.notify_all()
 
     def _start_groups(self) -> None:
         while self.gate.may_start(self.started, self.consumed, self.committed, self.first):

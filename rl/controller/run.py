@@ -24,6 +24,7 @@ from rl.config.sampling import SamplingParams
 from rl.controller import rollout_state
 from rl.controller.batch import build_batch, no_signal
 from rl.controller.evaluate import Evaluator, score_items
+from rl.controller.lockstep import LockstepStream
 from rl.controller.prefetch import Background, BatchPrefetch
 from rl.controller.recovery import ServerRecovery
 from rl.controller.rollouts import Group, RolloutStream, StreamState
@@ -60,7 +61,8 @@ def rollout_sampling(cfg: RootConfig, task: Task) -> SamplingParams:
     tokenizer as well as the model's."""
     s = SamplingParams.from_config(cfg.rollout.sampling, n=cfg.algorithm.group_size)
     stops = tuple(dict.fromkeys((*s.stop_token_ids, *task.codec.eos_ids)))
-    return replace(s, stop_token_ids=stops)
+    seed = cfg.trainer.seed if s.seed is None and cfg.rl.deterministic else s.seed
+    return replace(s, stop_token_ids=stops, seed=seed)
 
 
 class RLRun:
@@ -154,10 +156,14 @@ class RLRun:
         def uniform(g: Group) -> bool:
             return no_signal(g.rollouts, g.rewards, a.overlong, a.overlong_penalty)
 
-        stream = RolloutStream(client, score, lambda: next(self.prompts), sampling, gate,
-                               self.sync.weight_version, cfg.rollout.segment_tokens,
-                               drop_uniform=uniform if a.drop_uniform_groups else None,
-                               position=self.prompts.position)  # fmt: skip
+        drop = uniform if a.drop_uniform_groups else None
+        args = (client, score, lambda: next(self.prompts), sampling, gate,
+                self.sync.weight_version)  # fmt: skip
+        seg, where = cfg.rollout.segment_tokens, self.prompts.position
+        if cfg.rl.deterministic:  # batches and versions set by the step number
+            stream: RolloutStream = LockstepStream(*args, self.steps, seg, drop, where)
+        else:
+            stream = RolloutStream(*args, seg, drop_uniform=drop, position=where)
         if saved is not None:
             print(f"rollout state of step {saved.step}: {stream.restore(saved)}", flush=True)
         return stream.start()
@@ -172,7 +178,7 @@ class RLRun:
     def step(self, step: int) -> None:
         """Train on the next batch, push the weights, log; the batch of the step after is
         taken meanwhile."""
-        assert self.client and self.recovery and self.books, "step before setup"
+        assert self.client and self.recovery and self.books and self.stream, "step before setup"
         version = self.sync.weight_version
         groups, batch, m = self.fetch.take(version)  # usually taken during the last step
         with self.sync.lock:  # no server re-push between a step and the push of its weights
@@ -180,6 +186,7 @@ class RLRun:
             if step < self.steps and not self._saves(step):  # a save snapshots the stream
                 self.fetch.request(version + 1)  # the version this step's push publishes
             m.update(self.trainer.train(step, batch))
+            m["round_wait_s"] = self.stream.finish_round()  # a lockstep round's last segments
             t_push = time.perf_counter()
             m.update(self.push().metrics())
         m["train_call_s"], m["push_call_s"] = t_push - t_train, time.perf_counter() - t_push

@@ -22,14 +22,13 @@ Standard library only at import time: it runs before anything else in the proces
 
 from __future__ import annotations
 
-import importlib.abc
-import importlib.machinery
-import importlib.util
 import random
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from types import ModuleType
 from typing import TYPE_CHECKING, Protocol
+
+from rl.generator.after_import import Patch, patch_on_import
 
 if TYPE_CHECKING:  # imported at run time only once SGLang's sampler needs it
     import torch
@@ -56,40 +55,10 @@ class _Batch(Protocol):
     def device(self) -> str: ...
 
 
-Patch = Callable[[ModuleType], None]
-
 BATCH_INFO = "sglang.srt.sampling.sampling_batch_info"
 SAMPLER = "sglang.srt.layers.sampler"
 _rng = random.SystemRandom()
 _M32 = 0xFFFFFFFF
-
-
-class _AfterImport(importlib.abc.MetaPathFinder):
-    """Runs ``patches[name](module)`` right after ``name`` is first executed."""
-
-    def __init__(self, patches: dict[str, Patch]) -> None:
-        self.patches = patches
-
-    def find_spec(
-        self, name: str, path: Sequence[str] | None, target: ModuleType | None = None
-    ) -> importlib.machinery.ModuleSpec | None:
-        fix = self.patches.pop(name, None)
-        if fix is None:
-            return None
-        if not self.patches:
-            sys.meta_path.remove(self)
-        spec = importlib.util.find_spec(name)  # the real one: ``name`` is no longer ours
-        loader = spec.loader if spec is not None else None
-        if loader is None or not hasattr(loader, "exec_module"):
-            return spec
-        run = loader.exec_module
-
-        def exec_module(module: ModuleType) -> None:
-            run(module)
-            fix(module)
-
-        loader.exec_module = exec_module  # type: ignore[method-assign]
-        return spec
 
 
 def seeds_of(reqs: Sequence[_Req]) -> list[int]:
@@ -190,11 +159,4 @@ PATCHES: dict[str, Patch] = {BATCH_INFO: patch_batch_info, SAMPLER: patch_sample
 
 def install() -> None:
     """Patch SGLang's sampling as its modules are imported (idempotent)."""
-    todo: dict[str, Patch] = {}
-    for name, fix in PATCHES.items():
-        if name in sys.modules:
-            fix(sys.modules[name])
-        else:
-            todo[name] = fix
-    if todo and not any(isinstance(f, _AfterImport) for f in sys.meta_path):
-        sys.meta_path.insert(0, _AfterImport(todo))
+    patch_on_import(PATCHES)

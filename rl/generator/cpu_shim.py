@@ -27,6 +27,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from rl.generator.cpu_batch_invariant import BATCH_INVARIANT_ENV
+
 STUB = '''"""Stub of vllm._custom_ops written by rl/generator/cpu_shim.py (see its header).
 
 SGLang imports rotary_embedding from here at import time; on CPU it never calls it.
@@ -42,15 +44,18 @@ def rotary_embedding(*args, **kwargs):
 
 
 # Run by Python at the start of every process of a CPU server (the shim's directory comes
-# first on its path): per-request sampling seeds, rl/generator/cpu_seeds.py.
-SITE = '''"""Written by rl/generator/cpu_shim.py: runs rl/generator/cpu_seeds.py."""
+# first on its path): per-request sampling seeds (rl/generator/cpu_seeds.py), and for a
+# deterministic run batch-invariant products (rl/generator/cpu_batch_invariant.py).
+SITE = '''"""Written by rl/generator/cpu_shim.py: runs rl/generator/cpu_seeds.py, and
+rl/generator/cpu_batch_invariant.py when the launcher asked for it."""
 
 try:
-    from rl.generator import cpu_seeds
+    from rl.generator import cpu_batch_invariant, cpu_seeds
 except ImportError:
     pass
 else:
     cpu_seeds.install()
+    cpu_batch_invariant.install()
 '''
 
 
@@ -73,12 +78,17 @@ def write_stub(root: Path) -> Path:
 
 
 def server_env(
-    device: str, shim_root: Path, env: dict[str, str], threads: int | None = None
+    device: str,
+    shim_root: Path,
+    env: dict[str, str],
+    threads: int | None = None,
+    batch_invariant: bool = False,
 ) -> dict[str, str]:
     """The environment for one SGLang server process on ``device``.
 
     ``threads`` caps the server's intra-op threads (OMP/MKL); None keeps torch's default
-    (all cores)."""
+    (all cores). ``batch_invariant``: pad small products (rl/generator/
+    cpu_batch_invariant.py)."""
     out = dict(env)
     # This checkout, for the DDMA receiver SGLang imports as a custom weight loader.
     paths = [str(Path(__file__).resolve().parents[2])]
@@ -92,4 +102,6 @@ def server_env(
     if threads is not None:
         for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
             out[var] = str(threads)
+    if batch_invariant:
+        out[BATCH_INVARIANT_ENV] = "1"
     return out

@@ -85,6 +85,10 @@ class ServerConfig:
     # whose weights all come by DDMA before its first rollout (an FP8 server started from
     # a bf16 checkpoint: fp8_serving_dir).
     load_format: str | None = None
+    # A request's tokens and log-probs the same whatever it is batched with (a
+    # deterministic run): on CPU our padded products (rl/generator/cpu_batch_invariant.py,
+    # measured bit-equal); on CUDA SGLang's own --enable-deterministic-inference.
+    batch_invariant: bool = False
 
     def validate(self) -> None:
         """Reject what can never start, before any process is spawned."""
@@ -156,6 +160,8 @@ class ServerConfig:
         if self.device == "cpu":
             # Warmup sends a text request, which needs the tokenizer we skip.
             args.append("--skip-server-warmup")
+        elif self.batch_invariant:
+            args.append("--enable-deterministic-inference")
         return args + list(self.extra_args)
 
 
@@ -329,7 +335,8 @@ class ServerLauncher:
 
     def _spawn(self, s: Server) -> None:
         env = {**os.environ, **self.config.env}
-        env = server_env(self.config.device, self._shim, env, self.config.threads)
+        env = server_env(self.config.device, self._shim, env, self.config.threads,
+                         batch_invariant=self.config.batch_invariant)  # fmt: skip
         # -I: the guard imports nothing from here (its own folder would shadow "types").
         guard = [sys.executable, "-I", str(GUARD), "--owner", str(os.getpid())]
         guard += ["--grace", str(STOP_GRACE_S), "--listen", f"{self.config.host}:{s.port}", "--"]

@@ -100,7 +100,7 @@ def serve(cfg: RootConfig, job: Job) -> None:
         # training (the controller on node 0) and generation (rl/plan/placement.py), so
         # every client is remote: listen on the one address they are given, not on all.
         host = host_address() if cfg.cluster.nodes > 1 else "127.0.0.1"
-        server = replace(server, host=host, keys=job_keys())
+        server = replace(server, host=host, keys=job_keys(), batch_invariant=cfg.rl.deterministic)
         with ServerLauncher(server, n=n, log_dir=out / "logs") as launcher:
             reply.put(Up(job.role_rank, launcher.urls, path))
             stop = threading.Event()

@@ -117,17 +117,19 @@ class Rollout:
     def next_request(self, segment_tokens: int | None) -> tuple[list[int], int, int | None]:
         """(input ids, max new tokens, seed) of the next segment.
 
-        The seed is a hash of the run's seed, the prompt's ids and the sample index: stable
-        across runs and processes, different for every prompt and sample, and the same for
-        every segment. SGLang's seeded sampler draws each token from (seed, position), so a
-        rollout cut and resumed anywhere samples what it would have sampled uncut."""
+        The seed is a hash of the run's seed, the group, the prompt's ids and the sample
+        index: stable across runs and processes, different for every prompt, group and
+        sample (a prompt drawn twice is sampled afresh), and the same for every segment.
+        SGLang's seeded sampler draws each token from (seed, position), so a rollout cut
+        and resumed anywhere samples what it would have sampled uncut."""
         if self.finished:
             raise RequestError(f"rollout {self.rid} is finished ({self.finish_reason})")
         budget = self.remaining if segment_tokens is None else min(segment_tokens, self.remaining)
         ids = self.prompt_ids + self.output_ids
         seed = self.sampling.seed
         if seed is not None:
-            key = f"{seed}:{self.sample_index}:{','.join(map(str, self.prompt_ids))}".encode()
+            prompt = ",".join(map(str, self.prompt_ids))
+            key = f"{seed}:{self.group}:{self.sample_index}:{prompt}".encode()
             seed = int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") >> 1
         return ids, budget, seed
 

@@ -49,10 +49,10 @@ def _parked_in_checkpoint(out: Path) -> bool:
                for g in state["groups"] for r in g["rollouts"])  # fmt: skip
 
 
-def _start(out: Path, log: Path) -> subprocess.Popen:
+def _start(out: Path, log: Path, args: list[str] = ARGS) -> subprocess.Popen:
     with log.open("w") as f:
         return subprocess.Popen(
-            [sys.executable, "-m", "rl.train", *ARGS, f"run.output_dir={out}"],
+            [sys.executable, "-m", "rl.train", *args, f"run.output_dir={out}"],
             cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=f,
             stderr=subprocess.STDOUT, text=True, start_new_session=True,
         )  # fmt: skip
@@ -113,6 +113,32 @@ def _kill_marked(mark: str, grace_s: float = 30.0) -> list[str]:
     return left
 
 
+def _kill_at(job: subprocess.Popen, out: Path, log: Path, step: int = 0) -> None:
+    """SIGKILL ``job`` right after a checkpoint (of ``step`` or later) that holds partial
+    samples, and check that none of its processes outlives it."""
+    mark = None
+    try:
+        deadline = time.monotonic() + 900
+        while not (_parked_in_checkpoint(out) and _saved_step(out) >= step):
+            assert job.poll() is None, log.read_text()[-4000:]
+            assert time.monotonic() < deadline, "no checkpoint with partial samples"
+            time.sleep(0.05)
+        mark = _job_mark(out)
+    finally:
+        os.killpg(job.pid, signal.SIGKILL)
+        job.wait()
+        marked = _kill_marked(mark) if mark else []
+    assert _kill_leftovers(out) == [], "a SIGKILLed job left processes behind"
+    assert marked == [], f"a SIGKILLed job left processes behind: {marked}"
+
+
+def _saved_step(out: Path) -> int:
+    try:
+        return int(json.loads((out / "rl_state.json").read_text())["step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return 0
+
+
 @pytest.mark.long(
     reason="two attempts of one job, each starting its ranks and an SGLang server (~25 s), "
     "the first SIGKILLed once a checkpoint holds parked rollouts: 81-110 s measured"
@@ -121,21 +147,7 @@ def test_a_killed_job_resumes_its_parked_rollouts_and_its_prompt_stream(tmp_path
     from rl.tasks.kinds.arithmetic import ArithmeticTask
 
     out = tmp_path / "run"
-    first = _start(out, tmp_path / "attempt1.log")
-    mark = None
-    try:  # kill right after a checkpoint that holds partial samples
-        deadline = time.monotonic() + 900
-        while not _parked_in_checkpoint(out):
-            assert first.poll() is None, (tmp_path / "attempt1.log").read_text()[-4000:]
-            assert time.monotonic() < deadline, "no checkpoint with partial samples"
-            time.sleep(0.05)
-        mark = _job_mark(out)
-    finally:
-        os.killpg(first.pid, signal.SIGKILL)
-        first.wait()
-        marked = _kill_marked(mark) if mark else []
-    assert _kill_leftovers(out) == [], "a SIGKILLed job left processes behind"
-    assert marked == [], f"a SIGKILLed job left processes behind: {marked}"
+    _kill_at(_start(out, tmp_path / "attempt1.log"), out, tmp_path / "attempt1.log")
     point = json.loads((out / "rl_state.json").read_text())
     resumed_from = point["step"]
     saved = json.loads((out / point["rollouts"]).read_text())
@@ -221,3 +233,62 @@ def test_resume_never_refuses_a_run_dir_that_holds_a_resume_point(tmp_path):
     last = res.stderr.strip().splitlines()[-1]
     assert last.startswith(f"resume error: rl.resume=never but {tmp_path}/rl_state.json holds")
     assert "starting" not in res.stdout
+
+
+# A deterministic run (rl.deterministic): async with lag 1, two servers, 2-token segments.
+DETERMINISTIC = ["sft.steps=5", "sft.eval_every=5", "task.eval_size=32",
+                 "rl.prompts_per_step=8", "rl.steps=4", "rl.eval_every=2", "rl.save_interval=2",
+                 "rollout.segment_tokens=2", "rollout.servers=2",
+                 "rl.deterministic=true"]  # fmt: skip
+# Step metrics that time things (or count what a resumed attempt does differently).
+TIMED = ("gen_idle_frac", "trainer_idle_frac", "resumed_segments", "uniform_skipped_total")
+
+
+def _untimed(rec: dict) -> dict:
+    return {k: v for k, v in rec.items()
+            if not (k.endswith(("_s", "_per_s", "time")) or k in TIMED
+                    or k.startswith("resume_"))}  # fmt: skip
+
+
+def _tensors(ckpt: Path) -> dict[str, bytes]:
+    """Every file of a Megatron checkpoint's tensor data, by name."""
+    return {p.name: p.read_bytes() for p in sorted(ckpt.glob("*.distcp"))}
+
+
+@pytest.mark.long(
+    reason="one deterministic job and a second one SIGKILLed after a checkpoint and "
+    "resumed: three starts of the ranks and two SGLang servers (~25 s each)"
+)
+def test_a_deterministic_job_repeats_and_resumes_bit_for_bit(tmp_path):
+    """Two runs of the same job, the second killed right after step 2's checkpoint (while
+    samples are cut mid-response) and resumed: every step trains the same prompts on the
+    same samples (tokens, log-probs, versions), logs the same numbers (timings aside), and
+    the final weights are bit-equal."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    whole = _start(a, tmp_path / "a.log", DETERMINISTIC)
+    _kill_at(_start(b, tmp_path / "b1.log", DETERMINISTIC), b, tmp_path / "b1.log", step=2)
+    assert _saved_step(b) == 2
+    again = _start(b, tmp_path / "b2.log", DETERMINISTIC)
+    try:
+        assert whole.wait(timeout=900) == 0, (tmp_path / "a.log").read_text()[-4000:]
+        assert again.wait(timeout=900) == 0, (tmp_path / "b2.log").read_text()[-4000:]
+    finally:
+        for job in (whole, again):
+            if job.poll() is None:
+                os.killpg(job.pid, signal.SIGKILL)
+        _kill_leftovers(a), _kill_leftovers(b)
+    assert "resuming from RL step 2" in (tmp_path / "b2.log").read_text()
+    recs = [[r for r in _jsonl(run / "metrics.jsonl") if r["phase"] in ("rl", "rl_eval")]
+            for run in (a, b)]  # fmt: skip
+    assert [r["step"] for r in recs[0] if r["phase"] == "rl"] == [1, 2, 3, 4]
+    assert [_untimed(r) for r in recs[0]] == [_untimed(r) for r in recs[1]]
+    trained = [[[(g["uid"], g["digest"]) for g in rec["groups"]]
+                for rec in _jsonl(run / "trained_prompts.jsonl")] for run in (a, b)]  # fmt: skip
+    assert len(trained[0]) == 4 and trained[0] == trained[1]
+    # The resumed attempt's carried-over groups: samples cut mid-response by the kill.
+    resumed = [r for rec in _jsonl(b / "trained_prompts.jsonl") for g in rec["groups"]
+               for r in g.get("rollouts", ())]  # fmt: skip
+    assert any(len(set(r["versions"])) > 1 for r in resumed), "no sample spans two versions"
+    ta, tb = _tensors(a / "checkpoint"), _tensors(b / "checkpoint")
+    assert ta and ta.keys() == tb.keys()
+    assert [k for k in ta if ta[k] != tb[k]] == []

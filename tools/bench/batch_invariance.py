@@ -32,6 +32,7 @@ from bench_util import write_result
 
 from rl.config.sampling import SamplingParams
 from rl.generator.client import GeneratorClient
+from rl.generator.cpu_batch_invariant import BATCH_INVARIANT_ENV
 from rl.generator.launcher import ServerConfig, ServerError, ServerLauncher
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -104,11 +105,17 @@ def main(argv: list[str] | None = None) -> dict:
     }
     result: dict = {"model": "smollm2-135m-instruct", "dtype": "float32",
                     "questions": args.questions, "max_new_tokens": n}  # fmt: skip
-    servers = (("default", ()), ("deterministic", ("--enable-deterministic-inference",)))
-    for server, extra in servers:
+    invariant = {BATCH_INVARIANT_ENV: "1"}
+    servers = (
+        ("default", (), {}),
+        ("deterministic", ("--enable-deterministic-inference",), {}),
+        ("batch_invariant", (), invariant),
+        ("batch_invariant_no_radix_cache", ("--disable-radix-cache",), invariant),
+    )
+    for server, extra, env in servers:
         cfg = ServerConfig(model_path=str(MODEL), dtype="float32", threads=1,
                            max_total_tokens=16384, context_length=512,
-                           extra_args=extra)  # fmt: skip
+                           extra_args=extra, env=env)  # fmt: skip
         with tempfile.TemporaryDirectory() as logs:
             try:
                 with ServerLauncher(cfg, n=1, log_dir=Path(logs)) as launcher:
@@ -121,11 +128,11 @@ def main(argv: list[str] | None = None) -> dict:
                 out = {"error": lines[0], "log_tail": lines[-3:]}
         result[server] = out
         print(f"[bench] {server}: {out}", flush=True)
-    d, n = result["deterministic"], result["default"]
-    if "error" not in d:
-        result["deterministic_throughput_ratio"] = (
-            d["greedy"]["batched_tokens_per_s"] / n["greedy"]["batched_tokens_per_s"]
-        )
+    base = result["default"]["greedy"]["batched_tokens_per_s"]
+    for server, _, _ in servers[1:]:
+        if "error" not in result[server]:
+            tps = result[server]["greedy"]["batched_tokens_per_s"]
+            result[f"{server}_throughput_ratio"] = tps / base
     write_result(result, args.out)
     return result
 

@@ -1,0 +1,202 @@
+"""The deterministic run's rollout stream (rl/controller/lockstep.py) against a fake
+generator whose segments and scores come back after random delays: the batches, every
+token's version and the prompt order repeat whatever the timing, a resumed stream goes on
+exactly as the uninterrupted one, and the free-running stream, driven the same way, does
+not repeat (so the comparison can fail). The real job: tests/servers/test_deterministic_job.py."""
+
+from __future__ import annotations
+
+import hashlib
+import random
+import threading
+import time
+from concurrent.futures import Future
+
+import pytest
+
+from rl.config.sampling import SamplingParams
+from rl.controller import rollout_state
+from rl.controller.lockstep import LockstepStream
+from rl.controller.rollouts import RolloutStream
+from rl.controller.staleness import StalenessGate
+from rl.generator.types import Rollout, new_rid
+from rl.tasks.common import Example
+from rl.tasks.scoring import ScoreResult
+
+SAMPLING = SamplingParams(n=3, max_new_tokens=6)
+EOS = 0
+
+
+def _token(r: Rollout, pos: int, version: int) -> int:
+    key = f"{r.group}:{r.sample_index}:{r.prompt_ids}:{pos}:{version}".encode()
+    return hashlib.blake2b(key, digest_size=2).digest()[0] % 7  # 0 (EOS) one time in 7
+
+
+class _JitterClient:
+    """Samples a token from (group, sample, prompt, position, version): a function of what
+    a deterministic server's sample is a function of. Each segment returns after a random
+    delay; ``version`` is what the servers hold (the test pushes)."""
+
+    def __init__(self, seed: int, version: int = 1) -> None:
+        self.rng, self.version = random.Random(seed), version
+
+    def submit(self, prompt_ids, sampling, group=None, segment_tokens=None, rid_prefix=""):
+        rollouts = [Rollout(list(prompt_ids), sampling, i, group, rid=new_rid(rid_prefix))
+                    for i in range(sampling.n)]  # fmt: skip
+        return self.resume_many(rollouts, segment_tokens)
+
+    def resume_many(self, rollouts, segment_tokens=None):
+        out = []
+        for r in rollouts:
+            f: Future = Future()
+            f.rollout = r
+            out.append(f)
+            threading.Timer(self.rng.random() * 0.004, self._segment,
+                            (f, r, segment_tokens, self.version)).start()  # fmt: skip
+        return out
+
+    def _segment(self, f: Future, r: Rollout, segment_tokens, version: int) -> None:
+        _, budget, _ = r.next_request(segment_tokens)
+        ids: list[int] = []
+        while len(ids) < budget:
+            ids.append(_token(r, len(r.output_ids) + len(ids), version))
+            if ids[-1] == EOS:
+                break
+        reason = "stop" if ids[-1] == EOS else "length"
+        r.append(ids, [-0.5] * len(ids), [version] * len(ids), reason)
+        f.set_result(r)
+
+    def abort_all(self):
+        pass
+
+
+class _Prompts:
+    def __init__(self, start: int = 0) -> None:
+        self.drawn = start
+
+    def __call__(self) -> Example:
+        i, self.drawn = self.drawn, self.drawn + 1
+        return Example(f"p{i}", (i + 1, 9), "")
+
+    def position(self) -> dict:
+        return {"drawn": self.drawn}
+
+
+def _score(rng: random.Random):
+    def score(group):  # a group of a prompt divisible by 4 is uniform (all 1)
+        uniform = group.item.prompt_ids[0] % 4 == 0
+        rewards = [1.0 if uniform else float(len(r.output_ids) % 2) for r in group.rollouts]
+        if not uniform and len(set(rewards)) == 1:
+            rewards[0] = 1 - rewards[0]
+        f: Future = Future()
+        threading.Timer(rng.random() * 0.004, f.set_result,
+                        ([ScoreResult(x) for x in rewards],)).start()  # fmt: skip
+        return f
+
+    return score
+
+
+def _stream(cls, client, seed, prompts, version, lag, seg, last):
+    gate = StalenessGate(lag, per_step=2)
+    uniform = lambda g: len(set(g.rewards)) == 1  # noqa: E731
+    if cls is LockstepStream:
+        return LockstepStream(client, _score(random.Random(seed)), prompts, SAMPLING, gate,
+                              version, last, seg, uniform, prompts.position)  # fmt: skip
+    return RolloutStream(client, _score(random.Random(seed)), prompts, SAMPLING, gate, version,
+                         seg, drop_uniform=uniform, position=prompts.position)  # fmt: skip
+
+
+def _record(groups) -> list:
+    return [(g.step, g.item.uid, [(r.output_ids, r.versions) for r in g.rollouts])
+            for g in groups]  # fmt: skip
+
+
+def _steps(stream, client, first: int, last: int, log: list, save_at: int | None = None,
+           settle_s: float = 0.0):  # fmt: skip
+    """The controller's order: take step s, (train), finish the round, push s+1; at
+    ``save_at``, a snapshot ``settle_s`` after the push."""
+    for s in range(first, last + 1):
+        time.sleep(random.random() * 0.003)  # training takes a while
+        groups, _ = stream.next_batch(s)
+        log.append(_record(groups))
+        stream.finish_round()
+        client.version = s + 1
+        stream.commit(s + 1)
+        if s == save_at:
+            time.sleep(settle_s)
+            return stream.snapshot()
+    return None
+
+
+def _run(cls, seed: int, lag: int, seg: int | None, last: int = 6) -> list:
+    client, prompts, log = _JitterClient(seed), _Prompts(), []
+    stream = _stream(cls, client, seed, prompts, 1, lag, seg, last).start()
+    try:
+        _steps(stream, client, 1, last, log)
+    finally:
+        stream.close()
+    return log
+
+
+@pytest.mark.parametrize(("lag", "seg"), [(0, None), (1, None), (2, None), (1, 2), (2, 2)])
+def test_batches_and_versions_repeat_whatever_the_timing(lag, seg):
+    first = _run(LockstepStream, 0, lag, seg)
+    assert _run(LockstepStream, 1, lag, seg) == first
+    for s, groups in enumerate(first, start=1):
+        assert len(groups) == 2 and all(step == s for step, _, _ in groups)
+        versions = [v for _, _, samples in groups for _, vs in samples for v in vs]
+        start = max(1, s - lag)
+        assert min(versions) >= start and max(versions) <= s
+        if seg is None:  # a group runs to its end in the round it starts in
+            assert set(versions) == {start}
+    if seg is not None and lag:  # samples longer than a segment span versions
+        assert any(len(set(vs)) > 1 for g in first for _, _, ss in g for _, vs in ss)
+    uids = [int(uid[1:]) for g in first for _, uid, _ in g]
+    assert all(u % 4 != 3 for u in uids)  # uniform groups (prompt id % 4 == 0) replaced
+
+
+def test_the_free_running_stream_does_not_repeat():
+    """The same driver and timing noise: arrival order decides the free-running batches
+    (what makes the lockstep comparison above able to fail)."""
+    runs = [_run(RolloutStream, seed, 2, 2) for seed in range(4)]
+    assert any(r != runs[0] for r in runs[1:])
+
+
+@pytest.mark.parametrize(
+    ("lag", "seg", "save_at", "settle_s"),
+    [(1, 2, 2, 0.0), (2, 2, 3, 0.0), (2, 2, 3, 0.1), (2, None, 2, 0.0), (2, None, 2, 0.1)],
+)
+def test_a_resumed_stream_goes_on_as_the_uninterrupted_one(lag, seg, save_at, settle_s):
+    """Saved after a save step's push (as RLRun.save does), through the JSON file, into a
+    new stream on a new client: the rest of the run is the uninterrupted run's. Saved at
+    once, the round's segments are on the servers (cut back, run again); saved 0.1 s
+    later, they are back and parked until the next round."""
+    whole = _run(LockstepStream, 5, lag, seg)
+    client, prompts, log = _JitterClient(6), _Prompts(), []
+    stream = _stream(LockstepStream, client, 6, prompts, 1, lag, seg, 6).start()
+    try:
+        state = _steps(stream, client, 1, 6, log, save_at, settle_s)
+    finally:
+        stream.close()
+    assert state is not None
+    state = rollout_state.from_json(rollout_state.to_json(state))
+    client2, prompts2 = _JitterClient(7, version=save_at + 1), _Prompts(state.drawn)
+    resumed = _stream(LockstepStream, client2, 7, prompts2, save_at + 1, lag, seg, 6)
+    resumed.restore(state)
+    resumed.start()
+    try:
+        _steps(resumed, client2, save_at + 1, 6, log)
+    finally:
+        resumed.close()
+    assert log == whole
+
+
+def test_a_round_goes_one_version_at_a_time():
+    client, prompts = _JitterClient(0), _Prompts()
+    stream = _stream(LockstepStream, client, 0, prompts, 1, 1, None, 4).start()
+    try:
+        stream.commit(1)  # a restarted server's re-push of the same version: nothing new
+        with pytest.raises(RuntimeError, match="one version at a time: 1 -> 3"):
+            stream.commit(3)
+    finally:
+        stream.close()

@@ -9,6 +9,9 @@ It is then started again with the same arguments. The second attempt must resume
 checkpoint's parked and in-flight samples from their saved tokens (same tokens, behaviour
 log-probs and versions; newer versions after), train on every prompt of the one prompt
 stream exactly once across both attempts, and log each step once.
+
+With ``rl.deterministic=true`` more holds: a killed-and-resumed run ends bit-equal to an
+uninterrupted one (samples, logged numbers, checkpoint bytes; tools/compare_runs.py).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from rl.runtime.supervise import MARK_ENV
 from tests.helpers.procs import live_tagged
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tools"))
 STEPS = 12
 ARGS = ["sft.steps=5", "sft.eval_every=5", "task.eval_size=32", "rl.prompts_per_step=8",
         f"rl.steps={STEPS}", "rl.eval_every=0", "rl.save_interval=1",
@@ -236,28 +240,19 @@ def test_resume_never_refuses_a_run_dir_that_holds_a_resume_point(tmp_path):
 
 
 # A deterministic run (rl.deterministic): async with lag 1, two servers, 2-token segments.
+# After 5 warm-up steps no answer is right; a response cut at max_new_tokens (~40%) is
+# penalised, so groups carry a signal and every step moves the weights, and groups
+# without one are replaced.
 DETERMINISTIC = ["sft.steps=5", "sft.eval_every=5", "task.eval_size=32",
                  "rl.prompts_per_step=8", "rl.steps=4", "rl.eval_every=2", "rl.save_interval=2",
-                 "rollout.segment_tokens=2", "rollout.servers=2",
-                 "rl.deterministic=true"]  # fmt: skip
-# Step metrics that time things (or count what a resumed attempt does differently).
-TIMED = ("gen_idle_frac", "trainer_idle_frac", "resumed_segments", "uniform_skipped_total")
-
-
-def _untimed(rec: dict) -> dict:
-    return {k: v for k, v in rec.items()
-            if not (k.endswith(("_s", "_per_s", "time")) or k in TIMED
-                    or k.startswith("resume_"))}  # fmt: skip
-
-
-def _tensors(ckpt: Path) -> dict[str, bytes]:
-    """Every file of a Megatron checkpoint's tensor data, by name."""
-    return {p.name: p.read_bytes() for p in sorted(ckpt.glob("*.distcp"))}
+                 "rollout.segment_tokens=2", "rollout.servers=2", "algorithm.overlong=penalise",
+                 "algorithm.drop_uniform_groups=true", "rl.deterministic=true"]  # fmt: skip
 
 
 @pytest.mark.long(
     reason="one deterministic job and a second one SIGKILLed after a checkpoint and "
-    "resumed: three starts of the ranks and two SGLang servers (~25 s each)"
+    "resumed: three starts of the ranks and two SGLang servers (~25 s each), the first "
+    "two side by side on two cores: 175-191 s measured"
 )
 def test_a_deterministic_job_repeats_and_resumes_bit_for_bit(tmp_path):
     """Two runs of the same job, the second killed right after step 2's checkpoint (while
@@ -278,17 +273,13 @@ def test_a_deterministic_job_repeats_and_resumes_bit_for_bit(tmp_path):
                 os.killpg(job.pid, signal.SIGKILL)
         _kill_leftovers(a), _kill_leftovers(b)
     assert "resuming from RL step 2" in (tmp_path / "b2.log").read_text()
-    recs = [[r for r in _jsonl(run / "metrics.jsonl") if r["phase"] in ("rl", "rl_eval")]
-            for run in (a, b)]  # fmt: skip
-    assert [r["step"] for r in recs[0] if r["phase"] == "rl"] == [1, 2, 3, 4]
-    assert [_untimed(r) for r in recs[0]] == [_untimed(r) for r in recs[1]]
-    trained = [[[(g["uid"], g["digest"]) for g in rec["groups"]]
-                for rec in _jsonl(run / "trained_prompts.jsonl")] for run in (a, b)]  # fmt: skip
-    assert len(trained[0]) == 4 and trained[0] == trained[1]
+    from compare_runs import compare, metrics  # tools/compare_runs.py
+
+    steps = [r for r in metrics(a) if r["phase"] == "rl"]
+    assert [r["step"] for r in steps] == [1, 2, 3, 4]
+    assert all(r["grad_norm"] > 0 for r in steps)  # the weights move every step
+    assert compare(a, b) == {"samples": None, "metrics": None, "checkpoint": None}
     # The resumed attempt's carried-over groups: samples cut mid-response by the kill.
     resumed = [r for rec in _jsonl(b / "trained_prompts.jsonl") for g in rec["groups"]
                for r in g.get("rollouts", ())]  # fmt: skip
     assert any(len(set(r["versions"])) > 1 for r in resumed), "no sample spans two versions"
-    ta, tb = _tensors(a / "checkpoint"), _tensors(b / "checkpoint")
-    assert ta and ta.keys() == tb.keys()
-    assert [k for k in ta if ta[k] != tb[k]] == []

@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING
 from rl.config.sglang import layout_problem
 from rl.generator import server_api
 from rl.generator.cpu_shim import server_env
+from rl.generator.loopback_store import STORE_ENV
 from rl.generator.server_api import ServerKeys
 from rl.runtime.net import free_port
 
@@ -337,6 +338,11 @@ class ServerLauncher:
         env = {**os.environ, **self.config.env}
         env = server_env(self.config.device, self._shim, env, self.config.threads,
                          batch_invariant=self.config.batch_invariant)  # fmt: skip
+        # The scheduler's torch.distributed store, fresh for each start (a file, not a
+        # port on every interface: rl/generator/loopback_store.py; CPU servers only).
+        store = s.log_path.with_suffix(".store")
+        store.unlink(missing_ok=True)
+        env[STORE_ENV] = str(store)
         # -I: the guard imports nothing from here (its own folder would shadow "types").
         guard = [sys.executable, "-I", str(GUARD), "--owner", str(os.getpid())]
         guard += ["--grace", str(STOP_GRACE_S), "--listen", f"{self.config.host}:{s.port}", "--"]

@@ -1,0 +1,65 @@
+"""SGLang's scheduler store as a file, not a TCP port open to the network (imported at
+start-up in every process of a CPU server, by the ``sitecustomize`` that
+rl/generator/cpu_shim.py writes).
+
+Why: each SGLang server initialises torch.distributed for its TP group with
+``tcp://127.0.0.1:<port>``, and torch's TCPStore server listens on every interface
+whatever host it is given: anyone who reaches the machine could connect to the
+scheduler's store (``ss -ltn`` showed it on ``*`` during the tiny job, the one listener of
+the job not on loopback). When the address is a loopback one, every rank of the group is
+on this machine, and a ``file://`` store in the server's own log directory does the same
+job with no socket at all.
+
+What it replaces, once ``sglang.srt.distributed.bootstrap`` is imported: the module's
+``init_distributed_environment`` is wrapped to turn a loopback ``tcp://`` init method
+into ``file://`` + the path the launcher gives in ``STORE_ENV`` (a fresh file per server
+start). Any other address (a server spanning nodes) is left as it is. Versions: sglang
+0.5.23, torch 2.14.1. On CUDA the shim is not installed, so a GPU server's store still
+listens on every interface.
+
+Standard library only at import time: it runs before anything else in the process.
+"""
+
+from __future__ import annotations
+
+import os
+from types import ModuleType
+from urllib.parse import urlsplit
+
+from rl.generator.after_import import Patch, patch_on_import
+
+STORE_ENV = "MSRL_SGLANG_STORE"
+BOOTSTRAP = "sglang.srt.distributed.bootstrap"
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def local_method(method: object, path: str) -> object:
+    """``file://path`` for a ``tcp://`` method on a loopback address, else ``method``."""
+    if not isinstance(method, str) or not method.startswith("tcp://"):
+        return method
+    return f"file://{path}" if urlsplit(method).hostname in LOOPBACK else method
+
+
+def patch_bootstrap(module: ModuleType) -> None:
+    """Wrap the bootstrap's ``init_distributed_environment`` (idempotent)."""
+    original = getattr(module, "init_distributed_environment", None)
+    if original is None or getattr(original, "_msrl_file_store", False):
+        return
+
+    def init_distributed_environment(*args: object, **kw: object) -> object:
+        path = os.environ.get(STORE_ENV)
+        if path and "distributed_init_method" in kw:
+            kw["distributed_init_method"] = local_method(kw["distributed_init_method"], path)
+        return original(*args, **kw)
+
+    init_distributed_environment._msrl_file_store = True  # type: ignore[attr-defined]
+    vars(module)["init_distributed_environment"] = init_distributed_environment
+
+
+PATCHES: dict[str, Patch] = {BOOTSTRAP: patch_bootstrap}
+
+
+def install() -> None:
+    """Patch the bootstrap once imported, if the launcher gave a store path."""
+    if os.environ.get(STORE_ENV):
+        patch_on_import(PATCHES)

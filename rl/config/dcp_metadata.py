@@ -66,8 +66,8 @@ class RefusedPickle(pickle.UnpicklingError):
     """A ``.metadata`` that names something other than checkpoint metadata: one line with
     the file and the name; nothing it names was imported or called."""
 
-    def __init__(self, where: str, what: str) -> None:
-        super().__init__(f"{where}: refused: it would load {what}, not checkpoint metadata")
+    def __init__(self, where: str, what: str, instead_of: str = "checkpoint metadata") -> None:
+        super().__init__(f"{where}: refused: it would load {what}, not {instead_of}")
         self.where, self.what = where, what
 
 

@@ -1,4 +1,5 @@
-"""Patch: torch DCP reads a checkpoint's ``.metadata`` with a restricted unpickler.
+"""Patch: torch DCP reads a checkpoint's ``.metadata`` with a restricted unpickler, and
+its non-tensor items with ``weights_only`` unpickling.
 
 Why: ``FileSystemReader.read_metadata`` unpickles ``.metadata`` with ``pickle.load``, so a
 checkpoint directory someone else wrote ran code in every rank that loaded it (a
@@ -11,6 +12,14 @@ refused index raises :class:`~rl.config.dcp_metadata.RefusedPickle`, one line na
 file, with nothing it names imported or run.
 Replaces: ``torch.distributed.checkpoint.filesystem.FileSystemReader.read_metadata`` (the
 same body, with ``pickle.load`` replaced and the result checked to be a ``Metadata``).
+
+The same holds for the data files: an item the index calls bytes (a non-tensor value) is
+read by ``DefaultLoadPlanner.load_bytes`` with ``torch.load(weights_only=False)``, so an
+index that called a tensor of the loader's bytes, and a ``.distcp`` holding a pickled
+``exec`` there, ran code too. Replaces ``DefaultLoadPlanner.load_bytes`` (Megatron's
+planner inherits it): the same body with ``weights_only=True`` (plain containers, numbers,
+strings and tensors, what our checkpoints' non-tensor items are), and a refusal raised as
+:class:`~rl.config.dcp_metadata.RefusedPickle` naming the item.
 Versions: torch 2.14.1, as used by Megatron-Core 0.16.1. On every device: this is not a
 CPU shim, so it is not one of megatron_patches' (which do nothing on CUDA).
 
@@ -63,8 +72,37 @@ def apply() -> bool:
 
         read_metadata._msrl_original = reader.read_metadata  # type: ignore[attr-defined]
         reader.read_metadata = read_metadata  # type: ignore[method-assign]
+        _guard_load_bytes()
         _applied = True
         return True
+
+
+def _guard_load_bytes() -> None:
+    import io
+    import pickle
+    import re
+
+    import torch
+    from torch.distributed.checkpoint._traverse import set_element
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+    from torch.distributed.checkpoint.planner import ReadItem
+
+    def load_bytes(self: DefaultLoadPlanner, read_item: ReadItem, value: io.BytesIO) -> None:
+        fqn = read_item.dest_index.fqn
+        try:
+            obj = torch.load(value, weights_only=True)
+        except pickle.UnpicklingError as e:  # torch names the global it refused
+            found = re.search(r"GLOBAL (\S+)", str(e))
+            what = found.group(1) if found else "an object weights_only refuses"
+            raise dcp_metadata.RefusedPickle(
+                f"checkpoint item {fqn!r}", what, "plain data"
+            ) from None
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[fqn], obj)
+        else:
+            self.state_dict[fqn] = obj
+
+    DefaultLoadPlanner.load_bytes = load_bytes  # type: ignore[method-assign]
 
 
 def applied() -> bool:

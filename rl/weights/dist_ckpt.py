@@ -98,6 +98,9 @@ def load(state: dict[str, Any], path: str | os.PathLike) -> dict[str, Any]:
     except RefusedPickle as e:  # where no collective wrapped it: it names the file itself
         raise CheckpointError(f"checkpoint {str(p)!r} cannot be loaded: {e}") from None
     except (CheckpointException, EOFError, pickle.UnpicklingError, RuntimeError) as e:
+        first = first_failure(e)
+        if isinstance(first, RefusedPickle):  # an item that would run code
+            raise CheckpointError(f"checkpoint {str(p)!r} cannot be loaded: {first}") from None
         try:
             problem = ckpt_check.problem(p)
         except OSError as err:
@@ -105,9 +108,15 @@ def load(state: dict[str, Any], path: str | os.PathLike) -> dict[str, Any]:
         if problem is None and isinstance(e, RuntimeError):
             raise  # the files look whole: not a damaged checkpoint, keep the traceback
         if problem is None:  # CheckpointException: one failure per rank
-            first = next(iter((getattr(e, "failures", None) or {}).values()), e)
             problem = f"cannot be read: {type(first).__name__} {first}".rstrip()
         raise CheckpointError(f"checkpoint {str(p)!r} {problem}") from None
+
+
+def first_failure(e: BaseException) -> BaseException:
+    """The first rank's exception inside DCP's CheckpointException (which holds an
+    (exception, traceback) pair per rank), or ``e`` itself."""
+    failures = getattr(e, "failures", None) or {}
+    return next((exc for exc, _ in failures.values()), e)
 
 
 def write(state: dict[str, Any], path: str, keep_previous: bool = False) -> None:

@@ -141,3 +141,46 @@ def test_torch_dcp_reader_loads_real_metadata_and_refuses_code(tmp_path: Path) -
     index.write_bytes(pickle.dumps({"not": "an index"}))
     with pytest.raises(dm.RefusedPickle, match="it would load a dict, not checkpoint metadata"):
         FileSystemReader(str(ckpt)).read_metadata()
+
+
+class _Touch:
+    """Unpickled, it creates the file at ``path`` (an ``exec`` payload, as a class)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return (exec, (f"open({str(self.path)!r}, 'w').close()",))
+
+
+def test_a_non_tensor_item_that_would_run_code_is_refused_naming_it(tmp_path: Path) -> None:
+    """DCP reads an item its index calls bytes with ``torch.load(weights_only=False)``;
+    guarded, with ``weights_only=True``: the step and a config dict still load, a pickled
+    ``exec`` in the data file is refused in one line naming the item, and never runs."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from rl.weights import dcp_guard
+
+    marker = tmp_path / "pwned"
+    good, evil = tmp_path / "good", tmp_path / "evil"
+    with warnings.catch_warnings():  # "assuming ... a single process": as intended
+        warnings.simplefilter("ignore")
+        dcp.save({"w": torch.ones(2), "extra": {"step": 3, "lr": [1e-3]}},
+                 checkpoint_id=str(good), no_dist=True)  # fmt: skip
+        dcp.save({"w": torch.ones(2), "extra": _Touch(marker)}, checkpoint_id=str(evil),
+                 no_dist=True)  # fmt: skip
+    dcp_guard.apply()
+    back = {"w": torch.empty(2), "extra": {"step": 0, "lr": [0.0]}}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.load(back, checkpoint_id=str(good), no_dist=True)
+        assert back["extra"] == {"step": 3, "lr": [1e-3]}
+        with pytest.raises(BaseException) as e:  # DCP's CheckpointException is one
+            dcp.load({"w": torch.empty(2), "extra": None}, checkpoint_id=str(evil), no_dist=True)
+    assert not marker.exists()
+    from rl.weights.dist_ckpt import first_failure  # how the trainer's load reports it
+
+    refused = first_failure(e.value)
+    assert isinstance(refused, dm.RefusedPickle)
+    assert str(refused) == "checkpoint item 'extra': refused: it would load exec, not plain data"

@@ -46,20 +46,20 @@ def rotary_embedding(*args, **kwargs):
 # Run by Python at the start of every process of a CPU server (the shim's directory comes
 # first on its path): per-request sampling seeds (rl/generator/cpu_seeds.py), for a
 # deterministic run batch-invariant products (rl/generator/cpu_batch_invariant.py), and
-# the scheduler's store as a file rather than a port on every interface
-# (rl/generator/loopback_store.py).
-SITE = '''"""Written by rl/generator/cpu_shim.py: runs rl/generator/cpu_seeds.py, and
-rl/generator/cpu_batch_invariant.py and rl/generator/loopback_store.py when the launcher
-asked for them."""
+# no store port on every interface nor semaphore left behind
+# (rl/generator/server_footprint.py).
+SITE = '''"""Written by rl/generator/cpu_shim.py: runs rl/generator/cpu_seeds.py,
+rl/generator/server_footprint.py, and rl/generator/cpu_batch_invariant.py when the
+launcher asked for it."""
 
 try:
-    from rl.generator import cpu_batch_invariant, cpu_seeds, loopback_store
+    from rl.generator import cpu_batch_invariant, cpu_seeds, server_footprint
 except ImportError:
     pass
 else:
     cpu_seeds.install()
     cpu_batch_invariant.install()
-    loopback_store.install()
+    server_footprint.install()
 '''
 
 

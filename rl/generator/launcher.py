@@ -39,8 +39,8 @@ from typing import TYPE_CHECKING
 from rl.config.sglang import layout_problem
 from rl.generator import server_api
 from rl.generator.cpu_shim import server_env
-from rl.generator.loopback_store import STORE_ENV
 from rl.generator.server_api import ServerKeys
+from rl.generator.server_footprint import STORE_ENV
 from rl.runtime.net import free_port
 
 if TYPE_CHECKING:
@@ -339,7 +339,7 @@ class ServerLauncher:
         env = server_env(self.config.device, self._shim, env, self.config.threads,
                          batch_invariant=self.config.batch_invariant)  # fmt: skip
         # The scheduler's torch.distributed store, fresh for each start (a file, not a
-        # port on every interface: rl/generator/loopback_store.py; CPU servers only).
+        # port on every interface: rl/generator/server_footprint.py; CPU servers only).
         store = s.log_path.with_suffix(".store")
         store.unlink(missing_ok=True)
         env[STORE_ENV] = str(store)

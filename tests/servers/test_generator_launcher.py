@@ -105,7 +105,7 @@ def test_server_whose_port_was_taken_starts_on_another(model_dir, tmp_path):
             listening = group_listeners(os.getpgid(s.proc.pid))
             assert [ip for ip, port, _ in listening if port == s.port] == ["127.0.0.1"]
             # Nothing of the server listens on every interface: its scheduler's store is
-            # a file (rl/generator/loopback_store.py), the rest binds to loopback.
+            # a file (rl/generator/server_footprint.py), the rest binds to loopback.
             assert [x for x in listening if x[0] not in ("127.0.0.1", "::1")] == []
             launcher.stop(grace=0)  # nothing in flight: no drain
     log = (tmp_path / "server0.log").read_text()

@@ -76,10 +76,17 @@ def _no_server_left(out: Path) -> None:
         time.sleep(0.5)
 
 
+def _semaphores() -> set[str]:
+    """multiprocessing's named semaphores in /dev/shm: a server's tqdm made one that its
+    stop left behind, every run (rl/generator/server_footprint.py)."""
+    return {n for n in os.listdir("/dev/shm") if n.startswith("sem.mp-")}
+
+
 def test_async_job_streams_rollouts_within_the_lag_bound(tmp_path):
     """With two minibatches per batch (algorithm.minibatches), as a user turns sample
-    reuse on."""
+    reuse on. The run leaves no named semaphore behind."""
     out = tmp_path / "run"
+    semaphores = _semaphores()
     res = _run(*SHORT, "rl.steps=6", "rl.eval_every=3", "rollout.segment_tokens=2",
                "algorithm.minibatches=2", "trainer.micro_batch_size=32",
                f"run.output_dir={out}")  # fmt: skip
@@ -107,6 +114,7 @@ def test_async_job_streams_rollouts_within_the_lag_bound(tmp_path):
     assert (out / "warmup" / "metadata.json").exists()  # the warm-up checkpoint
     assert "done: held-out accuracy" in res.stdout
     _no_server_left(out)
+    assert _semaphores() - semaphores == set()
 
 
 def test_sync_job_trains_on_exactly_the_sampled_distribution(tmp_path):

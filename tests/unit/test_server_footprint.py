@@ -1,6 +1,7 @@
-"""The scheduler-store patch of CPU servers (rl/generator/loopback_store.py), without a
-server: only a loopback ``tcp://`` method becomes a file, and the patch goes in once.
-A server listening on nothing but loopback: tests/servers/test_generator_launcher.py."""
+"""The footprint patches of CPU servers (rl/generator/server_footprint.py), without a
+server: only a loopback ``tcp://`` store becomes a file, tqdm makes no multiprocessing
+lock, and each patch goes in once. A server listening on nothing but loopback and leaving
+no semaphore: tests/servers/test_generator_launcher.py."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import types
 
 import pytest
 
-from rl.generator import loopback_store as ls
+from rl.generator import server_footprint as ls
 
 
 @pytest.mark.parametrize(
@@ -37,3 +38,21 @@ def test_the_bootstrap_is_wrapped_once(monkeypatch):
     monkeypatch.delenv(ls.STORE_ENV)
     module.init_distributed_environment(distributed_init_method="tcp://127.0.0.1:5")
     assert seen == ["file:///run/s.store", "tcp://127.0.0.1:5"]
+
+
+def test_tqdm_makes_no_semaphore():
+    """tqdm makes its lock only if the class has none: with ``mp_lock`` set to None, no
+    named semaphore (``/dev/shm/sem.mp-*``, left behind by a killed process tree)."""
+
+    class Lock:  # tqdm.std.TqdmDefaultWriteLock's logic
+        @classmethod
+        def create_mp_lock(cls):
+            if not hasattr(cls, "mp_lock"):
+                cls.mp_lock = "a multiprocessing RLock"
+
+    module = types.ModuleType(ls.TQDM)
+    module.TqdmDefaultWriteLock = Lock
+    ls.patch_tqdm(module)
+    ls.patch_tqdm(module)
+    Lock.create_mp_lock()
+    assert Lock.mp_lock is None

@@ -1,21 +1,30 @@
-"""SGLang's scheduler store as a file, not a TCP port open to the network (imported at
-start-up in every process of a CPU server, by the ``sitecustomize`` that
+"""What a CPU server would otherwise leave open or behind on the machine: its scheduler's
+store on a port of every interface, and a semaphore in ``/dev/shm`` after it stops
+(imported at start-up in every process of a CPU server, by the ``sitecustomize`` that
 rl/generator/cpu_shim.py writes).
 
-Why: each SGLang server initialises torch.distributed for its TP group with
+The store. Each SGLang server initialises torch.distributed for its TP group with
 ``tcp://127.0.0.1:<port>``, and torch's TCPStore server listens on every interface
 whatever host it is given: anyone who reaches the machine could connect to the
 scheduler's store (``ss -ltn`` showed it on ``*`` during the tiny job, the one listener of
 the job not on loopback). When the address is a loopback one, every rank of the group is
 on this machine, and a ``file://`` store in the server's own log directory does the same
-job with no socket at all.
+job with no socket at all. Replaces, once ``sglang.srt.distributed.bootstrap`` is
+imported: the module's ``init_distributed_environment``, wrapped to turn a loopback
+``tcp://`` init method into ``file://`` + the path the launcher gives in ``STORE_ENV`` (a
+fresh file per server start). Any other address (a server spanning nodes) is left as it
+is.
 
-What it replaces, once ``sglang.srt.distributed.bootstrap`` is imported: the module's
-``init_distributed_environment`` is wrapped to turn a loopback ``tcp://`` init method
-into ``file://`` + the path the launcher gives in ``STORE_ENV`` (a fresh file per server
-start). Any other address (a server spanning nodes) is left as it is. Versions: sglang
-0.5.23, torch 2.14.1. On CUDA the shim is not installed, so a GPU server's store still
-listens on every interface.
+The semaphore. Loading weights, SGLang shows a tqdm bar, and tqdm's first bar creates a
+multiprocessing ``RLock`` (for bars of several processes): a named semaphore
+``/dev/shm/sem.mp-*``, which the resource tracker would unlink, but stopping a server
+kills its process tree, tracker included, so every run of the job left one (found by
+logging every ``SemLock`` the job's processes made). Replaces, once ``tqdm.std`` is
+imported: ``TqdmDefaultWriteLock.mp_lock`` is set to None, so tqdm keeps only its
+thread lock (bars of one process; the servers' are).
+
+Versions: sglang 0.5.23, torch 2.14.1, tqdm 4.x. On CUDA the shim is not installed, so
+a GPU server's store still listens on every interface and its semaphore stays.
 
 Standard library only at import time: it runs before anything else in the process.
 """
@@ -30,6 +39,7 @@ from rl.generator.after_import import Patch, patch_on_import
 
 STORE_ENV = "MSRL_SGLANG_STORE"
 BOOTSTRAP = "sglang.srt.distributed.bootstrap"
+TQDM = "tqdm.std"
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
@@ -56,10 +66,16 @@ def patch_bootstrap(module: ModuleType) -> None:
     vars(module)["init_distributed_environment"] = init_distributed_environment
 
 
-PATCHES: dict[str, Patch] = {BOOTSTRAP: patch_bootstrap}
+def patch_tqdm(module: ModuleType) -> None:
+    """tqdm without its multiprocessing lock (idempotent)."""
+    lock = getattr(module, "TqdmDefaultWriteLock", None)
+    if lock is not None and not hasattr(lock, "mp_lock"):
+        lock.mp_lock = None
 
 
 def install() -> None:
-    """Patch the bootstrap once imported, if the launcher gave a store path."""
+    """No tqdm semaphore; the bootstrap's store a file if the launcher gave its path."""
+    patches: dict[str, Patch] = {TQDM: patch_tqdm}
     if os.environ.get(STORE_ENV):
-        patch_on_import(PATCHES)
+        patches[BOOTSTRAP] = patch_bootstrap
+    patch_on_import(patches)

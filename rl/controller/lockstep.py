@@ -78,10 +78,10 @@ class LockstepStream(RolloutStream):
         """The round a step's groups must be finished and settled in."""
         return step if self.segment_tokens else max(self.first, step - self.lag)
 
-    def _budget(self, step: int) -> int | None:
-        """The segment a sample of ``step`` runs in the current round: to its end in the
-        round it is due in, else one ``segment_tokens`` segment."""
-        return None if self._due(step) <= self.committed else self.segment_tokens
+    def _budget(self, group: Group) -> int | None:
+        """The segment a sample of ``group`` runs in the current round: to its end in the
+        round its step is due in, else one ``segment_tokens`` segment."""
+        return None if self._due(group.step) <= self.committed else self.segment_tokens
 
     def _open_round(self) -> None:
         """Round ``committed`` begins: its new steps' prompts are drawn, in step order,
@@ -89,21 +89,9 @@ class LockstepStream(RolloutStream):
         v = self.committed
         if self._restored_round:  # begun by the saved run: drawn, parked ones done
             return
-        new = (
-            range(v, v + self.lag + 1) if v == self.first else range(v + self.lag, v + self.lag + 1)
-        )
-        for step in new:
-            if step <= self.last:
-                self._steps[step] = [self._draw(step) for _ in range(self.gate.per_step)]
-        parked, self._parked = self._parked, []
-        by_group: dict[int, tuple[Group, list[Rollout]]] = {}
-        for group, r in parked:
-            by_group.setdefault(group.gid, (group, []))[1].append(r)
-        for group, rollouts in sorted(by_group.values(), key=lambda x: x[0].gid):
-            self._resumed += len(rollouts)
-            budget = self._budget(group.step)
-            for f, r in zip(self.client.resume_many(rollouts, budget), rollouts, strict=True):
-                self._gen[f] = (group, len(r.output_ids))
+        for step in range(v if v == self.first else v + self.lag, min(v + self.lag, self.last) + 1):
+            self._steps[step] = [self._draw(step) for _ in range(self.gate.per_step)]
+        self._resume_parked()
 
     def _draw(self, step: int) -> Group:
         item = self.next_item()
@@ -111,7 +99,7 @@ class LockstepStream(RolloutStream):
         self.drawn += 1
         self.started += 1
         futures = self.client.submit(list(item.prompt_ids), self.sampling, group=group.gid,
-                                     segment_tokens=self._budget(step),
+                                     segment_tokens=self._budget(group),
                                      rid_prefix=self._rid_prefix)  # fmt: skip
         for f in futures:
             group.rollouts.append(f.rollout)
@@ -237,9 +225,7 @@ class LockstepStream(RolloutStream):
                     if r.versions and r.versions[-1] == self.committed:
                         self._parked.append((g, r))  # this round's segment is done
                     else:  # its segment of this round was on a server: again
-                        budget = self._budget(g.step)
-                        for f in self.client.resume_many([r], budget):
-                            self._gen[f] = (g, len(r.output_ids))
+                        self._resume(g, [r])
                         resumed += 1
             self.started += len(state.groups)
             self.drawn = state.drawn

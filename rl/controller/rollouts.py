@@ -375,10 +375,14 @@ class RolloutStream:
                 self._gen[f] = (group, 0)
             self.started += 1
 
+    def _budget(self, group: Group) -> int | None:
+        """The new tokens a sample of ``group`` may take in its next segment."""
+        return self.segment_tokens
+
     def _resume(self, group: Group, rollouts: list[Rollout]) -> None:
         """One request per group: its parked samples continue together."""
         self._resumed += len(rollouts)
-        futures = self.client.resume_many(rollouts, self.segment_tokens)
+        futures = self.client.resume_many(rollouts, self._budget(group))
         for f, r in zip(futures, rollouts, strict=True):
             self._gen[f] = (group, len(r.output_ids))
 

@@ -113,10 +113,11 @@ def load(state: dict[str, Any], path: str | os.PathLike) -> dict[str, Any]:
 
 
 def first_failure(e: BaseException) -> BaseException:
-    """The first rank's exception inside DCP's CheckpointException (which holds an
-    (exception, traceback) pair per rank), or ``e`` itself."""
-    failures = getattr(e, "failures", None) or {}
-    return next((exc for exc, _ in failures.values()), e)
+    """The first rank's exception inside DCP's CheckpointException (torch's holds an
+    (exception, traceback) pair per rank; a bare exception is taken as it is), or ``e``."""
+    for failure in (getattr(e, "failures", None) or {}).values():
+        return failure[0] if isinstance(failure, tuple) else failure
+    return e
 
 
 def write(state: dict[str, Any], path: str, keep_previous: bool = False) -> None:

@@ -12,6 +12,7 @@ from rl.config.roles import RoleError, RoleMap
 from rl.controller.batch import build_batch
 from rl.controller.staleness import StalenessGate
 from tests.helpers.configs import composed
+from tests.helpers.fake_generator import InstantClient
 
 
 def _r(prompt, out, logprobs=None, versions=None, finish="stop"):
@@ -196,29 +197,6 @@ def test_role_map_rejects_missing_executors():
     assert RoleMap.from_config(composed(["rl.steps=0"])).world_size == 3
 
 
-class _InstantClient:
-    """Finishes every sample at once with one token: ``prompt_ids[0]`` (the tests' reward
-    reads it back), so a stream can be driven without a server."""
-
-    def submit(self, prompt_ids, sampling, group=None, segment_tokens=None, rid_prefix=""):
-        from concurrent.futures import Future
-
-        from rl.generator.types import Rollout, new_rid
-
-        out = []
-        for i in range(sampling.n):
-            r = Rollout(list(prompt_ids), sampling, i, group, rid=new_rid(rid_prefix))
-            r.append([prompt_ids[0]], [-0.1], [1], "stop")
-            f: Future = Future()
-            f.rollout = r
-            f.set_result(r)
-            out.append(f)
-        return out
-
-    def abort_all(self):
-        pass
-
-
 def test_uniform_groups_are_skipped_counted_and_replaced():
     """Dynamic sampling: a group whose rewards are all equal has no advantage; the stream
     skips it, counts it, and the batch is refilled with groups that carry signal."""
@@ -237,7 +215,7 @@ def test_uniform_groups_are_skipped_counted_and_replaced():
 
     prompts = (Example(f"p{i}", (i, 7), "") for i in range(1000))
     gate = StalenessGate(max_lag=1, mode="throttle", per_step=3)
-    stream = RolloutStream(_InstantClient(), score, lambda: next(prompts),
+    stream = RolloutStream(InstantClient(), score, lambda: next(prompts),
                            SamplingParams(n=4), gate, 1,
                            drop_uniform=lambda g: len(set(g.rewards)) == 1)  # fmt: skip
     stream.start()
@@ -260,12 +238,10 @@ def test_a_stream_of_nothing_but_uniform_groups_warns_then_stops(capsys):
     from rl.tasks.common import Example
     from rl.tasks.scoring import ScoreResult
 
-    class _CutClient(_InstantClient):
-        def submit(self, *args, **kwargs):
-            out = super().submit(*args, **kwargs)
-            for f in out:
-                f.rollout.finish_reason = "length"
-            return out
+    class _CutClient(InstantClient):
+        def started(self, f, r, segment_tokens):
+            super().started(f, r, segment_tokens)
+            r.finish_reason = "length"
 
     def score(group):
         f: Future = Future()
@@ -312,7 +288,7 @@ def test_a_resumed_stream_never_reuses_an_earlier_attempts_rollout_ids():
     def batch(restore: StreamState | None) -> list[str]:
         prompts = (Example(f"p{i}", (i + 1, 7), "") for i in range(100))
         gate = StalenessGate(max_lag=1, mode="throttle", per_step=2)
-        stream = RolloutStream(_InstantClient(), score, lambda: next(prompts),
+        stream = RolloutStream(InstantClient(), score, lambda: next(prompts),
                                SamplingParams(n=2), gate, 3)  # fmt: skip
         if restore is not None:
             stream.restore(restore)

@@ -19,9 +19,10 @@ from rl.controller import rollout_state
 from rl.controller.lockstep import LockstepStream
 from rl.controller.rollouts import RolloutStream
 from rl.controller.staleness import StalenessGate
-from rl.generator.types import Rollout, new_rid
+from rl.generator.types import Rollout
 from rl.tasks.common import Example
 from rl.tasks.scoring import ScoreResult
+from tests.helpers.fake_generator import FakeClient
 
 SAMPLING = SamplingParams(n=3, max_new_tokens=6)
 EOS = 0
@@ -32,7 +33,7 @@ def _token(r: Rollout, pos: int, version: int) -> int:
     return hashlib.blake2b(key, digest_size=2).digest()[0] % 7  # 0 (EOS) one time in 7
 
 
-class _JitterClient:
+class _JitterClient(FakeClient):
     """Samples a token from (group, sample, prompt, position, version): a function of what
     a deterministic server's sample is a function of. Each segment returns after a random
     delay; ``version`` is what the servers hold (the test pushes)."""
@@ -40,20 +41,9 @@ class _JitterClient:
     def __init__(self, seed: int, version: int = 1) -> None:
         self.rng, self.version = random.Random(seed), version
 
-    def submit(self, prompt_ids, sampling, group=None, segment_tokens=None, rid_prefix=""):
-        rollouts = [Rollout(list(prompt_ids), sampling, i, group, rid=new_rid(rid_prefix))
-                    for i in range(sampling.n)]  # fmt: skip
-        return self.resume_many(rollouts, segment_tokens)
-
-    def resume_many(self, rollouts, segment_tokens=None):
-        out = []
-        for r in rollouts:
-            f: Future = Future()
-            f.rollout = r
-            out.append(f)
-            threading.Timer(self.rng.random() * 0.004, self._segment,
-                            (f, r, segment_tokens, self.version)).start()  # fmt: skip
-        return out
+    def started(self, f: Future, r: Rollout, segment_tokens: int | None) -> None:
+        threading.Timer(self.rng.random() * 0.004, self._segment,
+                        (f, r, segment_tokens, self.version)).start()  # fmt: skip
 
     def _segment(self, f: Future, r: Rollout, segment_tokens, version: int) -> None:
         _, budget, _ = r.next_request(segment_tokens)
@@ -65,9 +55,6 @@ class _JitterClient:
         reason = "stop" if ids[-1] == EOS else "length"
         r.append(ids, [-0.5] * len(ids), [version] * len(ids), reason)
         f.set_result(r)
-
-    def abort_all(self):
-        pass
 
 
 class _Prompts:

@@ -16,7 +16,7 @@ from rl.controller.weight_sync import WeightSync
 from rl.tasks.common import Example
 from rl.tasks.scoring import ScoreResult
 from rl.trainer.service import Pushed
-from tests.unit.test_controller_logic import _InstantClient
+from tests.helpers.fake_generator import InstantClient, SilentClient
 from tests.unit.test_weight_sync import FakeTarget, FakeTrainer
 
 
@@ -79,7 +79,7 @@ def _stream(score_delay: float = 0.0) -> tuple[RolloutStream, StalenessGate]:
 
     prompts = (Example(f"p{i}", (i + 1, 7), "") for i in range(10_000))
     gate = StalenessGate(max_lag=0, mode="throttle", per_step=2)
-    stream = RolloutStream(_InstantClient(), score, lambda: next(prompts),
+    stream = RolloutStream(InstantClient(), score, lambda: next(prompts),
                            SamplingParams(n=2), gate, 1)  # fmt: skip
     return stream, gate
 
@@ -99,22 +99,9 @@ def test_the_stream_reports_generation_and_reward_time_per_batch():
     assert 0 <= stats["gen_busy_s"] <= span + 0.05
 
 
-class _SilentClient(_InstantClient):
-    """Accepts every request and never answers it."""
-
-    def submit(self, prompt_ids, sampling, group=None, segment_tokens=None, rid_prefix=""):
-        out = super().submit(prompt_ids, sampling, group, segment_tokens, rid_prefix)
-        silent = []
-        for f in out:
-            g: Future = Future()
-            g.rollout = f.rollout  # type: ignore[attr-defined]
-            silent.append(g)
-        return silent
-
-
 def test_closing_the_stream_wakes_a_waiting_batch():
     prompts = (Example(f"p{i}", (i + 1, 7), "") for i in range(100))
-    stream = RolloutStream(_SilentClient(), lambda g: Future(), lambda: next(prompts),
+    stream = RolloutStream(SilentClient(), lambda g: Future(), lambda: next(prompts),
                            SamplingParams(n=2), StalenessGate(0, per_step=2), 1)  # fmt: skip
     stream.start()
     box: list[BaseException] = []

@@ -17,14 +17,15 @@ from rl.controller import rollout_state
 from rl.controller.rollout_state import RolloutStateError
 from rl.controller.rollouts import Group, RolloutStream, StreamState
 from rl.controller.staleness import StalenessGate
-from rl.generator.types import Rollout, new_rid
+from rl.generator.types import Rollout
 from rl.tasks.common import Example
 from rl.tasks.scoring import ScoreResult
+from tests.helpers.fake_generator import FakeClient
 
 SAMPLING = SamplingParams(n=2, max_new_tokens=6, seed=1)
 
 
-class _ScriptedClient:
+class _ScriptedClient(FakeClient):
     """Every segment waits until the test finishes it (``segment``); ``sent`` keeps the
     rollouts of every request, in order."""
 
@@ -32,27 +33,13 @@ class _ScriptedClient:
         self.futures: dict[str, Future] = {}  # rid -> its running segment
         self.sent: list[Rollout] = []
 
-    def submit(self, prompt_ids, sampling, group=None, segment_tokens=None, rid_prefix=""):
-        rs = [Rollout(list(prompt_ids), sampling, i, group, rid=new_rid(rid_prefix))
-              for i in range(sampling.n)]  # fmt: skip
-        return self.resume_many(rs, segment_tokens)
-
-    def resume_many(self, rollouts, segment_tokens=None):
-        out = []
-        for r in rollouts:
-            f: Future = Future()
-            f.rollout = r  # type: ignore[attr-defined]
-            self.futures[r.rid] = f
-            self.sent.append(r)
-            out.append(f)
-        return out
+    def started(self, f: Future, r: Rollout, segment_tokens: int | None) -> None:
+        self.futures[r.rid] = f
+        self.sent.append(r)
 
     def segment(self, r: Rollout, ids: list[int], version: int, reason: str | None) -> None:
         r.append(ids, [-0.5 - i for i in range(len(ids))], [version] * len(ids), reason)
         self.futures.pop(r.rid).set_result(r)
-
-    def abort_all(self) -> None:
-        pass
 
 
 class _Prompts:

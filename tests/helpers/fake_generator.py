@@ -1,0 +1,59 @@
+"""Stand-ins for the generator client a rollout stream drives (rl/controller/rollouts.py),
+so the stream's logic is tested without a server. :class:`FakeClient` has the client's
+two calls; each subclass says what happens to a segment once it is sent (``started``)."""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+
+from rl.config.sampling import SamplingParams
+from rl.generator.types import Rollout, new_rid
+
+
+class FakeClient:
+    def submit(
+        self,
+        prompt_ids: list[int],
+        sampling: SamplingParams,
+        group: int | None = None,
+        segment_tokens: int | None = None,
+        rid_prefix: str = "",
+    ) -> list[Future]:
+        """``sampling.n`` rollouts of one prompt, each a future with its ``rollout``."""
+        rollouts = [Rollout(list(prompt_ids), sampling, i, group, rid=new_rid(rid_prefix))
+                    for i in range(sampling.n)]  # fmt: skip
+        return self.resume_many(rollouts, segment_tokens)
+
+    def resume_many(
+        self, rollouts: list[Rollout], segment_tokens: int | None = None
+    ) -> list[Future]:
+        out = []
+        for r in rollouts:
+            f: Future = Future()
+            f.rollout = r  # type: ignore[attr-defined]
+            self.started(f, r, segment_tokens)
+            out.append(f)
+        return out
+
+    def started(self, f: Future, r: Rollout, segment_tokens: int | None) -> None:
+        """A segment of ``r`` was sent; ``f`` resolves to ``r`` when it is back."""
+        raise NotImplementedError
+
+    def abort_all(self) -> None:
+        pass
+
+
+class InstantClient(FakeClient):
+    """Finishes every sample at once with one token, ``prompt_ids[0]`` (a test's reward
+    can read it back), under version 1."""
+
+    def started(self, f: Future, r: Rollout, segment_tokens: int | None) -> None:
+        r.append([r.prompt_ids[0]], [-0.1], [1], "stop")
+        f.set_result(r)
+
+
+class SilentClient(FakeClient):
+    """Accepts every request and never answers it."""
+
+    def started(self, f: Future, r: Rollout, segment_tokens: int | None) -> None:
+        pass

@@ -19,20 +19,17 @@ A dict return carries ``score`` plus extra numeric metrics (say ``{"score": 1.0,
 
 from __future__ import annotations
 
-import hashlib
-import importlib
 import importlib.util
 import inspect
 import math
 import numbers
 import re
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from decimal import Decimal, InvalidOperation
-from pathlib import Path
-from types import ModuleType
 from typing import Any
+
+from rl.plugins import absolute_spec, load_object
 
 RewardFn = Callable[[str, str, Any, dict], float | dict]
 
@@ -169,51 +166,18 @@ def prepare(fn: RewardFn) -> None:
 _FORMS = "a built-in (exact, gsm8k, math_verify), 'pkg.module:fn' or 'path/to/rewards.py:fn'"
 
 
-def _one_line(e: BaseException) -> str:
-    text = " ".join(str(e).split())
-    return f"{type(e).__name__}: {text}" if text else type(e).__name__
+class _SpecError(RewardFnError):
+    """The loader's error, worded as the reward function's field: ``fn '<spec>': ...``."""
 
-
-def _split(spec: str) -> tuple[str, str, bool]:
-    """(module or file, attribute, is_file) of a non-built-in spec."""
-    where, sep, attr = spec.rpartition(":")
-    is_file = where.endswith(".py") or "/" in where or "\\" in where
-    ok_attr = bool(attr) and all(p.isidentifier() for p in attr.split("."))
-    ok_mod = is_file or all(p.isidentifier() for p in where.split("."))
-    if not sep or not where or not ok_attr or not ok_mod:
-        raise RewardFnError(f"fn {spec!r}: not {_FORMS}")
-    return where, attr, is_file
+    def __init__(self, message: str):
+        super().__init__(f"fn {message}")
 
 
 def absolute(spec: str) -> str:
     """The spec with a relative file path made absolute (against the current directory),
     so it means the same function in a process started elsewhere."""
     spec = spec.strip()
-    if spec in BUILTINS:
-        return spec
-    where, attr, is_file = _split(spec)
-    return f"{Path(where).expanduser().absolute()}:{attr}" if is_file else spec
-
-
-def _import_file(spec: str, where: str) -> ModuleType:
-    path = Path(where).expanduser().absolute()
-    if not path.is_file():
-        raise RewardFnError(f"fn {spec!r}: no such file {str(path)!r}")
-    # Unique per file, so two files both called rewards.py do not replace each other.
-    name = "_reward_fn_" + hashlib.sha1(str(path).encode()).hexdigest()[:16]
-    module_spec = importlib.util.spec_from_file_location(name, path)
-    if module_spec is None or module_spec.loader is None:
-        raise RewardFnError(f"fn {spec!r}: cannot load {str(path)!r} as a Python module")
-    module = importlib.util.module_from_spec(module_spec)
-    sys.modules[name] = module  # dataclasses and pickling look their module up here
-    try:
-        module_spec.loader.exec_module(module)
-    except Exception as e:
-        sys.modules.pop(name, None)
-        raise RewardFnError(
-            f"fn {spec!r}: importing {str(path)!r} failed: {_one_line(e)}"
-        ) from None
-    return module
+    return spec if spec in BUILTINS else absolute_spec(spec, _FORMS, _SpecError)
 
 
 def _check_signature(spec: str, fn: Callable[..., object]) -> None:
@@ -244,22 +208,9 @@ def load(spec: str) -> RewardFn:
         return fn
     if ":" not in spec:
         raise RewardFnError(f"fn {spec!r}: not {_FORMS}")
-    where, attr, is_file = _split(spec)
-    if is_file:
-        obj = _import_file(spec, where)
-    else:
-        try:
-            obj = importlib.import_module(where)
-        except Exception as e:
-            raise RewardFnError(
-                f"fn {spec!r}: importing {where!r} failed: {_one_line(e)}"
-            ) from None
-    for part in attr.split("."):
-        try:
-            obj = getattr(obj, part)
-        except AttributeError:
-            raise RewardFnError(f"fn {spec!r}: {where!r} has no attribute {attr!r}") from None
+    obj = load_object(spec, _FORMS, _SpecError)
     if not callable(obj):
+        attr = spec.rpartition(":")[2]
         raise RewardFnError(f"fn {spec!r}: {attr!r} is a {type(obj).__name__}, not callable")
     _check_signature(spec, obj)
     return obj

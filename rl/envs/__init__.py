@@ -1,0 +1,10 @@
+"""Multi-turn episodes: environments, tools and their sandbox, token-exact trajectories.
+
+- ``environment``: the protocol (an episode starts from a row; each assistant turn is
+  answered with observations or ends it) and ``ToolEnvironment``;
+- ``toolcall``: tool calls parsed in the model's own chat-template format;
+- ``tools``: built-in and user tools, schema checks, calls that never raise;
+- ``sandbox`` (with ``landlock`` and ``sandbox_boot``): untrusted code, contained;
+- ``chat``: observation tokens as the template renders them;
+- ``episode``: one episode as a resumable state machine over token ids.
+"""

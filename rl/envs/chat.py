@@ -1,0 +1,113 @@
+"""A conversation's tokens, turn by turn, as the chat template renders them, without ever
+re-tokenizing what the model generated.
+
+The prompt is the template's rendering of the first messages with the assistant turn
+opened. After each response (the sampled ids, kept as they are), the observation's tokens
+are the template's text between the end of that response and the next opened assistant
+turn: render the conversation with and without the observation messages, take the
+difference, and prepend what the template writes after an assistant turn's end token
+(ChatML's newline). Tokenizing that text alone gives the ids the full rendering has,
+because an end-of-turn token is a special token that no merge crosses.
+
+So the ids equal ``apply_chat_template`` of the final conversation wherever the template
+renders earlier turns unchanged as turns are added, and the model's tokens are the
+tokenizer's own for its text. It cannot where a template rewrites history (Qwen3 drops
+earlier turns' ``<think>`` blocks): :class:`ChatRenderer` raises rather than guess, and the
+trajectory keeps the sampled tokens, which are what the policy was trained on.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, Protocol, cast
+
+Message = dict[str, Any]
+TEMPLATES = Path(__file__).with_name("templates")
+
+
+class ChatError(ValueError):
+    """A template that cannot carry a multi-turn, tool-using conversation (one line)."""
+
+
+class ChatTokenizer(Protocol):
+    """What this needs from a Hugging Face tokenizer."""
+
+    def apply_chat_template(self, conversation: Any, **kwargs: Any) -> Any: ...
+
+    def convert_ids_to_tokens(self, ids: Any) -> Any: ...
+
+    def __call__(self, text: str, **kwargs: Any) -> Any: ...
+
+
+def template_text(name_or_path: str) -> str:
+    """A template shipped here by name (``chatml_tools``) or a Jinja file by path."""
+    shipped = TEMPLATES / f"{name_or_path}.jinja"
+    path = shipped if shipped.is_file() else Path(name_or_path)
+    if not path.is_file():
+        known = sorted(p.stem for p in TEMPLATES.glob("*.jinja"))
+        raise ChatError(f"env.chat_template={name_or_path!r}: not one of {known} nor a file")
+    return path.read_text()
+
+
+class ChatRenderer:
+    """Render a conversation's prompt and observations as token ids."""
+
+    def __init__(
+        self,
+        tok: ChatTokenizer,
+        end_id: int,
+        tools: Sequence[Mapping[str, Any]] = (),
+        template: str | None = None,
+    ):
+        self.tok, self.end_id = tok, end_id
+        self.tools = [dict(t) for t in tools] or None
+        self.template = template  # None: the tokenizer's own
+        self.end_text = cast(str, tok.convert_ids_to_tokens(end_id))
+        if self.tools:
+            self._check_tools()
+
+    def text(self, messages: Sequence[Message], opened: bool) -> str:
+        return cast(
+            str,
+            self.tok.apply_chat_template(
+                list(messages),
+                tools=self.tools,
+                chat_template=self.template,
+                add_generation_prompt=opened,
+                tokenize=False,
+            ),
+        )
+
+    def encode(self, text: str) -> list[int]:
+        out = self.tok(text, add_special_tokens=False)
+        return [int(i) for i in (out["input_ids"] if isinstance(out, Mapping) else out)]
+
+    def prompt_ids(self, messages: Sequence[Message]) -> list[int]:
+        return self.encode(self.text(messages, opened=True))
+
+    def observation_ids(self, before: Sequence[Message], added: Sequence[Message]) -> list[int]:
+        """The ids after an assistant turn's end token (``before`` ends with that turn) up
+        to the next opened assistant turn, ``added`` in between."""
+        head = self.text(before, opened=False)
+        full = self.text([*before, *added], opened=True)
+        if not full.startswith(head):
+            raise ChatError(
+                "the chat template renders earlier turns differently once turns are added; "
+                "its tokens cannot be extended turn by turn"
+            )
+        cut = head.rfind(self.end_text)
+        if cut < 0:
+            raise ChatError(f"the chat template does not end a turn with {self.end_text!r}")
+        return self.encode(head[cut + len(self.end_text) :] + full[len(head) :])
+
+    def _check_tools(self) -> None:
+        probe: list[Message] = [{"role": "user", "content": "hi"}]
+        with_tools = self.text(probe, opened=True)
+        names = [str(t.get("function", t).get("name", "")) for t in self.tools or ()]
+        missing = [n for n in names if n not in with_tools]
+        if missing:
+            raise ChatError(
+                f"the chat template does not render tools (no {missing[0]!r} in its prompt); "
+                "set env.chat_template=chatml_tools or a template file that does"
+            )

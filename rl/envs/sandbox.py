@@ -1,0 +1,210 @@
+"""Run untrusted Python (a model's tool call) in a subprocess that cannot harm the job.
+
+Each run gets its own directory and, where the machine allows:
+
+- **namespaces** (util-linux ``unshare``): a user namespace, so the limits below bind even
+  when the job runs as root; a network namespace with no interface up, so nothing can be
+  reached; a PID namespace whose first process, when killed, takes every process of the
+  run with it, a fork bomb's included;
+- **Landlock** (rl/envs/landlock.py): files read only under the Python installation and
+  system library directories, written only in the run's directory (so neither the job's
+  secret file nor its checkpoints can be read or changed), no TCP, and no signals to
+  processes outside the run;
+- **rlimits**: CPU seconds, address space, processes, file size;
+- a wall-clock limit, after which the whole process group is killed;
+- an environment of four variables, none of the job's.
+
+``containment()`` names what this machine gives. A run never raises for what the code did: a timeout, a crash or a limit is a :class:`RunResult` the tool turns
+into an observation.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import resource
+import shutil
+import signal
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from rl.envs import landlock
+
+_BOOT = Path(__file__).with_name("sandbox_boot.py")
+_SYSTEM_READ = ("/usr", "/lib", "/lib64", "/bin", "/etc/ld.so.cache", "/etc/localtime")
+LANDLOCK_REFUSED = 97  # sandbox_boot.py's exit status when the kernel refused Landlock
+
+
+@dataclass(frozen=True)
+class Limits:
+    cpu_s: int = 5
+    wall_s: float = 10.0
+    memory_mb: int = 512
+    processes: int = 32
+    file_mb: int = 16
+    output_chars: int = 4000  # of stdout and of stderr, each, handed back
+
+
+@dataclass(frozen=True)
+class RunResult:
+    stdout: str
+    stderr: str
+    returncode: int | None
+    reason: str = ""  # "", "timeout", "signal <name>", "exit <n>"
+
+    @property
+    def ok(self) -> bool:
+        return self.returncode == 0 and not self.reason
+
+
+@functools.cache
+def _namespaces() -> bool:
+    """Whether ``unshare`` can give a run its own user, network and PID namespaces here."""
+    if shutil.which("unshare") is None:
+        return False
+    cmd = [*_UNSHARE, "true"]
+    try:
+        return subprocess.run(cmd, capture_output=True, timeout=10).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+_UNSHARE = ["unshare", "--user", "--map-root-user", "--net", "--pid", "--kill-child"]
+
+
+@functools.cache
+def containment() -> tuple[str, ...]:
+    """What isolates a run on this machine, by name: ``namespaces`` (user, net, pid),
+    ``landlock-files``, ``landlock-tcp``, ``landlock-signals`` and always ``rlimits``."""
+    out = ["namespaces"] if _namespaces() else []
+    version = landlock.abi()
+    if version >= 1:
+        out.append("landlock-files")
+    if version >= 4:
+        out.append("landlock-tcp")
+    if version >= 6:
+        out.append("landlock-signals")
+    return (*out, "rlimits")
+
+
+def _readable() -> list[str]:
+    """Where the sandboxed interpreter may read: its installation, its packages, and the
+    system's libraries."""
+    paths = {sys.prefix, sys.base_prefix, sys.exec_prefix, *_SYSTEM_READ}
+    paths |= {sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")}
+    paths.add(str(Path(sys.executable).resolve().parent.parent))
+    return sorted(paths)
+
+
+def _preexec(limits: Limits, processes: int) -> None:
+    """In the child, before exec: the rlimits every process of the run inherits."""
+    mb = 1 << 20
+    resource.setrlimit(resource.RLIMIT_CPU, (limits.cpu_s, limits.cpu_s + 1))
+    resource.setrlimit(resource.RLIMIT_AS, (limits.memory_mb * mb, limits.memory_mb * mb))
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limits.file_mb * mb, limits.file_mb * mb))
+    resource.setrlimit(resource.RLIMIT_NPROC, (processes, processes))
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+
+
+def _own_processes() -> int:
+    """How many processes this uid runs now: without a user namespace RLIMIT_NPROC counts
+    them all, so a run's allowance is added to it."""
+    uid = os.getuid()
+    return sum(1 for p in Path("/proc").iterdir() if p.name.isdigit() and _uid(p) == uid)
+
+
+def _uid(proc: Path) -> int | None:
+    try:
+        return proc.stat().st_uid
+    except OSError:
+        return None
+
+
+def _tail(path: Path, limit: int) -> str:
+    with path.open("rb") as f:
+        data = f.read(limit * 4)
+    text = data.decode("utf-8", "replace")
+    return text if len(text) <= limit else text[:limit] + "\n[... output cut]"
+
+
+def _reason(code: int | None, timed_out: bool) -> str:
+    if timed_out:
+        return "timeout"
+    if code is None or code == 0:
+        return ""
+    if code < 0:
+        return f"signal {signal.Signals(-code).name}"
+    if code - 128 in signal.valid_signals():
+        # the namespace's init (sandbox_boot.py) reports its child's death this way
+        return f"signal {signal.Signals(code - 128).name}"
+    return f"exit {code}"
+
+
+def run_python(code: str, limits: Limits = Limits(), base_dir: str | None = None) -> RunResult:
+    """Run ``code`` as ``main.py`` in a fresh directory under ``base_dir`` (the system's
+    temporary directory by default), contained as this machine allows, and remove the
+    directory afterwards."""
+    where = containment()
+    base = Path(tempfile.mkdtemp(prefix="sandbox-", dir=base_dir))  # mode 0700
+    workdir = base / "work"
+    workdir.mkdir()
+    try:
+        (workdir / "main.py").write_text(code)
+        spec = {"workdir": str(workdir), "landlock": "landlock-files" in where}
+        spec["read"] = _readable()
+        cmd = [sys.executable, "-I", str(_BOOT), json.dumps(spec)]
+        processes = limits.processes
+        if "namespaces" in where:
+            cmd = [*_UNSHARE, *cmd]
+        elif os.getuid() != 0:
+            processes += _own_processes()
+        env = {
+            "PATH": "/usr/bin:/bin",
+            "HOME": str(workdir),
+            "LANG": "C.UTF-8",
+            "OPENBLAS_NUM_THREADS": "1",
+        }
+        out, err = base / "stdout", base / "stderr"  # outside what the code may write
+        with out.open("wb") as fo, err.open("wb") as fe:
+            proc = subprocess.Popen(
+                cmd,
+                stdin=subprocess.DEVNULL,
+                stdout=fo,
+                stderr=fe,
+                cwd=workdir,
+                env=env,
+                start_new_session=True,
+                preexec_fn=functools.partial(_preexec, limits, processes),
+            )
+            deadline = time.monotonic() + limits.wall_s
+            timed_out = False
+            try:
+                proc.wait(timeout=max(deadline - time.monotonic(), 0.01))
+            except subprocess.TimeoutExpired:
+                timed_out = True
+            finally:
+                _kill_group(proc.pid)
+                proc.wait()
+        return RunResult(
+            stdout=_tail(out, limits.output_chars),
+            stderr=_tail(err, limits.output_chars),
+            returncode=proc.returncode,
+            reason=_reason(proc.returncode, timed_out),
+        )
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def _kill_group(pgid: int) -> None:
+    """SIGKILL the run's process group: unshare first, whose death (``--kill-child``)
+    kills the PID namespace's first process and with it every process in the namespace."""
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass

@@ -1,0 +1,56 @@
+"""The first code a sandboxed Python runs (``python -I sandbox_boot.py '<json>'``): restrict
+itself with Landlock, then run the user's ``main.py`` in its own directory.
+
+Run by path with ``-I``, so nothing from the job's environment or working directory is
+imported; it loads landlock.py beside it by path, for the same reason.
+"""
+
+import importlib.util
+import json
+import os
+import runpy
+import sys
+import traceback
+from pathlib import Path
+
+LANDLOCK_REFUSED = 97  # the exit status when Landlock was wanted and the kernel refused it
+
+
+def main() -> None:
+    spec = json.loads(sys.argv[1])
+    workdir = spec["workdir"]
+    if spec["landlock"]:
+        where = Path(__file__).with_name("landlock.py")
+        module_spec = importlib.util.spec_from_file_location("_sandbox_landlock", where)
+        assert module_spec is not None and module_spec.loader is not None
+        landlock = importlib.util.module_from_spec(module_spec)
+        module_spec.loader.exec_module(landlock)
+        try:
+            landlock.restrict(spec["read"], [workdir], ["/dev/null"])
+        except OSError as e:
+            print(f"sandbox: Landlock refused: {e}", file=sys.stderr)
+            sys.exit(LANDLOCK_REFUSED)
+    os.chdir(workdir)
+    # Under `unshare --pid` this process is the namespace's init, which ignores signals it
+    # has no handler for, SIGXCPU included: the code runs in a child, and init waits.
+    pid = os.fork() if os.getpid() == 1 else 0
+    if pid:
+        status = os.waitpid(pid, 0)[1]
+        sig = os.WTERMSIG(status) if os.WIFSIGNALED(status) else 0
+        os._exit(128 + sig if sig else os.WEXITSTATUS(status))
+    sys.argv = ["main.py"]
+    sys.path.insert(0, workdir)
+    try:
+        runpy.run_path("main.py", run_name="__main__")
+    except SystemExit:
+        raise
+    except BaseException as e:  # the user's traceback, without this file's frames
+        tb = e.__traceback__
+        while tb is not None and tb.tb_frame.f_code.co_filename != "main.py":
+            tb = tb.tb_next
+        traceback.print_exception(type(e), e, tb)
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

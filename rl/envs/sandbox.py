@@ -14,8 +14,9 @@ Each run gets its own directory and, where the machine allows:
 - a wall-clock limit, after which the whole process group is killed;
 - an environment of four variables, none of the job's.
 
-``containment()`` names what this machine gives. A run never raises for what the code did: a timeout, a crash or a limit is a :class:`RunResult` the tool turns
-into an observation.
+``containment()`` names what this machine gives. A run never raises for what the code
+did: a timeout, a crash or a limit is a :class:`RunResult` the tool turns into an
+observation.
 """
 
 from __future__ import annotations

@@ -5,6 +5,9 @@ per-token tensor scores token ``t+1``. A response of R tokens after a prompt of 
 therefore occupies indices ``[P-1, P-1+R)``. Sequences are right-padded: with causal
 attention the padding comes after every real token, so no real position moves.
 
+Only sampled tokens are trained on: the tokens an environment wrote into a multi-turn
+trajectory (``Rollout.observed``) are in the sequence and out of the loss.
+
 A response cut by ``max_new_tokens`` (finish reason "length") is overlong: ``keep`` trains
 on it like any other, ``mask`` takes its tokens out of the loss (its reward still counts
 in its group's baseline), ``penalise`` replaces its reward with ``overlong_penalty`` before
@@ -93,7 +96,7 @@ def build_batch(
         p, n = len(r.prompt_ids), len(r.output_ids)
         before, after = p - 1, seq - (p - 1 + n)
         tok_rows.append([*r.prompt_ids, *r.output_ids] + [pad_id] * (seq - p - n))
-        mask_rows.append([0.0] * before + [1.0] * n + [0.0] * after)
+        mask_rows.append([0.0] * before + [float(x) for x in r.sampled()] + [0.0] * after)
         mu_rows.append([0.0] * before + [float(x) for x in r.logprobs] + [0.0] * after)
         ver_rows.append([-1] * before + [int(v) for v in r.versions] + [-1] * after)
     tokens = torch.tensor(tok_rows, dtype=torch.int64)

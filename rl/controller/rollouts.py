@@ -251,9 +251,11 @@ class RolloutStream:
                 n = sent.get(id(r))
                 if n is None:  # finished or parked: nothing changes it
                     return replace(r, output_ids=list(r.output_ids), logprobs=list(r.logprobs),
-                                   versions=list(r.versions))  # fmt: skip
+                                   versions=list(r.versions),
+                                   observed=[list(o) for o in r.observed])  # fmt: skip
                 return replace(r, output_ids=r.output_ids[:n], logprobs=r.logprobs[:n],
-                               versions=r.versions[:n], finish_reason=None)  # fmt: skip
+                               versions=r.versions[:n], finish_reason=None,
+                               observed=[list(o) for o in r.observed])  # fmt: skip
 
             copies = [replace(g, rollouts=[cut(r) for r in g.rollouts],
                               results=None if g.results is None else list(g.results))

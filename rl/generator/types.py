@@ -105,6 +105,9 @@ class Rollout:
     segments: int = 0
     server: int | None = None  # the server that produced the last segment
     rid: str = field(default_factory=lambda: new_rid())
+    # [start, count] runs of output_ids that an environment wrote (multi-turn episodes):
+    # in the context, out of the loss.
+    observed: list[list[int]] = field(default_factory=list)
 
     @property
     def finished(self) -> bool:
@@ -152,6 +155,33 @@ class Rollout:
             self.finish_reason = "stop"
         elif self.remaining <= 0:
             self.finish_reason = "length"
+
+    def observe(self, ids: list[int]) -> None:
+        """Append an environment's answer to the turn that just ended (a tool's result as
+        the chat template renders it) and make the rollout resumable for the next turn.
+        The tokens get log-prob 0 and the version of the turn they answer, so a
+        trajectory's staleness is that of its sampled tokens; :meth:`sampled` keeps them
+        out of the loss."""
+        if self.finish_reason != "stop":
+            raise RequestError(f"rollout {self.rid}: only a turn that ended can be answered")
+        if len(ids) >= self.remaining:
+            raise RequestError(
+                f"rollout {self.rid}: {len(ids)} observation tokens leave no room in "
+                f"max_new_tokens={self.sampling.max_new_tokens}"
+            )
+        self.observed.append([len(self.output_ids), len(ids)])
+        self.output_ids += ids
+        self.logprobs += [0.0] * len(ids)
+        self.versions += [self.versions[-1]] * len(ids)
+        self.finish_reason = None
+
+    def sampled(self) -> list[bool]:
+        """Per output token: sampled by the policy (trained on) or written by an
+        environment."""
+        out = [True] * len(self.output_ids)
+        for start, count in self.observed:
+            out[start : start + count] = [False] * count
+        return out
 
     def finish(self, reason: str) -> None:
         if reason not in FINISHED:

@@ -3,21 +3,23 @@
 from __future__ import annotations
 
 import itertools
-from types import SimpleNamespace
 
 import pytest
 import torch
 
 from rl.config.roles import RoleError, RoleMap
+from rl.config.sampling import RequestError, SamplingParams
 from rl.controller.batch import build_batch
 from rl.controller.staleness import StalenessGate
+from rl.generator.types import Rollout
 from tests.helpers.configs import composed
 from tests.helpers.fake_generator import InstantClient
 
 
 def _r(prompt, out, logprobs=None, versions=None, finish="stop"):
-    return SimpleNamespace(
+    return Rollout(
         prompt_ids=prompt,
+        sampling=SamplingParams(max_new_tokens=64),
         output_ids=out,
         logprobs=logprobs or [-0.5] * len(out),
         versions=versions or [3] * len(out),
@@ -40,6 +42,30 @@ def test_batch_alignment_and_padding():
         b.advantages, torch.tensor([[0, 0, 0.5, 0.5, 0], [0, 0, -0.5, 0, 0]])
     )
     assert b.rewards.tolist() == [1.0, 0.0]
+
+
+def test_an_environments_tokens_are_in_the_sequence_and_out_of_the_loss():
+    """A multi-turn trajectory: turn, observation, turn. Observation tokens carry log-prob
+    0 and the version of the turn they answer; only sampled tokens are trained on."""
+    r = Rollout([1, 5], SamplingParams(max_new_tokens=8), 0, 0)
+    r.append([7, 2], [-0.1, -0.2], [3, 3], "stop")  # turn 1 ends with its stop token
+    r.observe([40, 41])
+    assert (r.finished, r.observed, r.versions) == (False, [[2, 2]], [3, 3, 3, 3])
+    with pytest.raises(RequestError, match="only a turn that ended can be answered"):
+        r.observe([1])  # the next turn has not been generated yet
+    r.append([9, 2], [-0.3, -0.4], [4, 4], "stop")
+    other = Rollout([1, 5], SamplingParams(max_new_tokens=8), 1, 0)
+    other.append([8, 2], [-0.5, -0.6], [4, 4], "stop")
+    b = build_batch([[r, other]], [[1.0, 0.0]], normalize_std=False)
+    assert b.tokens[0].tolist() == [1, 5, 7, 2, 40, 41, 9, 2]
+    # index t scores token t+1: tokens 40 and 41 (indices 3 and 4) are not trained on
+    assert b.loss_mask[0].tolist() == [0, 1, 1, 0, 0, 1, 1, 0]
+    assert b.behaviour_logprobs[0, 3:5].tolist() == [0.0, 0.0]
+    assert (b.advantages[0] * (1 - b.loss_mask[0])).abs().sum() == 0
+    cut = Rollout([1], SamplingParams(max_new_tokens=4), 0, 0)
+    cut.append([7, 2], [-0.1, -0.2], [0, 0], "stop")
+    with pytest.raises(RequestError, match="leave no room in max_new_tokens=4"):
+        cut.observe([40, 41])
 
 
 def test_overlong_responses_are_kept_masked_or_penalised():

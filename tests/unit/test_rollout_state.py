@@ -283,3 +283,15 @@ def test_resume_never_refuses_a_run_dir_with_a_resume_point(tmp_path):
         resume.read(tmp_path, "never")
     with pytest.raises(resume.ResumeError, match=r"rl\.resume='maybe' must be one of auto, never"):
         resume.read(tmp_path, "maybe")
+
+
+def test_a_multi_turn_sample_keeps_its_observation_tokens_through_the_file():
+    r = Rollout([1, 5], SAMPLING, 0, 7)
+    r.append([7, 2], [-0.1, -0.2], [3, 3], "stop")
+    r.observe([40, 41])  # the environment's answer; the next turn is still to generate
+    g = Group(7, Example("u", (1, 5), "p"), 3, [r])
+    back = rollout_state.from_json(json.loads(json.dumps(rollout_state.to_json(
+        StreamState(2, 3, 1, {}, [g])))))  # fmt: skip
+    b = back.groups[0].rollouts[0]
+    assert (b.output_ids, b.observed, b.finish_reason) == ([7, 2, 40, 41], [[2, 2]], None)
+    assert b.sampled() == [True, True, False, False]

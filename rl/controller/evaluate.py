@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from rl.config.sampling import SamplingParams
+from rl.controller.episodes import conversation
 from rl.generator.types import Rollout
 from rl.tasks.common import Example, Task
 from rl.tasks.scoring import ScoreItem, ScoreResult
@@ -28,11 +29,17 @@ if TYPE_CHECKING:
 
 
 def score_items(task: Task, examples: Sequence[Example], rollouts: Sequence[Rollout]):
-    """What the reward function sees of each (prompt, response)."""
-    return [
-        ScoreItem(e.prompt_text, task.codec.response_text(r.output_ids), e.label, dict(e.metadata))
-        for e, r in zip(examples, rollouts, strict=True)
-    ]
+    """What the reward function sees of each (prompt, response): for a multi-turn sample
+    the response is its final answer, and the metadata carries the whole conversation."""
+    items = []
+    for e, r in zip(examples, rollouts, strict=True):
+        turns = conversation(r)
+        if turns is None:
+            items.append(ScoreItem(e.prompt_text, task.codec.response_text(r.output_ids),
+                                   e.label, dict(e.metadata)))  # fmt: skip
+        else:
+            items.append(ScoreItem(e.prompt_text, turns[0], e.label, {**e.metadata, **turns[1]}))
+    return items
 
 
 class Evaluator:

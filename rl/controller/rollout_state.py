@@ -66,7 +66,7 @@ def _rollout_json(r: Rollout) -> dict[str, Any]:
     return {"rid": r.rid, "sample_index": r.sample_index, "sampling": asdict(r.sampling),
             "output_ids": r.output_ids, "logprobs": r.logprobs,
             "versions": _spans(r.versions), "finish_reason": r.finish_reason,
-            "segments": r.segments, "observed": r.observed}  # fmt: skip
+            "segments": r.segments, "observed": r.observed, "episode": r.episode}  # fmt: skip
 
 
 def _group_json(g: Group) -> dict[str, Any]:
@@ -127,7 +127,8 @@ def _rollout(r: dict[str, Any], prompt_ids: list[int], gid: int) -> Rollout:
     return Rollout(prompt_ids, SamplingParams.from_dict(r["sampling"]), r["sample_index"], gid,
                    list(r["output_ids"]), [float(x) for x in r["logprobs"]], versions,
                    r["finish_reason"], r["segments"], rid=r["rid"],
-                   observed=[[int(a), int(n)] for a, n in r.get("observed", [])])  # fmt: skip
+                   observed=[[int(a), int(n)] for a, n in r.get("observed", [])],
+                   episode=r.get("episode"))  # fmt: skip
 
 
 # ---------------------------------------------------------------------- files

@@ -28,6 +28,7 @@ resumed job before the thread starts.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import copy
 import itertools
 import threading
 import time
@@ -44,6 +45,7 @@ from rl.tasks.common import Example
 from rl.tasks.scoring import ScoreResult
 
 if TYPE_CHECKING:
+    from rl.controller.episodes import EpisodeDriver
     from rl.generator.client import GeneratorClient, RolloutFuture
 
 
@@ -119,14 +121,17 @@ class RolloutStream:
         eager_resume: bool = True,
         drop_uniform: Callable[[Group], bool] | None = None,
         position: Callable[[], dict[str, Any]] = dict,
+        episodes: EpisodeDriver | None = None,
     ) -> None:
         """``score(group)`` returns a future of the group's ``ScoreResult`` list.
+        ``episodes``: samples are multi-turn; each ended turn goes to the environment.
         ``eager_resume=False``: parked rollouts wait for a newer version even when the
         generator has nothing else to do (each segment then runs on a newer policy).
         ``position()``: the prompt stream's position (``next_item``'s), for snapshots."""
         self.client, self.score, self.gate = client, score, gate
         self.eager_resume, self.drop_uniform = eager_resume, drop_uniform
         self.next_item, self.position = next_item, position
+        self.episodes = episodes
         self.sampling, self.segment_tokens = sampling, segment_tokens
         self.first = self.committed = version
         self.started = self.consumed = self.drawn = 0
@@ -136,6 +141,7 @@ class RolloutStream:
         self.uniform_warn, self.uniform_fail = UNIFORM_WARN, UNIFORM_FAIL
         self._gen: dict[cf.Future, tuple[Group, int]] = {}  # segment -> (group, tokens before)
         self._scoring: dict[cf.Future, Group] = {}
+        self._env: dict[cf.Future, tuple[Group, Rollout]] = {}  # turns the env answers
         self._parked: list[tuple[Group, Rollout]] = []
         self._ready: deque[Group] = deque()
         self._cv = threading.Condition()
@@ -229,7 +235,7 @@ class RolloutStream:
 
     def _held(self) -> list[Group]:
         """Every group drawn and not trained on: the scored queue first, in its order."""
-        pending = [g for g, _ in self._gen.values()] + [g for g, _ in self._parked]
+        pending = [g for g, _ in [*self._gen.values(), *self._parked, *self._env.values()]]
         return [*self._ready, *pending, *self._scoring.values()]
 
     def finish_round(self) -> float:
@@ -252,10 +258,12 @@ class RolloutStream:
                 if n is None:  # finished or parked: nothing changes it
                     return replace(r, output_ids=list(r.output_ids), logprobs=list(r.logprobs),
                                    versions=list(r.versions),
-                                   observed=[list(o) for o in r.observed])  # fmt: skip
+                                   observed=[list(o) for o in r.observed],
+                                   episode=copy.deepcopy(r.episode))  # fmt: skip
                 return replace(r, output_ids=r.output_ids[:n], logprobs=r.logprobs[:n],
                                versions=r.versions[:n], finish_reason=None,
-                               observed=[list(o) for o in r.observed])  # fmt: skip
+                               observed=[list(o) for o in r.observed],
+                               episode=copy.deepcopy(r.episode))  # fmt: skip
 
             copies = [replace(g, rollouts=[cut(r) for r in g.rollouts],
                               results=None if g.results is None else list(g.results))
@@ -278,10 +286,13 @@ class RolloutStream:
                     continue
                 carried += 1
                 g.restored_at = state.step
-                g.done = sum(r.finished for r in g.rollouts)
+                asked = [r for r in g.rollouts if self._awaiting(r)]
+                for r in asked:  # a turn the environment had not answered: ask again
+                    self._ask(g, r)
+                g.done = sum(r.finished for r in g.rollouts) - len(asked)
                 if g.results is not None:
                     self._ready.append(g)
-                elif g.done == len(g.rollouts):
+                elif g.done == len(g.rollouts) and not asked:
                     g.generated_at = time.perf_counter()
                     self._scoring[self.score(g)] = g
                 for r in g.rollouts:
@@ -315,6 +326,8 @@ class RolloutStream:
         self._thread.join(timeout=30)
         if self._gen:
             self.client.abort_all()
+        if self.episodes is not None:
+            self.episodes.close()
 
     # ------------------------------------------------------------------ the thread
     def _poke(self) -> None:
@@ -333,12 +346,14 @@ class RolloutStream:
                     if self.eager_resume and not self._gen and self._parked:  # else idle
                         self._resume_parked()
                     self._mark_idle(not self._gen)
-                    waiting = [*self._gen, *self._scoring, self._wake]
+                    waiting = [*self._gen, *self._scoring, *self._env, self._wake]
                 done, _ = cf.wait(waiting, return_when=cf.FIRST_COMPLETED)
                 with self._cv:
                     for f in done:
                         if f in self._gen:
                             self._on_segment(f)
+                        elif f in self._env:
+                            self._on_answer(f)
                         elif f in self._scoring:
                             group = self._scoring.pop(f)
                             group.results = list(f.result())
@@ -406,10 +421,39 @@ class RolloutStream:
             else:
                 self._parked.append((group, r))
             return
+        if self._awaiting(r):
+            self._ask(group, r)
+            return
+        self._sample_done(group)
+
+    def _sample_done(self, group: Group) -> None:
         group.done += 1
         if group.done == len(group.rollouts):
             group.generated_at = time.perf_counter()
             self._scoring[self.score(group)] = group
+
+    # ------------------------------------------------------------------ multi-turn
+    def _awaiting(self, r: Rollout) -> bool:
+        return self.episodes is not None and self.episodes.awaiting(r)
+
+    def _ask(self, group: Group, r: Rollout) -> None:
+        assert self.episodes is not None
+        self._env[self.episodes.answer(group.item, r)] = (group, r)
+
+    def _on_answer(self, f: cf.Future) -> None:
+        """Apply the environment's answer: the next turn goes to a server at once (a turn
+        is never parked between turns: the policy that wrote it is the freshest there is),
+        or the sample is finished."""
+        group, r = self._env.pop(f)
+        answer = f.result()  # an environment that raises fails the run (tools never do)
+        r.episode = answer.episode
+        if answer.observation is None:
+            if answer.episode.get("stop") == "max_tokens":
+                r.finish("length")  # the context is full: the overlong rule applies
+            self._sample_done(group)
+            return
+        r.observe(answer.observation)
+        self._resume(group, [r])
 
     def _mark_idle(self, idle: bool) -> None:
         now = time.perf_counter()

@@ -108,6 +108,8 @@ class Rollout:
     # [start, count] runs of output_ids that an environment wrote (multi-turn episodes):
     # in the context, out of the loss.
     observed: list[list[int]] = field(default_factory=list)
+    # A multi-turn sample's conversation, JSON, kept by rl/controller/episodes.py.
+    episode: dict[str, Any] | None = None
 
     @property
     def finished(self) -> bool:

@@ -57,3 +57,20 @@ class SilentClient(FakeClient):
 
     def started(self, f: Future, r: Rollout, segment_tokens: int | None) -> None:
         pass
+
+
+class ScriptedClient(FakeClient):
+    """Every segment waits until the test finishes it (``segment``); ``sent`` keeps the
+    rollouts of every request, in order."""
+
+    def __init__(self) -> None:
+        self.futures: dict[str, Future] = {}  # rid -> its running segment
+        self.sent: list[Rollout] = []
+
+    def started(self, f: Future, r: Rollout, segment_tokens: int | None) -> None:
+        self.futures[r.rid] = f
+        self.sent.append(r)
+
+    def segment(self, r: Rollout, ids: list[int], version: int, reason: str | None) -> None:
+        r.append(ids, [-0.5 - i for i in range(len(ids))], [version] * len(ids), reason)
+        self.futures.pop(r.rid).set_result(r)

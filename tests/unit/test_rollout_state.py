@@ -20,26 +20,9 @@ from rl.controller.staleness import StalenessGate
 from rl.generator.types import Rollout
 from rl.tasks.common import Example
 from rl.tasks.scoring import ScoreResult
-from tests.helpers.fake_generator import FakeClient
+from tests.helpers.fake_generator import ScriptedClient
 
 SAMPLING = SamplingParams(n=2, max_new_tokens=6, seed=1)
-
-
-class _ScriptedClient(FakeClient):
-    """Every segment waits until the test finishes it (``segment``); ``sent`` keeps the
-    rollouts of every request, in order."""
-
-    def __init__(self) -> None:
-        self.futures: dict[str, Future] = {}  # rid -> its running segment
-        self.sent: list[Rollout] = []
-
-    def started(self, f: Future, r: Rollout, segment_tokens: int | None) -> None:
-        self.futures[r.rid] = f
-        self.sent.append(r)
-
-    def segment(self, r: Rollout, ids: list[int], version: int, reason: str | None) -> None:
-        r.append(ids, [-0.5 - i for i in range(len(ids))], [version] * len(ids), reason)
-        self.futures.pop(r.rid).set_result(r)
 
 
 class _Prompts:
@@ -81,12 +64,12 @@ def _stream(client, scores, prompts, version, max_lag=1) -> RolloutStream:
                          eager_resume=False, position=prompts.position)  # fmt: skip
 
 
-def _mid_run_snapshot() -> tuple[StreamState, _ScriptedClient]:
+def _mid_run_snapshot() -> tuple[StreamState, ScriptedClient]:
     """Four groups at version 3 (per_step 2, lag 1): g0 scored and queued, g1 and g2
     with samples parked then resumed under version 4 and on a server (g1's mid-append),
     g2's other sample parked again, g3 finished under version 4 and being scored; version
     4 let g4 and g5 start, on a server with no token yet."""
-    client, scores, prompts = _ScriptedClient(), _Scores(), _Prompts()
+    client, scores, prompts = ScriptedClient(), _Scores(), _Prompts()
     stream = _stream(client, scores, prompts, 3).start()
     try:
         _until(lambda: len(client.sent) == 8, "4 groups")
@@ -148,7 +131,7 @@ def test_a_restored_stream_trains_the_queue_first_and_resumes_samples_from_their
     by_key = {(x.gid, r.sample_index): r for x in state.groups for r in x.rollouts}
     saved = {k: list(r.output_ids) for k, r in by_key.items()}
     saved_lp = {k: list(r.logprobs) for k, r in by_key.items()}
-    client, scores, prompts = _ScriptedClient(), _Scores(instant=True), _Prompts()
+    client, scores, prompts = ScriptedClient(), _Scores(instant=True), _Prompts()
     stream = _stream(client, scores, prompts, 4)  # the resumed job's first version
     counts = stream.restore(state)
     assert counts == {"resume_groups": 6, "resume_rollouts": 7, "resume_dropped_groups": 0}
@@ -192,7 +175,7 @@ def test_groups_too_old_for_the_resumed_version_are_dropped_and_counted():
     """At version 5 with lag 1, a group holding a version-3 token can never be trained
     on: g0, g1, g2 go (counted); g3 (version 4 only) and g4, g5 (no token yet) stay."""
     state, _ = _mid_run_snapshot()
-    client, scores, prompts = _ScriptedClient(), _Scores(instant=True), _Prompts()
+    client, scores, prompts = ScriptedClient(), _Scores(instant=True), _Prompts()
     stream = _stream(client, scores, prompts, 5)
     counts = stream.restore(state)
     assert counts == {"resume_groups": 3, "resume_rollouts": 4, "resume_dropped_groups": 3}

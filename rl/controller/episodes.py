@@ -1,0 +1,108 @@
+"""Multi-turn samples in the rollout stream: after each turn, the environment's answer.
+
+A sample of a multi-turn task is one :class:`~rl.generator.types.Rollout` whose output
+holds every turn and every observation in order (``Rollout.observe``). When a turn ends
+with the end token, the stream hands the sample here instead of to the reward: the
+environment reads the conversation in a worker thread (tools may take seconds; the
+stream's thread never waits on one) and either answers, and the sample goes back to a
+server for its next turn, or ends the episode, and the sample is finished.
+
+The conversation lives in ``Rollout.episode`` (JSON: messages, whether the episode is
+over, why, and the tools' counts), so the rollout-state file saves it with the tokens and
+a resumed job asks the environment again for a turn it had not answered, regenerating
+nothing. The answer is applied by the stream under its lock; the worker never touches the
+rollout.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from rl.envs.environment import Environment, Message
+from rl.generator.types import Rollout
+from rl.tasks.common import Example
+
+JSON = Any  # a JSON value
+
+
+class Renderer(Protocol):
+    """What the driver needs of rl/envs/chat.py's ChatRenderer."""
+
+    def observation_ids(self, before: Sequence[Message], added: Sequence[Message]) -> list[int]: ...
+
+
+@dataclass(frozen=True)
+class Answer:
+    episode: dict[str, JSON]  # the sample's new ``Rollout.episode``
+    observation: list[int] | None  # the tokens to append; None: the episode is over
+
+
+def turn_start(r: Rollout) -> int:
+    """Where the sample's last turn begins in its output: after its last observation."""
+    return sum(r.observed[-1]) if r.observed else 0
+
+
+class EpisodeDriver:
+    def __init__(
+        self,
+        env: Environment,
+        chat: Renderer,
+        decode: Callable[[Sequence[int]], str],
+        first_messages: Callable[[Example], list[Message]],
+        max_turns: int,
+        workers: int = 4,
+    ):
+        """``decode``: a turn's ids (without its end token) as text, special tokens kept;
+        ``first_messages``: the conversation a prompt starts (the one its ids render)."""
+        self.env, self.chat, self.decode = env, chat, decode
+        self.first_messages, self.max_turns = first_messages, max_turns
+        self._pool = cf.ThreadPoolExecutor(workers, thread_name_prefix="env")
+
+    @staticmethod
+    def awaiting(r: Rollout) -> bool:
+        """A turn ended and the environment has not answered it yet."""
+        return r.finish_reason == "stop" and not (r.episode or {}).get("over", False)
+
+    def answer(self, item: Example, r: Rollout) -> cf.Future[Answer]:
+        """The environment's answer to ``r``'s last turn, computed in a worker thread from
+        copies (the stream may snapshot ``r`` meanwhile)."""
+        turn = list(r.output_ids[turn_start(r) : -1])  # without the end token
+        start = dict(r.episode) if r.episode else {"messages": self.first_messages(item)}
+        return self._pool.submit(self._answer, start, turn, len(r.observed) + 1, r.remaining)
+
+    def _answer(self, ep: dict[str, JSON], turn: list[int], turns: int, room: int) -> Answer:
+        messages = [*ep["messages"], {"role": "assistant", "content": self.decode(turn)}]
+        step = self.env.step(messages)
+        counts = dict(ep.get("metrics", {}))
+        for k, v in step.metrics.items():
+            counts[k] = counts.get(k, 0.0) + float(v)
+        done = {"messages": messages, "over": True, "turns": turns, "metrics": counts}
+        if step.done:
+            return Answer({**done, "stop": "answer", "reward": step.reward}, None)
+        if turns >= self.max_turns:
+            return Answer({**done, "stop": "max_turns"}, None)
+        obs = self.chat.observation_ids(messages, step.observations)
+        if len(obs) >= room:
+            return Answer({**done, "stop": "max_tokens"}, None)
+        messages += step.observations
+        return Answer({**done, "over": False, "stop": ""}, obs)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def conversation(r: Rollout) -> tuple[str, dict[str, JSON]] | None:
+    """A finished multi-turn sample's final answer (the last assistant turn, what the
+    reward function scores as the response) and what it adds to the reward's metadata:
+    the whole conversation, the environment's reward (None: the function decides) and the
+    tools' counts. None for a one-turn sample."""
+    ep: Mapping[str, JSON] | None = r.episode
+    if not ep:
+        return None
+    answers = [m for m in ep["messages"] if m["role"] == "assistant"]
+    extra = {"messages": ep["messages"], "env_reward": ep.get("reward"),
+             "env_stop": ep.get("stop", ""), "turns": ep.get("turns", len(answers))}  # fmt: skip
+    return (str(answers[-1]["content"]) if answers else ""), extra

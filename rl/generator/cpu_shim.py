@@ -28,6 +28,7 @@ import os
 from pathlib import Path
 
 from rl.generator.cpu_batch_invariant import BATCH_INVARIANT_ENV
+from rl.generator.cpu_fork import FORK_ENV
 
 STUB = '''"""Stub of vllm._custom_ops written by rl/generator/cpu_shim.py (see its header).
 
@@ -45,21 +46,23 @@ def rotary_embedding(*args, **kwargs):
 
 # Run by Python at the start of every process of a CPU server (the shim's directory comes
 # first on its path): per-request sampling seeds (rl/generator/cpu_seeds.py), for a
-# deterministic run batch-invariant products (rl/generator/cpu_batch_invariant.py), and
-# no store port on every interface nor semaphore left behind
-# (rl/generator/server_footprint.py).
+# deterministic run batch-invariant products (rl/generator/cpu_batch_invariant.py), no
+# store port on every interface nor semaphore left behind
+# (rl/generator/server_footprint.py), and child processes forked, not spawned
+# (rl/generator/cpu_fork.py).
 SITE = '''"""Written by rl/generator/cpu_shim.py: runs rl/generator/cpu_seeds.py,
-rl/generator/server_footprint.py, and rl/generator/cpu_batch_invariant.py when the
-launcher asked for it."""
+rl/generator/server_footprint.py, rl/generator/cpu_fork.py, and
+rl/generator/cpu_batch_invariant.py when the launcher asked for it."""
 
 try:
-    from rl.generator import cpu_batch_invariant, cpu_seeds, server_footprint
+    from rl.generator import cpu_batch_invariant, cpu_fork, cpu_seeds, server_footprint
 except ImportError:
     pass
 else:
     cpu_seeds.install()
     cpu_batch_invariant.install()
     server_footprint.install()
+    cpu_fork.install()
 '''
 
 
@@ -108,4 +111,5 @@ def server_env(
             out[var] = str(threads)
     if batch_invariant:
         out[BATCH_INVARIANT_ENV] = "1"
+    out.setdefault(FORK_ENV, "1")  # MSRL_SGLANG_FORK=0 in the environment: spawn, as SGLang
     return out

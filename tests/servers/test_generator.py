@@ -1,16 +1,26 @@
 """The generator executor against real SGLang servers on CPU (two servers, TP=1, fp32).
 
 A tiny random Llama is made locally and served; Hugging Face transformers running the same
-weights is the reference. Tests run in file order on one pair of servers: parity first,
-then weight updates (the reference follows every update), then killing and restarting a
-server, last.
+weights is the reference. Tests run in file order on one pair of servers. First the lock:
+a server's admin routes refuse a call without the admin key (the API key included) and
+leave the served weights and version alone, its other routes refuse a call without the
+API key, the keys show on no command line and in no leftover file, and it listens on
+127.0.0.1 only. Then parity,
+then weight updates (the reference follows every update) and the controller's rollout
+stream across one, then killing and restarting a server, last.
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
+import itertools
+import os
 import signal
+import stat
+import subprocess
 import time
+from dataclasses import dataclass
+from pathlib import Path
 
 import psutil
 import pytest
@@ -20,12 +30,19 @@ from safetensors.torch import load_file
 from rl.checks import check
 from rl.config import compose
 from rl.config.sampling import RequestError, SamplingParams
+from rl.controller.batch import build_batch
+from rl.controller.rollouts import RolloutStream
+from rl.controller.staleness import StalenessGate
+from rl.generator import server_api as api
 from rl.generator.client import REQUEUE_REPORT_S, GeneratorClient
 from rl.generator.launcher import ServerConfig, ServerError, ServerLauncher
 from rl.generator.weight_payload import FlatBucket, buckets
+from rl.runtime.net import free_port
+from rl.tasks.common import Example
+from rl.tasks.scoring import ScoreResult
 from tests.helpers.hf_models import make_model
 from tests.helpers.hf_reference import HFReferenceGenerator
-from tests.helpers.procs import assert_group_gone
+from tests.helpers.procs import assert_group_gone, group_listeners
 
 TOL = 1e-4
 PROMPTS = [[1, 5, 6, 7], [1, 9, 9], [1, 40, 41, 42, 43, 44, 45], [1, 3], [1, 77, 12, 60]]
@@ -101,6 +118,134 @@ def _wait_active(client, rollout_rid: str, timeout: float = 30.0) -> None:
     while rollout_rid not in client.in_flight():
         assert time.monotonic() < deadline, "request never became active"
         time.sleep(0.01)
+
+
+# ------------------------------------------------------------- locked (first, at version 0)
+# The locked server. SGLang on CPU is not bit-reproducible across identical requests to
+# one server: greedy ids match, but a log-prob moved by 4.8e-7 between two calls on one
+# machine (README, "Testing"). "Unchanged" is therefore exact ids and versions and
+# log-probs within SAME; a weight swap moves them by far more than MOVED.
+PROMPT = [1, 5, 6, 7, 8]
+GREEDY_BODY = {"temperature": 0, "max_new_tokens": 6}
+OTHER = "z" * 32  # a key the server does not hold
+SAME = 1e-5
+MOVED = 1e-3
+
+
+@pytest.fixture(scope="module")
+def other_model(tmp_path_factory):
+    """Weights the server does not serve, for a swap from disk."""
+    return make_model("llama", tmp_path_factory.mktemp("gen") / "other", seed=1)
+
+
+@dataclass(frozen=True)
+class Served:
+    """The version, and greedy tokens with their log-probs: what the server serves."""
+
+    version: int
+    ids: list[int]
+    logprobs: list[float]
+
+    def moved(self, other: Served) -> float:
+        """The largest log-prob change from ``other``; infinite when the ids differ."""
+        if self.ids != other.ids:
+            return float("inf")
+        return max(abs(a - b) for a, b in zip(self.logprobs, other.logprobs, strict=True))
+
+
+def _served(launcher: ServerLauncher) -> Served:
+    url, keys = launcher.urls[0], launcher.keys
+    version = api.weight_version(api.call(url, api.model_info(), keys))
+    out = api.call(url, api.generate([PROMPT], [GREEDY_BODY]), keys)
+    logprobs = [lp for lp, *_ in out["meta_info"]["output_token_logprobs"]]
+    return Served(version, out["output_ids"], logprobs)
+
+
+def _refused(url: str, call: api.Call, keys: api.ServerKeys | None) -> int:
+    with pytest.raises(api.CallError) as e:
+        api.call(url, call, keys, timeout=60)
+    assert e.value.answered, e.value
+    return e.value.status
+
+
+def _from_disk(path: Path, version: int) -> api.Call:
+    body = {"model_path": str(path), "weight_version": str(version)}
+    return api.Call("/update_weights_from_disk", body)
+
+
+def test_admin_routes_refuse_no_key_and_the_api_key(launcher, other_model):
+    url, keys = launcher.urls[0], launcher.keys
+    before = _served(launcher)
+    calls = [
+        _from_disk(other_model, 7),
+        api.init_weights_update_group("127.0.0.1", free_port(), 1, 2, "intruder", "gloo"),
+        api.pause_generation("abort"),
+        api.update_weight_version(9),
+        api.begin_weight_update(),
+        api.flush_cache(),
+    ]
+    api_key_as_admin = api.ServerKeys(OTHER, keys.api)  # sends the API key to admin routes
+    for call in calls:
+        for wrong in (None, api_key_as_admin, api.ServerKeys(keys.api, OTHER)):
+            assert _refused(url, call, wrong) == 401, call.route
+    after = _served(launcher)  # not paused, same version, same weights
+    assert after.version == before.version == 0
+    assert after.moved(before) < SAME, (before, after)
+
+
+def test_other_routes_need_the_api_key(launcher):
+    url, keys = launcher.urls[0], launcher.keys
+    admin_key_as_api = api.ServerKeys(keys.admin, OTHER)  # SGLang takes only the API key
+    for call in (api.generate([PROMPT], [GREEDY_BODY]), api.model_info()):
+        for wrong in (None, admin_key_as_api):
+            assert _refused(url, call, wrong) == 401, call.route
+    assert api.healthy(url)  # health answers anyone: the launcher polls it without a key
+
+
+def test_admin_key_updates_weights_and_version(launcher, model_dir, other_model):
+    url, keys = launcher.urls[0], launcher.keys
+    start = _served(launcher)
+    reply = api.call(url, _from_disk(other_model, 7), keys, timeout=300)
+    assert reply["success"], reply
+    swapped = _served(launcher)
+    assert swapped.version == 7 and swapped.moved(start) > MOVED, (start, swapped)
+    api.call(url, api.pause_generation("retract"), keys)
+    api.call(url, api.continue_generation(), keys)
+    assert api.call(url, _from_disk(model_dir, 0), keys, timeout=300)["success"]
+    back = _served(launcher)
+    assert back.version == start.version and back.moved(start) < SAME, (start, back)
+
+
+def test_keys_show_on_no_command_line_and_in_no_leftover_file(launcher):
+    keys, s = launcher.keys, launcher.servers[0]
+    # -ww: whole command lines (ps cuts them to the terminal's width otherwise).
+    ps = subprocess.run(["ps", "-ww", "-eo", "args"], capture_output=True, text=True, check=True)
+    assert keys.api not in ps.stdout and keys.admin not in ps.stdout
+    assert f"--config {s.key_file}" in ps.stdout  # SGLang got them from the file ...
+    assert not s.key_file.exists()  # ... deleted once the server answered
+    # SGLang logs its arguments, keys included: the log is readable by this user only.
+    assert keys.admin in s.log_path.read_text()
+    assert stat.S_IMODE(s.log_path.stat().st_mode) == 0o600
+    assert keys.admin not in s.error("test").args[0]
+
+
+def test_the_api_key_can_read_the_admin_key(launcher):
+    """SGLang's /server_info (API key) returns its arguments, admin key included: the two
+    keys are distinct, but an API-key holder can learn the admin key (README)."""
+    info = api.call(launcher.urls[0], api.Call("/server_info", method="GET"), launcher.keys)
+    assert info["admin_api_key"] == launcher.keys.admin
+
+
+def test_server_listens_on_localhost_only(launcher):
+    """Its HTTP port, and every other socket: the scheduler's torch.distributed store,
+    which torch's TCPStore would open on every interface, is a file on a CPU server
+    (rl/generator/server_footprint.py; without it this found ``::`` and the scheduler)."""
+    s = launcher.servers[0]
+    assert s.proc is not None
+    listening = group_listeners(os.getpgid(s.proc.pid))
+    http = [ip for ip, port, _ in listening if port == s.port]
+    assert http == ["127.0.0.1"], listening
+    assert [x for x in listening if x[0] != "127.0.0.1"] == [], listening
 
 
 # ---------------------------------------------------------------------------- parity
@@ -283,6 +428,56 @@ def test_update_while_requests_run_tags_every_token_with_its_version(client, ref
         assert _close(r.logprobs[k:], ref.score(r.prompt_ids, r.output_ids)[k:])
 
 
+def _half(group) -> cf.Future:
+    """Rewards 1, 0, 1, 0... at once (the reward executor has tests of its own)."""
+    f: cf.Future = cf.Future()
+    f.set_result([ScoreResult(float(i % 2 == 0)) for i in range(len(group.rollouts))])
+    return f
+
+
+def test_the_stream_resumes_parked_rollouts_under_the_next_version_into_the_batch(
+    client, model_dir, ref, weights
+):
+    """The controller's rollout stream with partial rollouts: every response is cut after
+    3 tokens and parked; the weights change; the parked responses resume under the new
+    version. Each token keeps the version and the behaviour log-prob it was sampled with
+    (transformers on each version's weights), all the way into the trainer's batch."""
+    v0, t = client.version, 0.8
+    sampling = SamplingParams(temperature=t, max_new_tokens=6, ignore_eos=True, n=2)
+    gate = StalenessGate(max_lag=1, mode="throttle", per_step=2)  # 4 groups may start at v0
+    prompts = (Example(f"p{i}", tuple(PROMPTS[i % 5]), "") for i in itertools.count())
+    stream = RolloutStream(client, _half, lambda: next(prompts), sampling, gate, v0,
+                           segment_tokens=3, eager_resume=False).start()  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while stream.parked < 8:  # 4 groups x 2 samples, each cut after 3 tokens
+            assert time.monotonic() < deadline, f"only {stream.parked} rollouts parked"
+            time.sleep(0.05)
+        new = _new_version(weights, v0 + 1, seed=5)
+        client.update_weights(new, v0 + 1)
+        stream.commit(v0 + 1)
+        groups, stats = stream.next_batch(trainer_version=v0 + 1)
+    finally:
+        stream.close()
+    assert len(groups) == 2 and stats["lag_max"] == 1 and stats["resumed_segments"] >= 4
+    before, after = HFReferenceGenerator(model_dir), ref  # the reference follows the update
+    before.load_weights(weights[v0])
+    after.load_weights(new)
+    for grp in groups:
+        for r in grp.rollouts:
+            assert r.segments == 2 and r.versions == [v0] * 3 + [v0 + 1] * 3
+            p, out = r.prompt_ids, r.output_ids
+            want = before.score(p, out[:3], t) + after.score(p + out[:3], out[3:], t)
+            assert max(abs(a - b) for a, b in zip(r.logprobs, want, strict=True)) < 1e-4
+    # ... and the trainer's batch carries them token by token.
+    batch = build_batch([g.rollouts for g in groups], [g.rewards for g in groups])
+    rows = [r for g in groups for r in g.rollouts]
+    for i, r in enumerate(rows):
+        span = slice(len(r.prompt_ids) - 1, len(r.prompt_ids) - 1 + 6)
+        assert batch.versions[i, span].tolist() == r.versions
+        torch.testing.assert_close(batch.behaviour_logprobs[i, span], torch.tensor(r.logprobs))
+
+
 # ---------------------------------------------------------------------------- failures (last)
 def test_no_ready_server_makes_requests_wait_not_fail(client, ref):
     """With ``wait_for_server``, requests that find every server behind wait for one to be
@@ -332,9 +527,10 @@ def test_killed_server_loses_no_rollout_then_is_restarted_and_brought_up_to_date
 
     assert client.restart_server(1) == 0  # back with its checkpoint's weights: behind
     assert {r.server for r in client.generate(PROMPTS * 2, GREEDY)} == {0}
-    client.update_weights(weights[3], version=4)
-    assert client.weight_versions() == [4, 4]
-    ref.load_weights(weights[3])
+    latest = max(weights)
+    client.update_weights(weights[latest], version=latest + 1)
+    assert client.weight_versions() == [latest + 1] * 2
+    ref.load_weights(weights[latest])
     rollouts = client.generate(PROMPTS * 2, GREEDY)
     assert {r.server for r in rollouts} == {0, 1}
     for r in rollouts:

@@ -106,10 +106,6 @@ def _hold_controller_until_restarted(pid: int, log: Path) -> None:
         controller.resume()
 
 
-@pytest.mark.long(
-    reason="a job whose SGLang server is killed and started again (~25 s) while it goes on; "
-    "with two servers 20 RL steps, so the restarted one is used again: 92-107 s measured"
-)
 @pytest.mark.parametrize(
     ("servers", "transport", "relay"), [(1, "ipc", "none"), (2, "p2p", "chain")]
 )

@@ -5,8 +5,8 @@ reward or without one (then the reward function scores the whole conversation).
 ``ToolEnvironment`` is the built-in one: it parses the turn's tool calls in the model's
 format (rl/envs/toolcall.py), runs them (rl/envs/tools.py) and answers each with a
 ``tool`` message; a turn without a call is the final answer. A user's own environment is
-named by path (``env.cls``: ``pkg.module:Class`` or ``path/to/env.py:Class``) and built
-with the tools and the row's fields it asks for.
+named by path (``pkg.module:Class`` or ``path/to/env.py:Class``) and built as
+``Class(tools, tool_format)`` (:func:`load_environment`).
 """
 
 from __future__ import annotations
@@ -17,8 +17,17 @@ from typing import Any, Protocol
 
 from rl.envs.toolcall import parse
 from rl.envs.tools import Tool, run_tool
+from rl.plugins import load_object
 
 Message = dict[str, Any]
+_FORMS = "'pkg.module:Class' or 'path/to/env.py:Class'"
+
+
+class EnvSpecError(ValueError):
+    """An environment spec that names no usable class: one line, ``env.cls '<spec>': ...``."""
+
+    def __init__(self, message: str):
+        super().__init__(f"env.cls {message}")
 
 
 @dataclass(frozen=True)
@@ -79,3 +88,25 @@ class ToolEnvironment:
             "tool_timeouts": float(sum(o.status == "timeout" for o in outcomes)),
         }
         return Step(observations, metrics=metrics)
+
+
+def load_environment(spec: str | None, tools: Mapping[str, Tool], tool_format: str) -> Environment:
+    """The built-in :class:`ToolEnvironment` (``spec`` None), or the user's class a spec
+    names, built as ``cls(tools, tool_format)``; a one-line error naming the spec when it
+    cannot be (no such class, a constructor that refuses those arguments, or an object
+    without ``reset`` and ``step``)."""
+    if spec is None:
+        return ToolEnvironment(tools, tool_format)
+    cls = load_object(spec, _FORMS, EnvSpecError)
+    if not callable(cls):
+        raise EnvSpecError(f"{spec!r}: a {type(cls).__name__}, not a class")
+    try:
+        env = cls(dict(tools), tool_format)
+    except Exception as e:
+        raise EnvSpecError(
+            f"{spec!r}: {type(e).__name__} building it with (tools, tool_format): {e}"
+        ) from None
+    missing = [m for m in ("reset", "step") if not callable(getattr(env, m, None))]
+    if missing:
+        raise EnvSpecError(f"{spec!r}: has no {' or '.join(missing)} method")
+    return env

@@ -33,6 +33,13 @@ class ToolError(ValueError):
     """A tool config that cannot work: one line naming the tool."""
 
 
+class _ToolSpecError(ToolError):
+    """The path loader's error, worded as the others: ``tool '<spec>': ...``."""
+
+    def __init__(self, message: str):
+        super().__init__(f"tool {message}")
+
+
 @dataclass(frozen=True)
 class ToolOutcome:
     text: str
@@ -173,7 +180,7 @@ def load_tool(spec: str, limits: sandbox.Limits = DEFAULT_LIMITS) -> Tool:
         return BUILTIN[spec](limits)
     if ":" not in spec:
         raise ToolError(f"tool {spec!r}: unknown; not {_FORMS}")
-    obj = load_object(spec, _FORMS, ToolError)
+    obj = load_object(spec, _FORMS, _ToolSpecError)
     if isinstance(obj, Tool):
         tool = obj
     elif callable(obj):

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from rl.envs.chat import ChatError, ChatRenderer, template_text
-from rl.envs.environment import ToolEnvironment
+from rl.envs.environment import EnvSpecError, ToolEnvironment, load_environment
 from rl.envs.episode import Episode, EpisodeLimits, Generated, Trajectory, run_episode
 from rl.envs.toolcall import ToolCall, parse
 from rl.envs.tools import Tool, ToolError, calculate, load_tool, load_tools, run_tool
@@ -81,7 +81,7 @@ def test_tools_load_by_name_or_path_and_bad_ones_fail_in_one_line(tmp_path: Path
         load_tool("grep")
     with pytest.raises(ToolError, match="tool 'bad': parameters are not valid JSON Schema"):
         load_tool(f"{Path(__file__)}:BAD")
-    with pytest.raises(ToolError, match="no such file"):
+    with pytest.raises(ToolError, match=r"^tool '.*none\.py:f': no such file"):
         load_tool(f"{tmp_path / 'none.py'}:f")
     with pytest.raises(ToolError, match="no schema from its signature and docstring"):
         load_tool(f"{Path(__file__)}:_bad_schema_tool")
@@ -236,3 +236,38 @@ def test_a_template_without_tools_or_that_rewrites_history_is_refused(chatml):
         )
     with pytest.raises(ChatError, match=r"env\.chat_template='nope': not one of"):
         template_text("nope")
+
+
+class EchoEnv:
+    """A user's environment: every turn is answered with its own text, twice."""
+
+    def __init__(self, tools, tool_format):
+        self.tools = list(tools.values())
+
+    def reset(self, row):
+        return [{"role": "user", "content": row["prompt"]}]
+
+    def step(self, messages):
+        from rl.envs.environment import Step
+
+        if len(messages) >= 5:
+            return Step(done=True, reward=1.0)
+        return Step(({"role": "tool", "content": messages[-1]["content"]},))
+
+
+class NoSteps:
+    def __init__(self, tools, tool_format):
+        pass
+
+
+def test_a_users_environment_is_loaded_by_path_and_bad_ones_fail_in_one_line(tmp_path):
+    tools = {"calculator": CALC}
+    assert isinstance(load_environment(None, tools, "qwen"), ToolEnvironment)
+    env = load_environment(f"{Path(__file__)}:EchoEnv", tools, "qwen")
+    assert env.tools == [CALC] and env.reset({"prompt": "hi"})[0]["content"] == "hi"
+    with pytest.raises(EnvSpecError, match=r"^env\.cls '.*:Nope': .* has no attribute 'Nope'"):
+        load_environment(f"{Path(__file__)}:Nope", tools, "qwen")
+    with pytest.raises(EnvSpecError, match=r"TypeError building it with \(tools, tool_format\)"):
+        load_environment(f"{Path(__file__)}:_bad_schema_tool", tools, "qwen")
+    with pytest.raises(EnvSpecError, match="has no reset or step method"):
+        load_environment(f"{Path(__file__)}:NoSteps", tools, "qwen")

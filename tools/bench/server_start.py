@@ -1,0 +1,82 @@
+"""How long a CPU SGLang server takes to become ready, with its scheduler and detokenizer
+spawned (SGLang's own way) or forked (rl/generator/cpu_fork.py, the CPU default).
+
+    PYTHONPATH=. $(tools/setup_env.sh)/bin/python tools/bench/server_start.py
+
+A tiny random Llama (the test suite's) served with one thread, started ``--rounds`` times
+in each mode, the modes alternating so both see the same machine: seconds from the
+launcher's start to a healthy server, then one greedy request whose tokens must be equal
+in both modes. Peak memory: the sum of the server tree's peak RSS while it is up.
+Writes tools/bench/results/server_start.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from bench_util import tree_peak_rss_mb, write_result
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from rl.config.sampling import SamplingParams  # noqa: E402
+from rl.generator.client import GeneratorClient  # noqa: E402
+from rl.generator.cpu_fork import FORK_ENV  # noqa: E402
+from rl.generator.launcher import ServerConfig, ServerLauncher  # noqa: E402
+from tests.helpers.hf_models import make_model  # noqa: E402
+
+GREEDY = SamplingParams(temperature=0, max_new_tokens=8)
+
+
+def start_once(model: Path, mode: str, logs: Path) -> dict:
+    os.environ[FORK_ENV] = "1" if mode == "fork" else "0"
+    t0 = time.perf_counter()
+    with ServerLauncher(ServerConfig(model_path=str(model), threads=1), n=1, log_dir=logs) as s:
+        ready = time.perf_counter() - t0
+        peak = tree_peak_rss_mb(s.servers[0].proc.pid)
+        with GeneratorClient.for_launcher(s) as client:
+            ids = client.generate([[1, 5, 6, 7]], GREEDY)[0].output_ids
+        s.stop(grace=0)
+    return {"ready_s": round(ready, 2), "peak_rss_mb": round(peak), "ids": ids}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--out", default=str(ROOT / "tools/bench/results/server_start.json"))
+    args = ap.parse_args()
+    runs: dict[str, list[dict]] = {"spawn": [], "fork": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        model = make_model("llama", Path(tmp) / "tiny")
+        for i in range(args.rounds):
+            for mode in runs:
+                r = start_once(model, mode, Path(tmp) / f"logs-{mode}-{i}")
+                runs[mode].append(r)
+                print(f"{mode} round {i}: ready in {r['ready_s']} s, {r['peak_rss_mb']} MB")
+    ids = {tuple(r["ids"]) for rs in runs.values() for r in rs}
+    if len(ids) != 1:
+        raise SystemExit(f"the modes served different tokens: {ids}")
+    med = {m: statistics.median(r["ready_s"] for r in rs) for m, rs in runs.items()}
+    result = {
+        "what": "seconds from ServerLauncher start to a healthy tiny CPU server, median",
+        "baseline": "spawn (SGLang's start method)",
+        "rounds": args.rounds,
+        "ready_s": med,
+        "ratio_fork_vs_spawn": round(med["fork"] / med["spawn"], 3),
+        "peak_rss_mb": {m: max(r["peak_rss_mb"] for r in rs) for m, rs in runs.items()},
+        "same_tokens": True,
+        "runs": runs,
+    }
+    print(f"ready: spawn {med['spawn']:.1f} s, fork {med['fork']:.1f} s "
+          f"(x{result['ratio_fork_vs_spawn']})")  # fmt: skip
+    write_result(result, args.out)
+
+
+if __name__ == "__main__":
+    main()

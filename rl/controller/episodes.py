@@ -19,11 +19,15 @@ from __future__ import annotations
 import concurrent.futures as cf
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from rl.envs.environment import Environment, Message
 from rl.generator.types import Rollout
 from rl.tasks.common import Example
+
+if TYPE_CHECKING:
+    from rl.config.sampling import SamplingParams
+    from rl.generator.client import GeneratorClient
 
 JSON = Any  # a JSON value
 
@@ -90,8 +94,50 @@ class EpisodeDriver:
         messages += step.observations
         return Answer({**done, "over": False, "stop": ""}, obs)
 
+    @staticmethod
+    def apply(r: Rollout, answer: Answer) -> bool:
+        """Apply an answer to its sample (under the caller's lock); True when the sample's
+        next turn is due, False when it is finished (cut by length when the context is
+        full: the overlong rule applies)."""
+        r.episode = answer.episode
+        if answer.observation is None:
+            if answer.episode.get("stop") == "max_tokens":
+                r.finish("length")
+            return False
+        r.observe(answer.observation)
+        return True
+
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def run_episodes(
+    client: GeneratorClient, driver: EpisodeDriver, items: Sequence[Example],
+    sampling: SamplingParams,
+) -> list[Rollout]:  # fmt: skip
+    """Every sample of every prompt played to the end of its episode, in submission order
+    (an evaluation's): the environment answers each ended turn while the other samples
+    keep generating, and a sample cut by a pause is resumed at once."""
+    futures = [f for e in items for f in client.submit(list(e.prompt_ids), sampling)]
+    out = [f.rollout for f in futures]
+    item = {id(r): e for r, e in zip(out, [e for e in items for _ in range(sampling.n)],
+                                      strict=True)}  # fmt: skip
+    # A generation (None) or the environment's answer to the sample it names.
+    pending: dict[cf.Future[Any], Rollout | None] = dict.fromkeys(futures)
+    while pending:
+        done, _ = cf.wait(list(pending), return_when=cf.FIRST_COMPLETED)
+        for f in done:
+            answered = pending.pop(f)
+            if answered is not None:
+                if driver.apply(answered, f.result()):
+                    pending[client.resume(answered)] = None
+                continue
+            r: Rollout = f.result()
+            if not r.finished:
+                pending[client.resume(r)] = None
+            elif driver.awaiting(r):
+                pending[driver.answer(item[id(r)], r)] = r
+    return out
 
 
 def conversation(r: Rollout) -> tuple[str, dict[str, JSON]] | None:

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from rl.config.sampling import SamplingParams
-from rl.controller.episodes import conversation
+from rl.controller.episodes import EpisodeDriver, conversation, run_episodes
 from rl.generator.types import Rollout
 from rl.tasks.common import Example, Task
 from rl.tasks.scoring import ScoreItem, ScoreResult
@@ -52,10 +52,13 @@ class Evaluator:
         k: int = 1,
         threshold: float = 1.0,
         samples_dir: Path | None = None,
+        episodes: EpisodeDriver | None = None,
     ):
         """``sampling``: the rollouts' (temperature, max_new_tokens, stop ids); greedy
-        decoding replaces its temperature for pass@1."""
+        decoding replaces its temperature for pass@1. ``episodes``: multi-turn, each
+        sample played to the end of its episode."""
         self.client, self.task, self.reward = client, task, reward
+        self.episodes = episodes
         self.k, self.threshold, self.samples_dir = k, threshold, samples_dir
         self.greedy = replace(sampling, temperature=0.0, n=1, seed=None)
         self.sampled = replace(sampling, n=k)
@@ -65,8 +68,10 @@ class Evaluator:
     def _scores(
         self, examples: list[Example], sampling: SamplingParams, samples: Path | None = None
     ) -> list[list[ScoreResult]]:
-        prompts = [list(e.prompt_ids) for e in examples]
-        outs = self.client.generate(prompts, sampling)
+        if self.episodes is not None:
+            outs = run_episodes(self.client, self.episodes, examples, sampling)
+        else:
+            outs = self.client.generate([list(e.prompt_ids) for e in examples], sampling)
         per = sampling.n
         items = score_items(self.task, [e for e in examples for _ in range(per)], outs)
         results = self.reward.score(items).result()

@@ -445,15 +445,12 @@ class RolloutStream:
         is never parked between turns: the policy that wrote it is the freshest there is),
         or the sample is finished."""
         group, r = self._env.pop(f)
-        answer = f.result()  # an environment that raises fails the run (tools never do)
-        r.episode = answer.episode
-        if answer.observation is None:
-            if answer.episode.get("stop") == "max_tokens":
-                r.finish("length")  # the context is full: the overlong rule applies
+        assert self.episodes is not None
+        # An environment that raises fails the run (a tool's failure never does).
+        if self.episodes.apply(r, f.result()):
+            self._resume(group, [r])
+        else:
             self._sample_done(group)
-            return
-        r.observe(answer.observation)
-        self._resume(group, [r])
 
     def _mark_idle(self, idle: bool) -> None:
         now = time.perf_counter()

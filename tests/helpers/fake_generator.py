@@ -1,6 +1,7 @@
 """Stand-ins for the generator client a rollout stream drives (rl/controller/rollouts.py),
 so the stream's logic is tested without a server. :class:`FakeClient` has the client's
-two calls; each subclass says what happens to a segment once it is sent (``started``)."""
+calls (submit, resume); each subclass says what happens to a segment once it is sent
+(``started``)."""
 
 from __future__ import annotations
 
@@ -23,6 +24,9 @@ class FakeClient:
         rollouts = [Rollout(list(prompt_ids), sampling, i, group, rid=new_rid(rid_prefix))
                     for i in range(sampling.n)]  # fmt: skip
         return self.resume_many(rollouts, segment_tokens)
+
+    def resume(self, rollout: Rollout, segment_tokens: int | None = None) -> Future:
+        return self.resume_many([rollout], segment_tokens)[0]
 
     def resume_many(
         self, rollouts: list[Rollout], segment_tokens: int | None = None

@@ -11,14 +11,14 @@ from concurrent.futures import Future
 
 from rl.config.sampling import SamplingParams
 from rl.controller import rollout_state
-from rl.controller.episodes import EpisodeDriver, conversation
+from rl.controller.episodes import EpisodeDriver, conversation, run_episodes
 from rl.controller.evaluate import score_items
 from rl.controller.rollouts import Group, RolloutStream
 from rl.controller.staleness import StalenessGate
 from rl.envs.environment import Step
 from rl.tasks.common import Example
 from rl.tasks.scoring import ScoreResult
-from tests.helpers.fake_generator import ScriptedClient
+from tests.helpers.fake_generator import FakeClient, ScriptedClient
 
 END, CALL, ANSWER, OBS = 2, 7, 9, [40, 41]
 SAMPLING = SamplingParams(n=2, max_new_tokens=12, seed=1)
@@ -168,3 +168,28 @@ def test_an_observation_that_fills_the_context_ends_the_sample_as_overlong():
         assert a.finish_reason == "length" and a.episode["stop"] == "max_tokens"
     finally:
         stream.close()
+
+
+class Turns(FakeClient):
+    """Plays every sample at once: a first turn that calls the tool, then an answer; the
+    first segment of sample 1 comes back cut (a pause), to be resumed."""
+
+    def started(self, f: Future, r, segment_tokens) -> None:
+        if r.sample_index == 1 and r.segments == 0:
+            r.append([CALL], [-0.1], [3], None)  # cut: no end token yet
+        elif not r.output_ids or r.output_ids == [CALL]:
+            r.append([CALL, END][len(r.output_ids):], [-0.1] * (2 - len(r.output_ids)),
+                     [3] * (2 - len(r.output_ids)), "stop")  # fmt: skip
+        else:
+            r.append([ANSWER, END], [-0.2, -0.3], [3, 3], "stop")
+        f.set_result(r)
+
+
+def test_an_evaluation_plays_every_sample_to_the_end_of_its_episode():
+    env = Env()
+    items = [Example(f"p{i}", (5, 6), f"prompt {i}") for i in range(3)]
+    out = run_episodes(Turns(), _driver(env), items, SAMPLING)
+    assert len(out) == 6 and env.steps == 12  # two turns each, both answered
+    for r in out:
+        assert r.output_ids == [CALL, END, *OBS, ANSWER, END] and r.episode["stop"] == "answer"
+    assert [conversation(r)[0] for r in out] == ["ANSWER"] * 6

@@ -17,6 +17,7 @@ from megatron_patches import (
     moe_cuda_stream,
     moe_split_sizes,
     moe_te_gemm,
+    optional_imports,
     psutil_check,
     rng_tracker,
     torch_adam_state,
@@ -26,10 +27,12 @@ from megatron_patches import (
 from megatron_patches._util import applied
 from megatron_patches.device_mode import cuda_to_cpu
 
-# Order matters: the flash_mla guard must precede any Megatron import, and the MoE
-# stream stand-in relies on cuda_sync's null ``torch.cuda.current_stream``.
+# Order matters: the flash_mla guard and the optional-import guard must precede any
+# Megatron import, and the MoE stream stand-in relies on cuda_sync's null
+# ``torch.cuda.current_stream``.
 PATCHES = (
     flash_mla_guard,
+    optional_imports,
     psutil_check,
     current_device,
     cuda_sync,

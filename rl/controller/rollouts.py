@@ -441,9 +441,9 @@ class RolloutStream:
         self._env[self.episodes.answer(group.item, r)] = (group, r)
 
     def _on_answer(self, f: cf.Future) -> None:
-        """Apply the environment's answer: the next turn goes to a server at once (a turn
-        is never parked between turns: the policy that wrote it is the freshest there is),
-        or the sample is finished."""
+        """Apply the environment's answer: the next turn goes to a server at once, as a
+        sample's first segment does (a turn's end is not a segment boundary), or the
+        sample is finished."""
         group, r = self._env.pop(f)
         assert self.episodes is not None
         # An environment that raises fails the run (a tool's failure never does).

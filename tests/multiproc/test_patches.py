@@ -142,6 +142,16 @@ def rng():
     return {"x1": x1, "x2": x2, "outside": outside, "x1_again": x1_again,
             "unforked": unforked, "seeded": seeded}
 check("rng", rng)
+
+def optional():
+    import megatron.core  # noqa: F401
+    from megatron.core import timers
+    from megatron.core.inference.contexts import dynamic_context as dc
+    left_out = [m for m in ("flashinfer", "wandb") if m not in sys.modules]
+    import wandb  # noqa: F401
+    return {"left_out": left_out, "have": [dc.HAVE_FLASHINFER, dc.HAVE_WANDB],
+            "timers_wandb": repr(timers.wandb), "later_import": "wandb" in sys.modules}
+check("optional_imports", optional)
 """
 
 
@@ -274,6 +284,19 @@ def test_flash_mla_guard_turns_import_into_import_error(
     assert unapplied["flash_mla_unguarded"] == "OSError"  # the failure the guard exists for
     assert applied["flash_mla"] == "ImportError"
     assert applied["flash_mla_entry"] == "None"
+
+
+def test_megatron_loads_without_its_optional_inference_and_timer_imports(
+    applied: dict[str, Any],
+) -> None:
+    """Neither flashinfer nor wandb loads with Megatron (its dynamic inference context and
+    timers take their fallbacks), and wandb still imports for anyone else afterwards."""
+    assert applied["optional_imports"] == {
+        "left_out": ["flashinfer", "wandb"],
+        "have": [False, False],
+        "timers_wandb": "None",
+        "later_import": True,
+    }
 
 
 def test_causal_mask_on_cpu(applied: dict[str, Any]) -> None:

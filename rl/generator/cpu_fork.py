@@ -8,8 +8,11 @@ over its processes (tools/bench/server_start.py). Spawn is SGLang's choice for C
 (a CUDA context does not survive fork); a CPU server has none, and the parent has started
 no thread pool by then (it has only imported modules and parsed its arguments).
 
-Replaces, once ``sglang.srt.entrypoints.engine`` is imported and when the launcher set
-``FORK_ENV``: the module's ``mp`` (the ``multiprocessing`` module) with a view of it whose
+On by default for CPU servers (rl/generator/cpu_shim.py); ``MSRL_SGLANG_FORK=0`` in the
+environment the servers inherit restores spawn.
+
+Replaces, once ``sglang.srt.entrypoints.engine`` is imported and when ``FORK_ENV`` is
+"1": the module's ``mp`` (the ``multiprocessing`` module) with a view of it whose
 ``set_start_method("spawn")`` sets ``fork``. Nothing else changes. Versions: sglang 0.5.23.
 
 Standard library only at import time: it runs before anything else in the process.

@@ -342,7 +342,7 @@ class ServerLauncher:
         # port on every interface: rl/generator/server_footprint.py; CPU servers only).
         store = s.log_path.with_suffix(".store")
         store.unlink(missing_ok=True)
-        env[STORE_ENV] = str(store)
+        env[STORE_ENV] = str(store.absolute())
         # -I: the guard imports nothing from here (its own folder would shadow "types").
         guard = [sys.executable, "-I", str(GUARD), "--owner", str(os.getpid())]
         guard += ["--grace", str(STOP_GRACE_S), "--listen", f"{self.config.host}:{s.port}", "--"]

@@ -44,10 +44,15 @@ LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
 def local_method(method: object, path: str) -> object:
-    """``file://path`` for a ``tcp://`` method on a loopback address, else ``method``."""
+    """``file://`` + the absolute ``path`` for a ``tcp://`` method on a loopback address,
+    else ``method``. Absolute: ``file://runs/x.store`` would name host "runs", and the
+    store would wait for its peers forever (a job whose output directory is relative,
+    as the main job's is, hung so at its server's start)."""
     if not isinstance(method, str) or not method.startswith("tcp://"):
         return method
-    return f"file://{path}" if urlsplit(method).hostname in LOOPBACK else method
+    if urlsplit(method).hostname not in LOOPBACK:
+        return method
+    return f"file://{os.path.abspath(path)}"
 
 
 def patch_bootstrap(module: ModuleType) -> None:

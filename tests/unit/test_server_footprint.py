@@ -27,6 +27,14 @@ def test_only_a_loopback_tcp_store_becomes_a_file(method, expect):
     assert ls.local_method(method, "/run/s.store") == expect
 
 
+def test_a_relative_store_path_becomes_an_absolute_file_url(tmp_path, monkeypatch):
+    """``file://outputs/s.store`` would name host "outputs": the main job's relative
+    output directory hung its server at the store."""
+    monkeypatch.chdir(tmp_path)
+    got = ls.local_method("tcp://127.0.0.1:5", "outputs/s.store")
+    assert got == f"file://{tmp_path}/outputs/s.store"
+
+
 def test_the_bootstrap_is_wrapped_once(monkeypatch):
     seen = []
     module = types.ModuleType(ls.BOOTSTRAP)

@@ -31,13 +31,15 @@ class ChatError(ValueError):
 
 
 class ChatTokenizer(Protocol):
-    """What this needs from a Hugging Face tokenizer."""
+    """What this needs from a Hugging Face tokenizer. Its own signatures are far wider
+    (batches, tensors); these are the calls made here, and what is read back is checked
+    or cast where it is used."""
 
-    def apply_chat_template(self, conversation: Any, **kwargs: Any) -> Any: ...
+    def apply_chat_template(self, conversation: list[Message], **kwargs: object) -> object: ...
 
-    def convert_ids_to_tokens(self, ids: Any) -> Any: ...
+    def convert_ids_to_tokens(self, ids: int) -> object: ...
 
-    def __call__(self, text: str, **kwargs: Any) -> Any: ...
+    def __call__(self, text: str, add_special_tokens: bool) -> Mapping[str, list[int]]: ...
 
 
 def template_text(name_or_path: str) -> str:
@@ -80,8 +82,7 @@ class ChatRenderer:
         )
 
     def encode(self, text: str) -> list[int]:
-        out = self.tok(text, add_special_tokens=False)
-        return [int(i) for i in (out["input_ids"] if isinstance(out, Mapping) else out)]
+        return [int(i) for i in self.tok(text, add_special_tokens=False)["input_ids"]]
 
     def prompt_ids(self, messages: Sequence[Message]) -> list[int]:
         return self.encode(self.text(messages, opened=True))

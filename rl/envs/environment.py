@@ -47,7 +47,7 @@ class Environment(Protocol):
         ...
 
     def step(self, messages: Sequence[Message]) -> Step:
-        """Answer the conversation so far, which ends with the assistant's turn."""
+        """Answer the conversation, whose last message is the assistant's turn."""
         ...
 
 

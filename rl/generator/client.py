@@ -38,7 +38,7 @@ import torch
 from rl.config.sampling import RequestError, SamplingParams
 from rl.generator import server_api as api
 from rl.generator.launcher import ServerError, ServerLauncher
-from rl.generator.types import ModelLimits, Rollout, new_rid, parse_result
+from rl.generator.types import ModelLimits, Rollout, new_rollouts, parse_result
 from rl.generator.weight_payload import FlatBucket, buckets, update_call, use_file_system_sharing
 
 if TYPE_CHECKING:
@@ -179,9 +179,8 @@ class GeneratorClient:
         self.limits.check(prompt_ids, sampling)
         if segment_tokens is not None and segment_tokens < 1:
             raise RequestError(f"segment_tokens={segment_tokens} must be >= 1")
-        rollouts = [Rollout(list(prompt_ids), sampling, i, group, rid=new_rid(rid_prefix))
-                    for i in range(sampling.n)]  # fmt: skip
-        return self.resume_many(rollouts, segment_tokens)
+        return self.resume_many(new_rollouts(prompt_ids, sampling, group, rid_prefix),
+                                segment_tokens)  # fmt: skip
 
     def resume(self, rollout: Rollout, segment_tokens: int | None = None) -> RolloutFuture:
         """Continue an unfinished rollout (prompt + tokens so far go back in). The future

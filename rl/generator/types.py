@@ -191,6 +191,14 @@ class Rollout:
         self.finish_reason = reason
 
 
+def new_rollouts(
+    prompt_ids: list[int], sampling: SamplingParams, group: int | None, rid_prefix: str = ""
+) -> list[Rollout]:
+    """The ``sampling.n`` fresh rollouts of one prompt, each with its own request id."""
+    return [Rollout(list(prompt_ids), sampling, i, group, rid=new_rid(rid_prefix))
+            for i in range(sampling.n)]  # fmt: skip
+
+
 def parse_result(out: dict) -> tuple[list[int], list[float], list[int], str]:
     """One SGLang ``/generate`` result (``return_logprob=True``) -> (new token ids, their
     log-probs, the weight version of each, SGLang's finish type).

@@ -5,13 +5,14 @@ calls (submit, resume); each subclass says what happens to a segment once it is 
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from concurrent.futures import Future
 
 from rl.config.sampling import SamplingParams
-from rl.generator.types import Rollout, new_rid
+from rl.generator.types import Rollout, new_rollouts
 
 
-class FakeClient:
+class FakeClient(ABC):
     def submit(
         self,
         prompt_ids: list[int],
@@ -21,9 +22,8 @@ class FakeClient:
         rid_prefix: str = "",
     ) -> list[Future]:
         """``sampling.n`` rollouts of one prompt, each a future with its ``rollout``."""
-        rollouts = [Rollout(list(prompt_ids), sampling, i, group, rid=new_rid(rid_prefix))
-                    for i in range(sampling.n)]  # fmt: skip
-        return self.resume_many(rollouts, segment_tokens)
+        return self.resume_many(new_rollouts(prompt_ids, sampling, group, rid_prefix),
+                                segment_tokens)  # fmt: skip
 
     def resume(self, rollout: Rollout, segment_tokens: int | None = None) -> Future:
         return self.resume_many([rollout], segment_tokens)[0]
@@ -39,12 +39,13 @@ class FakeClient:
             out.append(f)
         return out
 
+    @abstractmethod
     def started(self, f: Future, r: Rollout, segment_tokens: int | None) -> None:
         """A segment of ``r`` was sent; ``f`` resolves to ``r`` when it is back."""
-        raise NotImplementedError
 
     def abort_all(self) -> None:
-        pass
+        """Nothing runs anywhere to abort: a fake segment is only a future."""
+        return None
 
 
 class InstantClient(FakeClient):

@@ -4,9 +4,11 @@ for its answer resumes by asking again, regenerating nothing."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import Future
 
 from rl.config.sampling import SamplingParams
@@ -16,6 +18,7 @@ from rl.controller.evaluate import score_items
 from rl.controller.rollouts import Group, RolloutStream
 from rl.controller.staleness import StalenessGate
 from rl.envs.environment import Step
+from rl.generator.types import Rollout
 from rl.tasks.common import Example
 from rl.tasks.scoring import ScoreResult
 from tests.helpers.fake_generator import FakeClient, ScriptedClient
@@ -81,12 +84,23 @@ def _stream(client, env, scored: list[Group]) -> RolloutStream:
                          episodes=_driver(env))  # fmt: skip
 
 
-def test_a_sample_calls_a_tool_gets_the_answer_and_is_scored_once_on_its_final_turn():
-    client, env, scored = ScriptedClient(), Env(), []
+@contextlib.contextmanager
+def _first_group(
+    env: Env,
+) -> Iterator[tuple[ScriptedClient, RolloutStream, list, Rollout, Rollout]]:
+    """A running stream and the two samples of its first group, on a server; closed after."""
+    client, scored = ScriptedClient(), []
     stream = _stream(client, env, scored).start()
     try:
         _until(lambda: len(client.sent) >= 2, "a group sent")
-        a, b = client.sent[:2]
+        yield client, stream, scored, client.sent[0], client.sent[1]
+    finally:
+        env.gate.set()  # a worker held by the test lets go, so the pool can shut down
+        stream.close()
+
+
+def test_a_sample_calls_a_tool_gets_the_answer_and_is_scored_once_on_its_final_turn():
+    with _first_group(Env()) as (client, _, scored, a, b):
         client.segment(a, [CALL, END], 3, "stop")  # a calls the tool
         client.segment(b, [ANSWER, END], 3, "stop")  # b answers at once
         _until(lambda: client.sent.count(a) == 2, "a's next turn sent")
@@ -108,8 +122,6 @@ def test_a_sample_calls_a_tool_gets_the_answer_and_is_scored_once_on_its_final_t
         assert items[0].response == "ANSWER" and items[0].metadata["turns"] == 2
         assert items[0].metadata["messages"] == a.episode["messages"]
         assert conversation(b)[1]["turns"] == 1
-    finally:
-        stream.close()
 
 
 class _Task:
@@ -120,19 +132,13 @@ class _Task:
 
 
 def test_a_turn_waiting_for_its_answer_is_asked_again_after_a_resume_not_regenerated():
-    client, env, scored = ScriptedClient(), Env(), []
-    stream = _stream(client, env, scored).start()
-    try:
-        _until(lambda: len(client.sent) >= 2, "a group sent")
-        a, b = client.sent[:2]
+    env = Env()
+    with _first_group(env) as (client, stream, _, a, b):
         env.gate.clear()  # the environment is busy with both turns when the job dies
         client.segment(a, [CALL, END], 3, "stop")
         client.segment(b, [ANSWER, END], 3, "stop")
         _until(lambda: len(stream._env) == 2, "both turns at the environment")
         state = stream.snapshot()
-    finally:
-        env.gate.set()
-        stream.close()
     back = rollout_state.from_json(json.loads(json.dumps(rollout_state.to_json(state))))
     client2, env2, scored2 = ScriptedClient(), Env(), []
     resumed = _stream(client2, env2, scored2)
@@ -157,17 +163,11 @@ def test_a_turn_waiting_for_its_answer_is_asked_again_after_a_resume_not_regener
 
 
 def test_an_observation_that_fills_the_context_ends_the_sample_as_overlong():
-    client, env, scored = ScriptedClient(), Env(), []
-    stream = _stream(client, env, scored).start()
-    try:
-        _until(lambda: len(client.sent) >= 2, "a group sent")
-        a, b = client.sent[:2]
+    with _first_group(Env()) as (client, _, scored, a, b):
         client.segment(a, [CALL] * 9 + [END], 3, "stop")  # 10 of 12 tokens: no room for 2
         client.segment(b, [ANSWER, END], 3, "stop")
         _until(lambda: scored, "the group scored")
         assert a.finish_reason == "length" and a.episode["stop"] == "max_tokens"
-    finally:
-        stream.close()
 
 
 class Turns(FakeClient):

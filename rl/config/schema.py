@@ -310,12 +310,36 @@ class RewardConfig:
 
     One function scores training rollouts and evaluation alike."""
 
-    # A built-in (exact | math_verify | gsm8k), a dotted path ``pkg.module:fn`` or a file
+    # A built-in (exact | math_verify | gsm8k | env: the episode environment's reward), a
+    # dotted path ``pkg.module:fn`` or a file
     # ``path/to/rewards.py:fn``; fn(prompt, response, label, metadata) -> float | dict.
     fn: str = "exact"
     workers: int = 1
     timeout_s: float = 5.0  # per item; an overrun scores 0 and is counted
     pass_threshold: float = 1.0  # a response passes (pass@k) when its score reaches this
+
+
+@dataclass
+class EnvConfig:
+    """Multi-turn episodes (rl/envs): off unless ``tools`` or ``cls`` is set. Each turn the
+    policy generates until its end token; the environment then runs the tools it called
+    and answers, or ends the episode. A trajectory's tokens (every turn and every
+    observation) count against rollout.sampling.max_new_tokens."""
+
+    # Built-ins (calculator | python) or a user's tool by path, ``pkg.module:obj`` or
+    # ``path/to/tools.py:obj`` (a Tool, or a function with type hints and a docstring).
+    tools: list[str] = field(default_factory=list)
+    # null: the built-in environment (runs the called tools; a turn without a call is the
+    # final answer); or a user's class by path, built as ``cls(tools, tool_format)``.
+    cls: str | None = None
+    tool_format: str = "qwen"  # how calls are written: qwen (<tool_call>{json}) | llama3
+    # A shipped template (chatml_tools) or a Jinja file for prompts with tools; null: the
+    # tokenizer's own, which must render tools.
+    chat_template: str | None = None
+    max_turns: int = 4  # assistant turns per episode; the last one is scored as it is
+    tool_timeout_s: float = 10.0  # wall clock per tool call; an overrun is an observation
+    sandbox_memory_mb: int = 512  # the python tool's address space
+    workers: int = 4  # threads answering turns (running tools) on the controller
 
 
 @dataclass
@@ -458,6 +482,7 @@ class RootConfig:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)
     rl: RLConfig = field(default_factory=RLConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     run: RunConfig = field(default_factory=RunConfig)

@@ -17,7 +17,7 @@ rollout.
 from __future__ import annotations
 
 import concurrent.futures as cf
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -27,6 +27,7 @@ from rl.tasks.common import Example
 
 if TYPE_CHECKING:
     from rl.config.sampling import SamplingParams
+    from rl.envs.setup import EpisodeSetup
     from rl.generator.client import GeneratorClient
 
 JSON = Any  # a JSON value
@@ -36,6 +37,8 @@ class Renderer(Protocol):
     """What the driver needs of rl/envs/chat.py's ChatRenderer."""
 
     def observation_ids(self, before: Sequence[Message], added: Sequence[Message]) -> list[int]: ...
+
+    def decode(self, ids: Sequence[int]) -> str: ...
 
 
 @dataclass(frozen=True)
@@ -50,20 +53,14 @@ def turn_start(r: Rollout) -> int:
 
 
 class EpisodeDriver:
-    def __init__(
-        self,
-        env: Environment,
-        chat: Renderer,
-        decode: Callable[[Sequence[int]], str],
-        first_messages: Callable[[Example], list[Message]],
-        max_turns: int,
-        workers: int = 4,
-    ):
-        """``decode``: a turn's ids (without its end token) as text, special tokens kept;
-        ``first_messages``: the conversation a prompt starts (the one its ids render)."""
-        self.env, self.chat, self.decode = env, chat, decode
-        self.first_messages, self.max_turns = first_messages, max_turns
+    def __init__(self, env: Environment, chat: Renderer, max_turns: int, workers: int = 4):
+        """``chat``: renders observations and decodes turns (special tokens kept)."""
+        self.env, self.chat, self.max_turns = env, chat, max_turns
         self._pool = cf.ThreadPoolExecutor(workers, thread_name_prefix="env")
+
+    @classmethod
+    def from_setup(cls, setup: EpisodeSetup) -> EpisodeDriver:
+        return cls(setup.env, setup.chat, setup.max_turns, setup.workers)
 
     @staticmethod
     def awaiting(r: Rollout) -> bool:
@@ -74,11 +71,11 @@ class EpisodeDriver:
         """The environment's answer to ``r``'s last turn, computed in a worker thread from
         copies (the stream may snapshot ``r`` meanwhile)."""
         turn = list(r.output_ids[turn_start(r) : -1])  # without the end token
-        start = dict(r.episode) if r.episode else {"messages": self.first_messages(item)}
+        start = dict(r.episode) if r.episode else {"messages": [dict(m) for m in item.messages]}
         return self._pool.submit(self._answer, start, turn, len(r.observed) + 1, r.remaining)
 
     def _answer(self, ep: dict[str, JSON], turn: list[int], turns: int, room: int) -> Answer:
-        messages = [*ep["messages"], {"role": "assistant", "content": self.decode(turn)}]
+        messages = [*ep["messages"], {"role": "assistant", "content": self.chat.decode(turn)}]
         step = self.env.step(messages)
         counts = dict(ep.get("metrics", {}))
         for k, v in step.metrics.items():
@@ -152,3 +149,34 @@ def conversation(r: Rollout) -> tuple[str, dict[str, JSON]] | None:
     extra = {"messages": ep["messages"], "env_reward": ep.get("reward"),
              "env_stop": ep.get("stop", ""), "turns": ep.get("turns", len(answers))}  # fmt: skip
     return (str(answers[-1]["content"]) if answers else ""), extra
+
+
+def episode_metrics(rollouts: Sequence[Rollout]) -> dict[str, float]:
+    """Per trajectory, over the multi-turn samples among ``rollouts`` (none: no metrics):
+    turns, tool calls, errors and timeouts, observation tokens, sampled tokens per turn,
+    the share of calls that worked, and how episodes ended."""
+    eps = [(r, r.episode) for r in rollouts if r.episode]
+    if not eps:
+        return {}
+    n = len(eps)
+    counts = [ep.get("metrics", {}) for _, ep in eps]
+
+    def total(key: str) -> float:
+        return float(sum(c.get(key, 0.0) for c in counts))
+
+    turns = [int(ep.get("turns", 1)) for _, ep in eps]
+    observed = [sum(count for _, count in r.observed) for r, _ in eps]
+    sampled = [len(r.output_ids) - o for (r, _), o in zip(eps, observed, strict=True)]
+    calls, failed = total("tool_calls"), total("tool_errors") + total("tool_timeouts")
+    out = {
+        "episode_turns_mean": sum(turns) / n,
+        "episode_tool_calls_mean": calls / n,
+        "episode_tool_errors_mean": total("tool_errors") / n,
+        "episode_tool_timeouts_mean": total("tool_timeouts") / n,
+        "episode_observation_tokens_mean": sum(observed) / n,
+        "episode_turn_len_mean": sum(sampled) / sum(turns),
+        "episode_tool_success": (calls - failed) / calls if calls else float("nan"),
+    }
+    for stop in ("answer", "max_turns", "max_tokens"):
+        out[f"episode_stop_{stop}_frac"] = sum(ep.get("stop") == stop for _, ep in eps) / n
+    return out

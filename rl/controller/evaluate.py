@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from rl.config.sampling import SamplingParams
-from rl.controller.episodes import EpisodeDriver, conversation, run_episodes
+from rl.controller.episodes import EpisodeDriver, conversation, episode_metrics, run_episodes
 from rl.generator.types import Rollout
 from rl.tasks.common import Example, Task
 from rl.tasks.scoring import ScoreItem, ScoreResult
@@ -62,8 +62,7 @@ class Evaluator:
         self.k, self.threshold, self.samples_dir = k, threshold, samples_dir
         self.greedy = replace(sampling, temperature=0.0, n=1, seed=None)
         self.sampled = replace(sampling, n=k)
-        self._lengths: list[int] = []  # response lengths and cut flags of one eval set
-        self._cut: list[bool] = []
+        self._outs: list[Rollout] = []  # the samples of one eval set
 
     def _scores(
         self, examples: list[Example], sampling: SamplingParams, samples: Path | None = None
@@ -75,8 +74,7 @@ class Evaluator:
         per = sampling.n
         items = score_items(self.task, [e for e in examples for _ in range(per)], outs)
         results = self.reward.score(items).result()
-        self._lengths += [len(r.output_ids) for r in outs]
-        self._cut += [r.finish_reason == "length" for r in outs]
+        self._outs += outs
         if samples is not None:
             samples.parent.mkdir(parents=True, exist_ok=True)
             with samples.open("w") as f:
@@ -84,6 +82,8 @@ class Evaluator:
                     rec = {"uid": e.uid, "prompt": e.prompt_text, "response": it.response,
                            "label": e.label, "score": res.score, "prompt_ids": list(e.prompt_ids),
                            "output_ids": r.output_ids, "server": r.server}  # fmt: skip
+                    if r.episode:  # the conversation, and where the observations sit
+                        rec.update(episode=r.episode, observed=r.observed)
                     f.write(json.dumps(rec, default=str) + "\n")
         return [results[i * per : (i + 1) * per] for i in range(len(examples))]
 
@@ -93,7 +93,7 @@ class Evaluator:
             return {"eval_accuracy": float("nan")}
         for n, (name, examples) in enumerate(self.task.eval_sets.items()):
             pre = "eval_" if n == 0 else f"eval_{name}_"
-            self._lengths, self._cut = [], []
+            self._outs = []
             where = self.samples_dir
             file = where / f"{name}_step_{step:06d}.jsonl" if where else None
             greedy = self._scores(examples, self.greedy, file)
@@ -104,9 +104,12 @@ class Evaluator:
                 passed = [any(s.score >= self.threshold for s in g) for g in sampled]
                 out[f"{pre}pass@{self.k}"] = _mean(map(float, passed))
                 out[f"{pre}mean@{self.k}"] = _mean(s.score for g in sampled for s in g)
-            out[f"{pre}response_len_mean"] = _mean(map(float, self._lengths))
-            out[f"{pre}response_len_max"] = float(max(self._lengths))
-            out[f"{pre}overlong_frac"] = _mean(map(float, self._cut))
+            lengths = [float(len(r.output_ids)) for r in self._outs]
+            out[f"{pre}response_len_mean"] = _mean(lengths)
+            out[f"{pre}response_len_max"] = max(lengths)
+            out[f"{pre}overlong_frac"] = _mean(float(r.finish_reason == "length")
+                                               for r in self._outs)  # fmt: skip
+            out.update({f"{pre}{k}": v for k, v in episode_metrics(self._outs).items()})
         return out
 
 

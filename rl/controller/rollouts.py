@@ -326,8 +326,6 @@ class RolloutStream:
         self._thread.join(timeout=30)
         if self._gen:
             self.client.abort_all()
-        if self.episodes is not None:
-            self.episodes.close()
 
     # ------------------------------------------------------------------ the thread
     def _poke(self) -> None:

@@ -23,6 +23,7 @@ from rl.checkpoints import resume
 from rl.config.sampling import SamplingParams
 from rl.controller import rollout_state
 from rl.controller.batch import build_batch, no_signal
+from rl.controller.episodes import EpisodeDriver, episode_metrics
 from rl.controller.evaluate import Evaluator, score_items
 from rl.controller.lockstep import LockstepStream
 from rl.controller.prefetch import Background, BatchPrefetch
@@ -92,6 +93,7 @@ class RLRun:
         self.recovery: ServerRecovery | None = None
         self.stream: RolloutStream | None = None
         self.books: Background | None = None
+        self.episodes = EpisodeDriver.from_setup(task.episodes) if task.episodes else None
 
     def run(self) -> dict[str, float]:
         """Every step, the final evaluation and the final save."""
@@ -121,7 +123,7 @@ class RLRun:
         self.client = client = GeneratorClient.for_urls(urls, model_path, cfg.rollout, job_keys())
         self.evaluator = Evaluator(client, task, self.reward, replace(sampling, n=1),
                                    cfg.rl.eval_k, cfg.reward.pass_threshold,
-                                   self.out / "eval")  # fmt: skip
+                                   self.out / "eval", self.episodes)  # fmt: skip
         # The trainer's weights as they are now (after step first - 1) become version first.
         self.sync = WeightSync.connect(cfg, self.trainer, urls, weight_version=self.first - 1)
         self.sync.listeners.append(self._route)
@@ -163,7 +165,8 @@ class RLRun:
         if cfg.rl.deterministic:  # batches and versions set by the step number
             stream: RolloutStream = LockstepStream(*args, self.steps, seg, drop, where)
         else:
-            stream = RolloutStream(*args, seg, drop_uniform=drop, position=where)
+            stream = RolloutStream(*args, seg, drop_uniform=drop, position=where,
+                                   episodes=self.episodes)  # fmt: skip
         if saved is not None:
             print(f"rollout state of step {saved.step}: {stream.restore(saved)}", flush=True)
         return stream.start()
@@ -250,13 +253,14 @@ class RLRun:
 
     def close(self) -> None:
         """Stop what setup started (the stream's state stays readable for the final save)."""
-        for part in (self.books, self.recovery, self.stream, self.client):
+        for part in (self.books, self.recovery, self.stream, self.episodes, self.client):
             if part is not None:
                 part.close()
 
 
 def batch_metrics(groups: list[Group], batch: TrainBatch, threshold: float) -> dict[str, float]:
-    """Reward, pass rate, response lengths and the reward function's own metrics."""
+    """Reward, pass rate, response lengths, the reward function's own metrics and, for
+    multi-turn samples, their episodes'."""
     assert batch.rewards is not None and batch.overlong is not None  # an RL batch
     lengths = [len(r.output_ids) for g in groups for r in g.rollouts]
     out = {
@@ -272,4 +276,5 @@ def batch_metrics(groups: list[Group], batch: TrainBatch, threshold: float) -> d
             for k, v in res.metrics.items():
                 extra.setdefault(k, []).append(v)
     out.update({f"reward_{k}": sum(v) / len(v) for k, v in extra.items()})
+    out.update(episode_metrics([r for g in groups for r in g.rollouts]))
     return out

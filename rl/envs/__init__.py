@@ -6,5 +6,8 @@
 - ``tools``: built-in and user tools, schema checks, calls that never raise;
 - ``sandbox`` (with ``landlock`` and ``sandbox_boot``): untrusted code, contained;
 - ``chat``: observation tokens as the template renders them;
-- ``episode``: one episode as a resumable state machine over token ids.
+- ``setup``: all of it as the ``env`` config sets it up, checked before launch.
+
+The episodes themselves run in the rollout stream (rl/controller/episodes.py): a sample's
+turns and observations are one rollout's tokens, resumable like any partial rollout.
 """

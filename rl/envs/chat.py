@@ -41,6 +41,8 @@ class ChatTokenizer(Protocol):
 
     def __call__(self, text: str, add_special_tokens: bool) -> Mapping[str, list[int]]: ...
 
+    def decode(self, ids: list[int], skip_special_tokens: bool) -> object: ...
+
 
 def template_text(name_or_path: str) -> str:
     """A template shipped here by name (``chatml_tools``) or a Jinja file by path."""
@@ -66,8 +68,7 @@ class ChatRenderer:
         self.tools = [dict(t) for t in tools] or None
         self.template = template  # None: the tokenizer's own
         self.end_text = cast(str, tok.convert_ids_to_tokens(end_id))
-        if self.tools:
-            self._check_tools()
+        self._check()
 
     def text(self, messages: Sequence[Message], opened: bool) -> str:
         return cast(
@@ -87,6 +88,11 @@ class ChatRenderer:
     def prompt_ids(self, messages: Sequence[Message]) -> list[int]:
         return self.encode(self.text(messages, opened=True))
 
+    def decode(self, ids: Sequence[int]) -> str:
+        """A turn's text as the environment reads it: special tokens kept, since a format's
+        call markers may be special tokens."""
+        return cast(str, self.tok.decode(list(ids), skip_special_tokens=False))
+
     def observation_ids(self, before: Sequence[Message], added: Sequence[Message]) -> list[int]:
         """The ids after an assistant turn's end token (``before`` ends with that turn) up
         to the next opened assistant turn, ``added`` in between."""
@@ -102,9 +108,13 @@ class ChatRenderer:
             raise ChatError(f"the chat template does not end a turn with {self.end_text!r}")
         return self.encode(head[cut + len(self.end_text) :] + full[len(head) :])
 
-    def _check_tools(self) -> None:
+    def _check(self) -> None:
         probe: list[Message] = [{"role": "user", "content": "hi"}]
-        with_tools = self.text(probe, opened=True)
+        try:
+            with_tools = self.text(probe, opened=True)
+        except Exception as e:  # no template, or Jinja's errors: the message says which
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            raise ChatError(f"the chat template does not render a conversation: {first}") from None
         names = [str(t.get("function", t).get("name", "")) for t in self.tools or ()]
         missing = [n for n in names if n not in with_tools]
         if missing:

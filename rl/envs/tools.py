@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ast
 import operator
+import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from fractions import Fraction
@@ -214,8 +215,32 @@ def run_tool(tools: Mapping[str, Tool], call: ToolCall) -> ToolOutcome:
         jsonschema.validate(call.arguments, tool.parameters)
     except jsonschema.ValidationError as e:
         return ToolOutcome(f"error: bad arguments for {call.name!r}: {e.message}", "error")
-    try:
-        out = tool.fn(**call.arguments)
-    except Exception as e:
-        return ToolOutcome(f"error: {call.name!r} raised {type(e).__name__}: {e}", "error")
+    return _timed(tool, call.arguments)
+
+
+_GRACE_S = 1.0  # past a tool's wall clock, so the sandbox reports its own timeout first
+
+
+def _timed(tool: Tool, arguments: dict[str, JSON]) -> ToolOutcome:
+    """``tool.fn`` in a thread of its own, waited for ``tool.limits.wall_s`` (plus a
+    second). A Python thread cannot be stopped: one that overruns is left to finish in
+    the background, a daemon, and its call is answered as a timeout now."""
+    box: list[str | ToolOutcome | Exception] = []
+
+    def call() -> None:
+        try:
+            box.append(tool.fn(**arguments))
+        except Exception as e:
+            box.append(e)
+
+    worker = threading.Thread(target=call, name=f"tool-{tool.name}", daemon=True)
+    worker.start()
+    worker.join(tool.limits.wall_s + _GRACE_S)
+    if not box:
+        return ToolOutcome(
+            f"error: {tool.name!r} took longer than {tool.limits.wall_s:g} s", "timeout"
+        )
+    out = box[0]
+    if isinstance(out, Exception):
+        return ToolOutcome(f"error: {tool.name!r} raised {type(out).__name__}: {out}", "error")
     return out if isinstance(out, ToolOutcome) else ToolOutcome(str(out))

@@ -1,5 +1,6 @@
-"""The task's checks before launch: its fields and the reward function (cheap, no data
-read), then the task built from its data and checked against the model and the rollouts.
+"""The task's checks before launch: its fields, the reward function and the episodes'
+environment (cheap, no data read), then the task built from its data and checked against
+the model and the rollouts.
 
 The task owns them; rl/checks.py runs them with every other layer's. Each raises
 :class:`ConfigError` with one line.
@@ -10,6 +11,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from rl.config.errors import ConfigError, require
+from rl.envs import setup as episode_setup
 from rl.tasks import TaskError, build_task, scoring
 from rl.tasks import check_config as task_fields
 
@@ -29,6 +31,22 @@ def check(cfg: RootConfig) -> None:
         scoring.check(cfg.reward.fn)
     except scoring.RewardFnError as e:
         raise ConfigError(f"reward.{e}") from None
+    if episode_setup.enabled(cfg.env):
+        check_env(cfg)
+
+
+def check_env(cfg: RootConfig) -> None:
+    """Multi-turn episodes: the env fields, its tools and environment class (imported and
+    checked; the chat template is checked when the task renders its prompts)."""
+    require(
+        not cfg.rl.deterministic,
+        "rl.deterministic=true with env.tools/env.cls: the lockstep rollouts do not answer "
+        "tool calls; run multi-turn episodes without it",
+    )
+    try:
+        episode_setup.environment(cfg.env)
+    except episode_setup.EnvError as e:
+        raise ConfigError(str(e)) from None
 
 
 def check_task(cfg: RootConfig) -> Task:

@@ -21,6 +21,7 @@ from rl.batch import TrainBatch
 
 if TYPE_CHECKING:
     from rl.config.schema import RootConfig
+    from rl.envs.setup import EpisodeSetup
 
 
 class TaskError(ValueError):
@@ -38,6 +39,8 @@ class Example:
     metadata: Mapping[str, Any] = field(default_factory=dict)
     # The supervised response (ending in the stop token) for a warm-up; None: no target.
     target_ids: tuple[int, ...] | None = None
+    # A multi-turn task's: the conversation ``prompt_ids`` renders (an episode's start).
+    messages: tuple[Mapping[str, Any], ...] = ()
 
 
 class Codec(Protocol):
@@ -120,6 +123,12 @@ class Task(Protocol):
     @property
     def max_prompt_len(self) -> int:
         """The longest prompt of any split, in tokens."""
+        ...
+
+    @property
+    def episodes(self) -> EpisodeSetup | None:
+        """Multi-turn: the environment, its tools and the chat renderer the prompts were
+        rendered with (``env`` config); None: one response per prompt."""
         ...
 
     def train_stream(self, start: Mapping[str, Any] | None = None) -> PromptStream:

@@ -9,7 +9,8 @@ module is pure (no torch) and everything here must be importable in a fresh proc
 
 A function is named by a spec (``reward.fn``):
 
-- a built-in: ``exact``, ``math_verify`` or ``gsm8k`` (each returns a float in [0, 1]);
+- a built-in: ``exact``, ``math_verify`` or ``gsm8k`` (each returns a float in [0, 1]), or
+  ``env``, a multi-turn episode's reward as its environment gave it;
 - a dotted path ``pkg.module:fn``, imported from ``sys.path``;
 - a file ``path/to/rewards.py:fn`` (absolute, or relative to the current directory).
 
@@ -152,7 +153,22 @@ def gsm8k(prompt: str, response: str, label: object, metadata: dict) -> float:
     return float(gold is not None and got is not None and got == gold)
 
 
-BUILTINS: dict[str, RewardFn] = {"exact": exact, "math_verify": math_verify, "gsm8k": gsm8k}
+def env(prompt: str, response: str, label: object, metadata: dict) -> float:
+    """The reward a multi-turn episode's environment gave when it ended the episode
+    (``metadata["env_reward"]``). An episode it did not score (cut by env.max_turns or by
+    the token budget, or an environment that leaves scoring to the function) is a failed
+    score, counted."""
+    value = metadata.get("env_reward")
+    if value is None:
+        raise RewardValueError(
+            f"the environment gave no reward (the episode ended by {metadata.get('env_stop')!r})"
+        )
+    return float(value)
+
+
+BUILTINS: dict[str, RewardFn] = {
+    "exact": exact, "math_verify": math_verify, "gsm8k": gsm8k, "env": env,
+}  # fmt: skip
 
 
 def prepare(fn: RewardFn) -> None:

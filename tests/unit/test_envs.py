@@ -4,15 +4,20 @@ observation tokens and the episode's trajectory, token by token."""
 from __future__ import annotations
 
 import json
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
 
+from rl.config.sampling import SamplingParams
+from rl.controller.episodes import EpisodeDriver
 from rl.envs.chat import ChatError, ChatRenderer, template_text
 from rl.envs.environment import EnvSpecError, ToolEnvironment, load_environment
-from rl.envs.episode import Episode, EpisodeLimits, Generated, Trajectory, run_episode
 from rl.envs.toolcall import ToolCall, parse
 from rl.envs.tools import Tool, ToolError, calculate, load_tool, load_tools, run_tool
+from rl.generator.types import Rollout
+from rl.tasks.common import Example
+from tests.helpers.tool_model import chatml_tokenizer
 
 
 # ---------------------------------------------------------------------- tool-call formats
@@ -113,26 +118,11 @@ def test_a_failing_call_is_an_observation_never_an_exception():
 
 # ---------------------------------------------------------------------- chat tokens
 @pytest.fixture(scope="module")
-def chatml(tmp_path_factory) -> object:
+def chatml() -> object:
     """A byte-level BPE tokenizer with ChatML's special tokens, trained in milliseconds."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    special = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-    trainer = trainers.BpeTrainer(
-        vocab_size=600, special_tokens=special, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
-    )
     corpus = ['{"name": "calculator", "arguments": {"expression": "12 * 7"}}'] * 20
     corpus += ["<tool_call> </tool_call> <tool_response> system user assistant tools"] * 20
-    tok.train_from_iterator(corpus, trainer)
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>"
-    )
-    fast.chat_template = template_text("chatml_tools")
-    return fast
+    return chatml_tokenizer(corpus)
 
 
 CALC = load_tool("calculator")
@@ -142,83 +132,95 @@ ROW = {
 CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "12 * 7"}}</tool_call>'
 
 
-def _episode(tok, env=None, limits: EpisodeLimits | None = None) -> Episode:
+def _driver(tok, env=None, max_turns: int = 4) -> EpisodeDriver:
     end = tok.convert_tokens_to_ids("<|im_end|>")
     chat = ChatRenderer(tok, end, [CALC.schema()])
-    env = env or ToolEnvironment({"calculator": CALC}, "qwen")
-    return Episode.start(env, chat, tok.decode, limits or EpisodeLimits(), ROW)
+    return EpisodeDriver(env or ToolEnvironment({"calculator": CALC}, "qwen"), chat, max_turns)
 
 
-def _scripted(tok, replies: list[str], version_of_turn):
-    """A generator that answers with fixed texts, tokenized as the model would sample them."""
+def _start(tok, driver: EpisodeDriver, max_new: int = 256) -> tuple[Example, Rollout]:
+    prompt = driver.chat.prompt_ids(ROW["messages"])
+    item = Example("q", tuple(prompt), "", messages=tuple(ROW["messages"]))
+    return item, Rollout(prompt, SamplingParams(max_new_tokens=max_new))
+
+
+def _turn(tok, r: Rollout, text: str, versions=lambda i: 0, room: int | None = None) -> None:
+    """One turn as a server would return it: ``text``'s tokens and the end token (cut to
+    ``room`` tokens), log-probs -0.5, -0.51, ..."""
     end = tok.convert_tokens_to_ids("<|im_end|>")
-    turns = iter(replies)
+    ids = (tok(text, add_special_tokens=False)["input_ids"] + [end])[: room or r.remaining]
+    lp = [-0.5 - 0.01 * i for i in range(len(ids))]
+    r.append(ids, lp, [versions(i) for i in range(len(ids))], "stop" if ids[-1] == end else None)
 
-    def generate(ids: list[int], room: int) -> Generated:
-        out = (tok(next(turns), add_special_tokens=False)["input_ids"] + [end])[:room]
-        turn = generate.turn = getattr(generate, "turn", -1) + 1
-        lp = [-0.5 - 0.01 * i for i in range(len(out))]
-        return Generated(out, lp, [version_of_turn(turn, i) for i in range(len(out))])
 
-    return generate
+def _answer(driver: EpisodeDriver, item: Example, r: Rollout) -> bool:
+    """The environment's answer applied; True when the next turn is due."""
+    return driver.awaiting(r) and driver.apply(r, driver.answer(item, r).result())
 
 
 def test_the_trajectory_is_the_templates_rendering_with_mask_and_versions_per_token(chatml):
-    ep = _episode(chatml)
-    # Turn 0's tokens span a weight update (versions 3 then 4); turn 1 runs under 5.
-    gen = _scripted(chatml, [CALL, "It is 84."], lambda t, i: 5 if t else (3 if i < 4 else 4))
-    traj = run_episode(ep, gen)
-    assert traj.stop == "answer" and len(traj.turns) == 2
-    assert traj.messages[-2] == {"role": "tool", "name": "calculator", "content": "84"}
+    driver = _driver(chatml)
+    item, r = _start(chatml, driver)
+    _turn(chatml, r, CALL, lambda i: 3 if i < 4 else 4)  # the turn spans a weight update
+    n0 = len(r.output_ids)
+    assert _answer(driver, item, r)
+    ((start, obs),) = r.observed
+    _turn(chatml, r, "It is 84.", lambda i: 5)
+    assert not _answer(driver, item, r) and r.finish_reason == "stop"
+    ep = r.episode
+    assert ep["stop"] == "answer" and ep["turns"] == 2
+    assert ep["messages"][-2] == {"role": "tool", "name": "calculator", "content": "84"}
     # The ids equal the template's rendering of the final conversation (less the newline
     # the template writes after the last turn's end token, which the model never sampled).
-    full = chatml.apply_chat_template(traj.messages, tools=[CALC.schema()], tokenize=False)
+    full = chatml.apply_chat_template(ep["messages"], tools=[CALC.schema()], tokenize=False)
     want = chatml(full.removesuffix("\n"), add_special_tokens=False)["input_ids"]
-    assert traj.prompt_ids + traj.ids == want
-    # Token by token: which are trained, their log-probs and versions.
-    n0, n1 = traj.turns[0].response_tokens, traj.turns[1].response_tokens
-    obs = traj.turns[0].observation_tokens
-    assert traj.trained == [True] * n0 + [False] * obs + [True] * n1
-    assert traj.versions == [3] * 4 + [4] * (n0 - 4) + [-1] * obs + [5] * n1
-    assert traj.logprobs[n0 : n0 + obs] == [0.0] * obs
-    assert traj.logprobs[:2] == [-0.5, -0.51]
-    observed = chatml.decode(traj.ids[n0 : n0 + obs])
+    assert r.prompt_ids + r.output_ids == want
+    # Token by token: which are trained, their log-probs and versions (an observation
+    # carries the version of the turn it answers).
+    n1 = len(r.output_ids) - n0 - obs
+    assert start == n0 and r.sampled() == [True] * n0 + [False] * obs + [True] * n1
+    assert r.versions == [3] * 4 + [4] * (n0 - 4) + [4] * obs + [5] * n1
+    assert r.logprobs[n0 : n0 + obs] == [0.0] * obs and r.logprobs[:2] == [-0.5, -0.51]
+    observed = chatml.decode(r.output_ids[n0 : n0 + obs])
     assert observed == "\n<|im_start|>user\n<tool_response>\n84\n</tool_response><|im_end|>\n" + (
         "<|im_start|>assistant\n"
     )
-    assert traj.turns[0].metrics == {"tool_calls": 1.0, "tool_errors": 0.0, "tool_timeouts": 0.0}
+    assert ep["metrics"] == {"tool_calls": 1.0, "tool_errors": 0.0, "tool_timeouts": 0.0}
 
 
 def test_a_saved_episode_resumes_at_its_last_turn_and_regenerates_nothing(chatml):
-    ep = _episode(chatml)
-    gen = _scripted(chatml, [CALL, "It is 84."], lambda t, i: t)
-    ep.record(gen(*ep.request()))
-    saved = json.loads(json.dumps(ep.traj.to_json()))
-    resumed = Episode(ep.env, ep.chat, ep.decode, ep.limits, Trajectory.from_json(saved))
-    ids, _ = resumed.request()
-    assert ids == ep.traj.prompt_ids + ep.traj.ids  # continues after the observation
-    resumed.record(gen(ids, 64))
-    assert resumed.traj.stop == "answer" and len(resumed.traj.turns) == 2
+    driver = _driver(chatml)
+    item, r = _start(chatml, driver)
+    _turn(chatml, r, CALL)
+    saved = json.loads(json.dumps(asdict(r)))  # as the rollout-state file keeps it
+    resumed = Rollout(**{**saved, "sampling": r.sampling})
+    assert driver.awaiting(resumed)  # the environment is asked again, nothing regenerated
+    assert _answer(driver, item, resumed)
+    ids, _, _ = resumed.next_request(None)
+    assert ids[: len(r.prompt_ids) + len(r.output_ids)] == r.prompt_ids + r.output_ids
+    _turn(chatml, resumed, "It is 84.")
+    assert not _answer(driver, item, resumed) and resumed.episode["stop"] == "answer"
 
 
 def test_limits_end_an_episode_and_say_which(chatml):
-    loops = _scripted(chatml, [CALL] * 9, lambda t, i: 0)
-    traj = run_episode(_episode(chatml, limits=EpisodeLimits(max_turns=3)), loops)
-    assert (traj.stop, len(traj.turns)) == ("max_turns", 3)
-    first = traj.turns[0].response_tokens + traj.turns[0].observation_tokens
-    room = len(traj.prompt_ids) + first + 5  # the second turn is cut after 5 tokens
-    ep = _episode(chatml, limits=EpisodeLimits(max_tokens=room))
-    traj = run_episode(ep, _scripted(chatml, [CALL] * 9, lambda t, i: 0))
-    assert traj.stop == "max_tokens" and len(traj.prompt_ids) + len(traj.ids) == room
-    assert traj.turns[1].response_tokens == 5
-    tight = _episode(chatml, limits=EpisodeLimits(max_tokens=room - 6))  # no room for obs
-    traj = run_episode(tight, _scripted(chatml, [CALL] * 9, lambda t, i: 0))
-    assert (
-        traj.stop == "max_tokens" and len(traj.turns) == 1 and not traj.turns[0].observation_tokens
-    )
-    cut = _episode(chatml)
-    cut.record(Generated([5, 6], [-1.0, -1.0], [0, 0]))  # no end token: cut by length
-    assert cut.traj.stop == "length" and cut.request() is None
+    driver = _driver(chatml, max_turns=3)
+    item, r = _start(chatml, driver)
+    for _ in range(2):
+        _turn(chatml, r, CALL)
+        assert _answer(driver, item, r)
+    _turn(chatml, r, CALL)
+    assert not _answer(driver, item, r)
+    assert (r.episode["stop"], r.episode["turns"], r.finish_reason) == ("max_turns", 3, "stop")
+    # The token budget: an observation that does not fit ends the episode as cut.
+    driver = _driver(chatml)
+    item, r = _start(chatml, driver, max_new=40)
+    _turn(chatml, r, CALL)
+    assert not _answer(driver, item, r)
+    assert (r.episode["stop"], r.finish_reason, r.observed) == ("max_tokens", "length", [])
+    # A turn cut by the budget (no end token) is not the environment's to answer.
+    item, r = _start(chatml, driver, max_new=5)
+    _turn(chatml, r, CALL)
+    assert r.finish_reason == "length" and not driver.awaiting(r) and r.episode is None
 
 
 def test_a_template_without_tools_or_that_rewrites_history_is_refused(chatml):
@@ -271,3 +273,100 @@ def test_a_users_environment_is_loaded_by_path_and_bad_ones_fail_in_one_line(tmp
         load_environment(f"{Path(__file__)}:_bad_schema_tool", tools, "qwen")
     with pytest.raises(EnvSpecError, match="has no reset or step method"):
         load_environment(f"{Path(__file__)}:NoSteps", tools, "qwen")
+
+
+# ---------------------------------------------------------------------- the env config
+def _check(*overrides: str) -> str:
+    """The one line ``rl.checks.check`` fails with."""
+    from rl.checks import check
+    from rl.config import ConfigError
+    from tests.helpers.configs import composed
+
+    with pytest.raises(ConfigError) as e:
+        check(composed(["task=dataset", *overrides]))
+    assert "\n" not in str(e.value)
+    return str(e.value)
+
+
+def test_bad_env_config_fails_in_one_line_before_launch(tmp_path):
+    assert "env.tools: tool 'grep': unknown" in _check("env.tools=[calculator,grep]")
+    bad = f"env.tools=[{Path(__file__)}:BAD]"
+    assert "tool 'bad': parameters are not valid JSON Schema" in _check(bad)
+    assert "env.max_turns=0 must be >= 1" in _check("env.tools=[calculator]", "env.max_turns=0")
+    got = _check("env.tools=[calculator]", "env.tool_format=xml")
+    assert got == "env.tool_format='xml' must be one of llama3, qwen"
+    assert "env.cls '" in _check(f"env.cls={Path(__file__)}:NoSteps")
+    assert "rl.deterministic=true with env.tools" in _check(
+        "env.tools=[calculator]", "rl.deterministic=true"
+    )
+    assert "task.name=arithmetic has no chat template" in _check(
+        "task=arithmetic", "env.tools=[calculator]"
+    )
+
+
+def test_a_tokenizer_template_without_tools_is_refused_when_the_task_is_built(chatml, tmp_path):
+    from rl.config import ConfigError
+    from rl.tasks.checks import check_task
+    from tests.helpers.configs import composed
+
+    chatml.chat_template = (
+        "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    )
+    chatml.save_pretrained(tmp_path / "tok")
+    data = tmp_path / "d.jsonl"
+    data.write_text(json.dumps({"prompt": "12*7?", "label": "84"}) + "\n")
+    base = ["task=dataset", f"task.tokenizer={tmp_path / 'tok'}", f"task.train_files=[{data}]",
+            f"task.eval_files=[{data}]", "env.tools=[calculator]", "rl.steps=0"]  # fmt: skip
+    with pytest.raises(ConfigError, match=r"^the chat template does not render tools .*chatml_"):
+        check_task(composed(base))
+    task = check_task(composed([*base, "env.chat_template=chatml_tools"]))
+    (ex,) = task.eval_sets["eval"]
+    assert ex.messages == ({"role": "user", "content": "12*7?"},)
+    assert '"name": "calculator"' in ex.prompt_text  # the tools are in the prompt
+
+
+def test_a_tool_that_overruns_its_time_is_answered_as_a_timeout():
+    import time
+
+    from rl.envs.sandbox import Limits
+
+    def slow(seconds: float) -> str:
+        time.sleep(seconds)
+        return "done"
+
+    schema = {"type": "object", "properties": {"seconds": {"type": "number"}}}
+    tools = {"slow": Tool("slow", "d", schema, slow, Limits(wall_s=0.2))}
+    assert run_tool(tools, ToolCall("slow", {"seconds": 0.01})).text == "done"
+    t = time.monotonic()
+    out = run_tool(tools, ToolCall("slow", {"seconds": 30}))
+    assert (out.status, out.text) == ("timeout", "error: 'slow' took longer than 0.2 s")
+    assert time.monotonic() - t < 3
+
+
+def test_the_env_reward_is_the_environments_and_a_missing_one_fails():
+    from rl.tasks.scoring import RewardValueError, env
+
+    assert env("p", "r", None, {"env_reward": 0.5}) == 0.5
+    with pytest.raises(RewardValueError, match="ended by 'max_turns'"):
+        env("p", "r", None, {"env_reward": None, "env_stop": "max_turns"})
+
+
+def test_episode_metrics_per_trajectory():
+    from rl.controller.episodes import episode_metrics
+
+    def sample(turns, calls, errors, observed, out_len, stop):
+        r = Rollout([1], SamplingParams(max_new_tokens=64))
+        r.output_ids = [5] * out_len
+        r.observed = [[0, n] for n in observed]
+        r.episode = {"turns": turns, "stop": stop,
+                     "metrics": {"tool_calls": calls, "tool_errors": errors}}  # fmt: skip
+        return r
+
+    plain = Rollout([1], SamplingParams())  # a one-turn sample: not counted
+    two, three = sample(2, 1, 0, [6], 20, "answer"), sample(3, 2, 1, [4, 4], 30, "max_turns")
+    m = episode_metrics([two, three, plain])
+    assert m["episode_turns_mean"] == 2.5 and m["episode_tool_calls_mean"] == 1.5
+    assert m["episode_tool_success"] == 2 / 3 and m["episode_observation_tokens_mean"] == 7
+    assert m["episode_turn_len_mean"] == (14 + 22) / 5
+    assert m["episode_stop_answer_frac"] == 0.5 == m["episode_stop_max_turns_frac"]
+    assert episode_metrics([plain]) == {}

@@ -53,15 +53,17 @@ class Chat:
     def observation_ids(self, before, added):
         return list(OBS)
 
-
-def _driver(env: Env) -> EpisodeDriver:
-    def decode(ids) -> str:  # any run of CALL tokens reads as a tool call
+    def decode(self, ids) -> str:  # any run of CALL tokens reads as a tool call
         return "CALL" if ids and set(ids) == {CALL} else "ANSWER" if ids == [ANSWER] else "?"
 
-    def first(item: Example) -> list[dict]:
-        return [{"role": "user", "content": item.prompt_text}]
 
-    return EpisodeDriver(env, Chat(), decode, first, max_turns=4)
+def _driver(env: Env) -> EpisodeDriver:
+    return EpisodeDriver(env, Chat(), max_turns=4)
+
+
+def _example(i: int) -> Example:
+    text = f"prompt {i}"
+    return Example(f"p{i}", (5, 6), text, messages=({"role": "user", "content": text},))
 
 
 def _until(pred, what: str) -> None:
@@ -79,7 +81,7 @@ def _stream(client, env, scored: list[Group]) -> RolloutStream:
         return f
 
     gate = StalenessGate(max_lag=1, mode="throttle", per_step=1)
-    prompt = iter(Example(f"p{i}", (5, 6), f"prompt {i}") for i in range(100))
+    prompt = iter(_example(i) for i in range(100))
     return RolloutStream(client, score, lambda: next(prompt), SAMPLING, gate, 3,
                          episodes=_driver(env))  # fmt: skip
 
@@ -187,7 +189,7 @@ class Turns(FakeClient):
 
 def test_an_evaluation_plays_every_sample_to_the_end_of_its_episode():
     env = Env()
-    items = [Example(f"p{i}", (5, 6), f"prompt {i}") for i in range(3)]
+    items = [_example(i) for i in range(3)]
     out = run_episodes(Turns(), _driver(env), items, SAMPLING)
     assert len(out) == 6 and env.steps == 12  # two turns each, both answered
     for r in out:

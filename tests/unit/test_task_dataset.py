@@ -12,7 +12,7 @@ from omegaconf import OmegaConf
 
 from rl.checks import check_task
 from rl.config import ConfigError
-from rl.config.schema import TaskConfig
+from rl.config.schema import EnvConfig, TaskConfig
 from rl.tasks import TaskError, build_task, sft_batch
 from rl.tasks.common import take
 from tests.helpers.configs import composed
@@ -49,7 +49,8 @@ def _write(path: Path, rows: list) -> Path:
 
 def _cfg(tok_dir: Path, **task) -> OmegaConf:
     base = OmegaConf.structured(TaskConfig(name="dataset", eval_size=0, tokenizer=str(tok_dir)))
-    return OmegaConf.create({"task": OmegaConf.merge(base, task), "model": {"hf_checkpoint": None}})
+    return OmegaConf.create({"task": OmegaConf.merge(base, task), "model": {"hf_checkpoint": None},
+                             "env": OmegaConf.structured(EnvConfig)})  # fmt: skip
 
 
 def _rows(n: int, key: str = "q") -> list[dict]:

@@ -146,6 +146,11 @@ def check_config(cfg: RootConfig) -> None:
         raise TaskError(f"task.digits={t.digits!r} must be an integer >= 1")
     if t.eval_size < 1:
         raise TaskError(f"task.eval_size={t.eval_size} must be >= 1")
+    if cfg.env.tools or cfg.env.cls:
+        raise TaskError(
+            "env.tools/env.cls: task.name=arithmetic has no chat template to write tools and "
+            "observations into; multi-turn episodes need task=dataset with a chat tokenizer"
+        )
     need, have = sequence_length(t.digits), cfg.model.max_position_embeddings
     if need > have:
         raise TaskError(
@@ -178,6 +183,7 @@ class ArithmeticTask:
 
     name = "arithmetic"
     codec = CharCodec()
+    episodes = None  # its character tokenizer has no chat template to write tools into
 
     def __init__(self, digits: int = 2, seed: int = 0, eval_size: int = 256):
         self.problems = AdditionTask(digits, seed, eval_size)

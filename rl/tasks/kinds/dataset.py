@@ -21,13 +21,16 @@ import os
 import random
 from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
+from rl.envs import setup as episode_setup
+from rl.envs.setup import EpisodeSetup
 from rl.tasks.common import Example, TaskError, TaskKind, resume_position
 from rl.tasks.tokenizer import HFCodec
 
 if TYPE_CHECKING:
     from rl.config.schema import RootConfig, TaskConfig
+    from rl.envs.chat import ChatTokenizer
 
 SUFFIXES = (".jsonl", ".json", ".parquet")
 VALIDATION_MAX = 64  # rows for warm-up decisions: enough to see a trend, cheap to decode
@@ -125,9 +128,12 @@ class DatasetTask:
     name = "dataset"
     answer_tokens = None
 
-    def __init__(self, cfg: TaskConfig, codec: HFCodec):
-        self.cfg, self.codec = cfg, codec
-        if cfg.apply_chat_template and not codec.has_chat_template:
+    def __init__(self, cfg: TaskConfig, codec: HFCodec, episodes: EpisodeSetup | None = None):
+        """``episodes``: multi-turn; prompts are rendered with its environment's tools."""
+        self.cfg, self.codec, self.episodes = cfg, codec, episodes
+        if episodes is not None and not cfg.apply_chat_template:
+            raise TaskError("env.tools/env.cls need task.apply_chat_template=true")
+        if cfg.apply_chat_template and not codec.has_chat_template and episodes is None:
             raise TaskError(
                 "task.apply_chat_template=true but the tokenizer has no chat template "
                 "(set task.apply_chat_template=false)"
@@ -203,7 +209,17 @@ class DatasetTask:
             messages = [{"role": "system", "content": c.system_prompt}, *messages]
         if not c.apply_chat_template and len(messages) > 1 and not c.system_prompt:
             raise TaskError(f"{where}: a messages list needs task.apply_chat_template=true")
-        ids, text = self.codec.render(messages, c.apply_chat_template)
+        start: list[dict[str, Any]] = []
+        if self.episodes is None:
+            ids, text = self.codec.render(messages, c.apply_chat_template)
+        else:  # the environment starts the episode from the row and the task's messages
+            try:
+                start = self.episodes.env.reset({**row, "messages": messages})
+                text = self.episodes.chat.text(start, opened=True)
+            except Exception as e:  # a user's environment: name the row it failed on
+                raise TaskError(f"{where}: the environment's reset failed: "
+                                f"{type(e).__name__}: {e}") from None  # fmt: skip
+            ids = self.episodes.chat.encode(text)
         label = row.get(c.label_key)
         target = None
         if label is not None:
@@ -215,6 +231,7 @@ class DatasetTask:
             label=label,
             metadata={k: row[k] for k in c.metadata_keys},
             target_ids=target,
+            messages=tuple(start),
         )
 
     def train_stream(self, start: Mapping[str, Any] | None = None) -> DatasetStream:
@@ -288,7 +305,16 @@ def build(cfg: RootConfig) -> DatasetTask:
         raise TaskError(
             "task.name=dataset needs a tokenizer: set model.hf_checkpoint or task.tokenizer"
         )
-    return DatasetTask(t, HFCodec(path, field))
+    codec = HFCodec(path, field)
+    episodes = None
+    if episode_setup.enabled(cfg.env):
+        try:
+            # transformers' tokenizer, whose signatures are wider than the protocol's
+            tok = cast("ChatTokenizer", codec.tok)
+            episodes = episode_setup.build(cfg.env, tok, codec.end_id)
+        except episode_setup.EnvError as e:
+            raise TaskError(str(e)) from None
+    return DatasetTask(t, codec, episodes)
 
 
 TASK = TaskKind("dataset", check_config, build)

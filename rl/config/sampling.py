@@ -105,7 +105,7 @@ class SamplingParams:
 
         ``seed`` becomes SGLang's ``sampling_seed``, which SGLang honours only with
         ``--enable-deterministic-inference`` (a GPU attention backend); a CPU server
-        honours it through rl/generator/cpu_seeds.py."""
+        honours it through rl/serving/cpu_seeds.py."""
         out: dict[str, Any] = {
             "temperature": self.temperature,
             "top_p": self.top_p,

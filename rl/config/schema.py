@@ -155,6 +155,10 @@ class TaskConfig:
     prompt_key: str = "prompt"  # a string, or a chat ``messages`` list of {role, content}
     label_key: str = "label"  # handed to the reward function; the warm-up's target text
     metadata_keys: list[str] = field(default_factory=list)  # handed to the reward function
+    # Multi-turn (env): a key holding a demonstration, the messages that follow the prompt
+    # (assistant turns and the tool results answering them); the warm-up's target instead of
+    # the label's text, trained on the assistant turns only.
+    demo_key: str | None = None
     system_prompt: str | None = None
     apply_chat_template: bool = True  # render with the tokenizer's chat template
     max_prompt_tokens: int | None = None  # longer prompts are dropped (and counted)
@@ -190,7 +194,7 @@ class SamplingConfig:
     n: int = 1
     # Each rollout's sampling seed is drawn from this, its prompt and its sample index, and
     # each token from that seed and its position: the same samples in any batch and across
-    # resumed segments on CPU (rl/generator/cpu_seeds.py); a CUDA server honours it only
+    # resumed segments on CPU (rl/serving/cpu_seeds.py); a CUDA server honours it only
     # when started with SGLang's --enable-deterministic-inference, which the launcher does
     # not pass. null: random.
     seed: int | None = None
@@ -305,18 +309,44 @@ class AlgorithmConfig:
 
 
 @dataclass
+class JudgeConfig:
+    """A generative reward model (``reward.fn=judge``): an LLM served by SGLang on every
+    reward rank, asked to grade each response; its answer, parsed, is the score."""
+
+    model_path: str | None = None  # an HF directory with its tokenizer (and chat template)
+    servers: int = 1  # per reward rank
+    # A shipped template (correctness) or a text file, the judge's user turn, with
+    # {prompt} {response} {label} {conversation} filled in.
+    prompt: str = "correctness"
+    # How the answer becomes a score: yes_no | score10 | 'pkg.module:fn' | 'path/to.py:fn',
+    # fn(text) -> float. An answer it cannot read scores 0 and is counted as a failure.
+    parser: str = "yes_no"
+    max_new_tokens: int = 16  # greedy
+    concurrency: int = 16  # items in flight per reward rank
+    timeout_s: float = 60.0  # per item; an overrun scores 0 and is counted
+    dtype: str = "float32"
+    threads: int | None = 1
+    context_length: int | None = None  # None: the judge model's
+    max_total_tokens: int | None = 8192
+    startup_timeout: float = 300.0
+    max_restarts: int = 3  # a judge server that dies is restarted, this often per window
+    restart_window_s: float = 600.0
+
+
+@dataclass
 class RewardConfig:
     """The reward executor (rl/reward): the reward function and its worker processes.
 
     One function scores training rollouts and evaluation alike."""
 
-    # A built-in (exact | math_verify | gsm8k | env: the episode environment's reward), a
-    # dotted path ``pkg.module:fn`` or a file
+    # A built-in (exact | math_verify | gsm8k | env: the episode environment's reward |
+    # judge: the LLM judge below), a dotted path ``pkg.module:fn`` or a file
     # ``path/to/rewards.py:fn``; fn(prompt, response, label, metadata) -> float | dict.
     fn: str = "exact"
     workers: int = 1
     timeout_s: float = 5.0  # per item; an overrun scores 0 and is counted
     pass_threshold: float = 1.0  # a response passes (pass@k) when its score reaches this
+    judge: JudgeConfig = field(default_factory=JudgeConfig)
 
 
 @dataclass

@@ -99,6 +99,9 @@ class Evaluator:
             greedy = self._scores(examples, self.greedy, file)
             out[f"{pre}accuracy"] = _mean(float(g[0].score >= self.threshold) for g in greedy)
             out[f"{pre}score"] = _mean(g[0].score for g in greedy)
+            for k in dict.fromkeys(k for g in greedy for k in g[0].metrics):  # the function's
+                out[f"{pre}reward_{k}"] = _mean(g[0].metrics[k] for g in greedy
+                                                if k in g[0].metrics)  # fmt: skip
             if self.k > 1:
                 sampled = self._scores(examples, self.sampled)
                 passed = [any(s.score >= self.threshold for s in g) for g in sampled]

@@ -19,7 +19,7 @@ order, and each uniform one (``algorithm.drop_uniform_groups``) is replaced by a
 drawn group that runs to its end in that round, until ``per_step`` are kept. Steps settle
 in step order, so prompts are drawn in one order whatever finishes first. The sampling
 seeds (rl/generator/types.py) and the servers' batch-invariant products
-(rl/generator/cpu_batch_invariant.py) make a group's samples a function of its prompt,
+(rl/serving/cpu_batch_invariant.py) make a group's samples a function of its prompt,
 its place and the weights; so the batches, and the run, repeat bit for bit.
 
 Resume: a snapshot is taken after the push of a save step, so round ``first`` of the

@@ -1,6 +1,6 @@
 """Bringing a restarted generator server back: the current weights first, then rollouts.
 
-A generator rank restarts a server that died or stopped answering (rl/generator/watchdog.py)
+A generator rank restarts a server that died or stopped answering (rl/serving/watchdog.py)
 and reports it. This thread waits for those reports and, for each, keeps the server out of
 routing, gives it the version every other server serves through a DDMA re-push from the
 trainer ranks (between two training steps, under the weight sync's lock), and only then

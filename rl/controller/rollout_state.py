@@ -73,7 +73,9 @@ def _group_json(g: Group) -> dict[str, Any]:
     e = g.item
     item = {"uid": e.uid, "prompt_ids": list(e.prompt_ids), "prompt_text": e.prompt_text,
             "label": e.label, "metadata": dict(e.metadata),
-            "target_ids": None if e.target_ids is None else list(e.target_ids)}  # fmt: skip
+            "target_ids": None if e.target_ids is None else list(e.target_ids),
+            "messages": [dict(m) for m in e.messages],
+            "target_mask": None if e.target_mask is None else list(e.target_mask)}  # fmt: skip
     results = None if g.results is None else [asdict(r) for r in g.results]
     return {"gid": g.gid, "index": g.index, "start_version": g.start_version, "item": item,
             "rollouts": [_rollout_json(r) for r in g.rollouts], "results": results,
@@ -115,9 +117,10 @@ def from_json(d: Any, where: str = "rollout state") -> StreamState:  # a JSON va
 
 
 def _example(e: dict[str, Any]) -> Example:
-    target = e["target_ids"]
+    target, mask = e["target_ids"], e.get("target_mask")
     return Example(e["uid"], tuple(e["prompt_ids"]), e["prompt_text"], e["label"],
-                   dict(e["metadata"]), None if target is None else tuple(target))  # fmt: skip
+                   dict(e["metadata"]), None if target is None else tuple(target),
+                   tuple(e.get("messages", ())), None if mask is None else tuple(mask))  # fmt: skip
 
 
 def _rollout(r: dict[str, Any], prompt_ids: list[int], gid: int) -> Rollout:

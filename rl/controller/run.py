@@ -112,7 +112,7 @@ class RLRun:
         """Servers up, the trainer's weights in them as version ``first``, the held-out
         start (or the resumed one's), and the rollout stream running."""
         from rl.generator.client import GeneratorClient
-        from rl.generator.server_api import job_keys
+        from rl.serving.server_api import job_keys
 
         cfg, task = self.cfg, self.task
         print(task.describe(), flush=True)

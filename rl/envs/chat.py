@@ -108,6 +108,33 @@ class ChatRenderer:
             raise ChatError(f"the chat template does not end a turn with {self.end_text!r}")
         return self.encode(head[cut + len(self.end_text) :] + full[len(head) :])
 
+    def demonstration(
+        self, start: Sequence[Message], turns: Sequence[Message]
+    ) -> tuple[list[int], list[bool]]:
+        """A demonstrated continuation of ``start`` (a warm-up's target) as an episode
+        would hold it: each assistant turn's tokens (its text, then the end token), trained
+        on, and what the template writes between turns (the tool results), not. ``turns``:
+        assistant turns, each but the last answered by one or more other messages."""
+        ids: list[int] = []
+        trained: list[bool] = []
+        conv, answers = list(start), []
+        for m in turns:
+            if m.get("role") != "assistant":
+                answers.append(m)
+                continue
+            if answers:
+                obs = self.observation_ids(conv, answers)
+                ids, trained = ids + obs, trained + [False] * len(obs)
+                conv, answers = conv + answers, []
+            elif len(conv) > len(start):
+                raise ChatError("a demonstration has two assistant turns in a row")
+            turn = [*self.encode(str(m.get("content", ""))), self.end_id]
+            ids, trained = ids + turn, trained + [True] * len(turn)
+            conv.append(m)
+        if answers or len(conv) == len(start):
+            raise ChatError("a demonstration must end with an assistant turn")
+        return ids, trained
+
     def _check(self) -> None:
         probe: list[Message] = [{"role": "user", "content": "hi"}]
         try:

@@ -1,9 +1,9 @@
 """The generator executor: SGLang servers producing token-in/token-out rollouts.
 
-* ``server_api``: every HTTP route we call on a server, its body and its errors (blocking
-  and asyncio), and the load format of the DDMA receiver the servers start with.
-* ``launcher``: start N SGLang servers as subprocesses, health-checked, restartable, never
-  orphaned (``cpu_shim`` is what SGLang needs on a CPU-only machine).
+Its servers are started, watched and restarted by rl/serving (shared with the LLM judge).
+
+* ``service``: the generator ranks (servers up, watched, restarted) and the controller's
+  handle.
 * ``client``: many requests in flight over the servers, least-loaded routing, rollouts
   streamed back as they finish; pause/abort/continue, cache flush, and versioned weight
   updates (``weight_payload`` builds SGLang's bucket wire format).

@@ -36,10 +36,10 @@ import aiohttp
 import torch
 
 from rl.config.sampling import RequestError, SamplingParams
-from rl.generator import server_api as api
-from rl.generator.launcher import ServerError, ServerLauncher
 from rl.generator.types import ModelLimits, Rollout, new_rollouts, parse_result
 from rl.generator.weight_payload import FlatBucket, buckets, update_call, use_file_system_sharing
+from rl.serving import server_api as api
+from rl.serving.launcher import ServerError, ServerLauncher
 
 if TYPE_CHECKING:
     from rl.config.schema import RolloutConfig

@@ -1,4 +1,4 @@
-"""DDMA into a live SGLang server through its weight-update API (rl/generator/server_api.py).
+"""DDMA into a live SGLang server through its weight-update API (rl/serving/server_api.py).
 
 Every transport (rl/ddma/transport.py, ``rollout.weight_sync.transport``) ends in one
 receiver (:mod:`rl.ddma.sglang_receiver`, staging then commit):
@@ -27,7 +27,7 @@ process, rl/controller/weight_sync.py) brackets the transfer with :meth:`begin` 
 version is discarded whole.
 
 Every call carries the server's admin key: the target's own (tests, benchmarks: the
-launcher's), else the job's (:func:`rl.generator.server_api.job_keys`), which trainer
+launcher's), else the job's (:func:`rl.serving.server_api.job_keys`), which trainer
 ranks and the controller derive from the job's secret, so the generic sender
 (rl/ddma/sender.py) never handles keys.
 """
@@ -52,8 +52,8 @@ from rl.ddma.engine import TransferError, TransferStats
 from rl.ddma.group import backend as group_backend
 from rl.ddma.plan import Bucket, Plan
 from rl.ddma.relay import Fanout
-from rl.generator import server_api as api
 from rl.generator.weight_payload import serialize, use_file_system_sharing
+from rl.serving import server_api as api
 
 # The weight version a server reports while its weights are being written in place
 # (rollout.weight_sync.staging=none) and after such a version failed: it matches no real

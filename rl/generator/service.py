@@ -6,7 +6,7 @@ URLs, and then watches them until told to stop. Rollouts do not pass through the
 the controller's client talks to the servers directly (token ids in, tokens with
 log-probs and versions out), and trainer ranks push weights to them directly (DDMA).
 A server that dies or stops answering is restarted on the same port
-(:mod:`rl.generator.watchdog`) and reported as :class:`Restarted`; the controller brings
+(:mod:`rl.serving.watchdog`) and reported as :class:`Restarted`; the controller brings
 it to the current weights before routing to it again. One that cannot stay up fails the
 job with the end of its own log.
 """
@@ -80,9 +80,9 @@ def _model_path(cfg: RootConfig, out: Path) -> str:
 
 
 def serve(cfg: RootConfig, job: Job) -> None:
-    from rl.generator.launcher import ServerConfig, ServerLauncher, fp8_serving_dir
-    from rl.generator.server_api import job_keys
-    from rl.generator.watchdog import Watchdog
+    from rl.serving.launcher import ServerConfig, ServerLauncher, fp8_serving_dir
+    from rl.serving.server_api import job_keys
+    from rl.serving.watchdog import Watchdog
 
     inbox = job.channel(f"generator/in/{job.role_rank}", Stop)
     reply = job.channel("generator/out", Up, Down, Restarted)

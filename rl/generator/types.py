@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from rl.config.sampling import RequestError, SamplingParams
+from rl.serving.server_api import ServerResponseError, parse_version
 
 FINISHED = ("stop", "length", "abort")
 _ids = itertools.count()
@@ -28,10 +29,6 @@ def new_rid(prefix: str = "") -> str:
     """A rollout id unique in this process; ``prefix`` keeps it unique across the attempts
     of one run (each attempt's process counts from 0)."""
     return f"{prefix}r{next(_ids)}"
-
-
-class ServerResponseError(RuntimeError):
-    """A server answered with something that is not a well-formed generation result."""
 
 
 def _is_int(v: object) -> bool:
@@ -231,13 +228,3 @@ def parse_result(out: dict) -> tuple[list[int], list[float], list[int], str]:
             f"weight-version spans {spans!r} cover {len(versions)} of {len(ids)} tokens"
         )
     return ids, [float(lp[0]) for lp in lps], versions, reason
-
-
-def parse_version(v: Any) -> int:  # a JSON value
-    try:
-        return int(v)
-    except (TypeError, ValueError):
-        raise ServerResponseError(
-            f"server reports weight version {v!r}; servers started by rl.generator.launcher "
-            "use integer versions"
-        ) from None

@@ -22,7 +22,7 @@ from types import SimpleNamespace
 
 import torch
 
-from rl.generator import server_api
+from rl.serving import server_api
 
 ALIGN = 64  # bytes; covers every dtype's itemsize and keeps slices cache-line aligned
 

@@ -3,7 +3,8 @@
 The controller sends a group's items (prompt, response, label, metadata) to a reward rank
 (round robin) and gets a future back at once; the rank scores them in its worker processes
 (rl/reward/executor.py: a raising, hanging or dying function gives a failed 0 and a
-counter, never a crash) and answers when the whole group is scored. So scoring runs in
+counter, never a crash), or asks the LLM judge the rank serves (``reward.fn=judge``,
+rl/reward/judge.py) and answers when the whole group is scored. So scoring runs in
 parallel with generation and training, on ranks of its own. Training rollouts and
 evaluation go through the same handle, so one function (``reward.fn``) scores both.
 
@@ -19,14 +20,15 @@ import threading
 import traceback
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, cast
+from pathlib import Path
+from typing import TYPE_CHECKING, Protocol, cast
 
 from rl.runtime.channel import ChannelTimeout, Failed, ProtocolError
-from rl.tasks.scoring import ScoreItem, ScoreResult
+from rl.tasks.scoring import JUDGE, ScoreItem, ScoreResult
 
 if TYPE_CHECKING:
     from rl.config.schema import RootConfig
-    from rl.reward.executor import RewardExecutor
+    from rl.reward.executor import RewardStats
     from rl.runtime.channel import Channel
     from rl.runtime.job import Job
 
@@ -57,15 +59,38 @@ class Wake:
     waiting group unanswered; a Wake it did not ask for is a protocol error."""
 
 
-def serve(cfg: RootConfig, job: Job) -> None:
+class Scorer(Protocol):
+    """The rule function's worker pool (rl/reward/executor.py) or the LLM judge
+    (rl/reward/judge.py)."""
+
+    stats: RewardStats
+
+    def submit(self, item: ScoreItem) -> Future[ScoreResult]: ...
+
+    def __enter__(self) -> Scorer: ...
+
+    def __exit__(self, *exc: object) -> None: ...
+
+
+def _scorer(cfg: RootConfig, job: Job) -> Scorer:
+    r = cfg.reward
+    if r.fn.strip() == JUDGE:
+        from rl.reward.judge import JudgeScorer
+        from rl.serving.server_api import job_keys
+
+        logs = Path(cfg.run.output_dir) / "reward" / f"rank{job.role_rank}" / "logs"
+        return JudgeScorer(r.judge, job_keys(), logs)
     from rl.reward.executor import RewardExecutor
 
+    return RewardExecutor(r.fn, r.workers, r.timeout_s)
+
+
+def serve(cfg: RootConfig, job: Job) -> None:
     inbox = job.channel(f"reward/in/{job.role_rank}", Score, Stop)
     reply = job.channel("reward/out", Scored)
     scored: queue.SimpleQueue[tuple[int, list[Future[ScoreResult]]]] = queue.SimpleQueue()
-    r = cfg.reward
     try:
-        with RewardExecutor(r.fn, r.workers, r.timeout_s) as ex:
+        with _scorer(cfg, job) as ex:
             # Answers go out from a thread of their own, not from the executor's callbacks:
             # an error in a future's callback is only logged, so a reply that failed there
             # left its group unanswered and the job waiting forever. This thread dying
@@ -107,7 +132,7 @@ def _when_all_done(
 
 def _answer(
     scored: queue.SimpleQueue[tuple[int, list[Future[ScoreResult]]]],
-    ex: RewardExecutor,
+    ex: Scorer,
     reply: Channel,
 ) -> None:
     while True:

@@ -41,6 +41,9 @@ class Example:
     target_ids: tuple[int, ...] | None = None
     # A multi-turn task's: the conversation ``prompt_ids`` renders (an episode's start).
     messages: tuple[Mapping[str, Any], ...] = ()
+    # Per target token, whether it is trained on (a demonstration's tool results are not);
+    # None: all of them.
+    target_mask: tuple[bool, ...] | None = None
 
 
 class Codec(Protocol):
@@ -170,8 +173,9 @@ def sft_batch(examples: Sequence[Example], pad_id: int) -> TrainBatch:
     mask = torch.zeros(len(rows), seq, dtype=torch.float32)
     for i, (e, r) in enumerate(zip(examples, rows, strict=True)):
         tokens[i, : len(r)] = torch.tensor(r, dtype=torch.long)
-        p = len(e.prompt_ids)
-        mask[i, p - 1 : p - 1 + len(e.target_ids or ())] = 1.0
+        p, n = len(e.prompt_ids), len(e.target_ids or ())
+        trained = e.target_mask if e.target_mask is not None else (True,) * n
+        mask[i, p - 1 : p - 1 + n] = torch.tensor(trained, dtype=torch.float32)
     return TrainBatch(tokens, mask)
 
 

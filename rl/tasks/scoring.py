@@ -179,7 +179,9 @@ def prepare(fn: RewardFn) -> None:
 
 
 # ---------------------------------------------------------------------- loading
-_FORMS = "a built-in (exact, gsm8k, math_verify), 'pkg.module:fn' or 'path/to/rewards.py:fn'"
+_FORMS = (
+    "a built-in (exact, gsm8k, math_verify, env), judge, 'pkg.module:fn' or 'path/to/rewards.py:fn'"
+)
 
 
 class _SpecError(RewardFnError):
@@ -193,7 +195,7 @@ def absolute(spec: str) -> str:
     """The spec with a relative file path made absolute (against the current directory),
     so it means the same function in a process started elsewhere."""
     spec = spec.strip()
-    return spec if spec in BUILTINS else absolute_spec(spec, _FORMS, _SpecError)
+    return spec if spec in BUILTINS or spec == JUDGE else absolute_spec(spec, _FORMS, _SpecError)
 
 
 def _check_signature(spec: str, fn: Callable[..., object]) -> None:
@@ -214,9 +216,18 @@ def _check_signature(spec: str, fn: Callable[..., object]) -> None:
         ) from None
 
 
+JUDGE = "judge"  # reward.fn=judge: the LLM judge on the reward ranks (rl/reward/judge.py)
+
+
 def load(spec: str) -> RewardFn:
     """The reward function a spec names; :class:`RewardFnError` if there is none."""
     spec = spec.strip()
+    if spec == JUDGE:
+        raise RewardFnError(
+            "fn 'judge' is the LLM judge on the reward ranks, not a function to call here "
+            "(a warm-up evaluation in the trainer cannot use it: set sft.eval_every=0 and "
+            "sft.stop_at_accuracy=null)"
+        )
     if spec in BUILTINS:
         fn = BUILTINS[spec]
         if fn is math_verify and importlib.util.find_spec("math_verify") is None:
@@ -233,8 +244,10 @@ def load(spec: str) -> RewardFn:
 
 
 def check(spec: str) -> None:
-    """Fail before launch, in the caller's process, on a spec that names no function."""
-    load(spec)
+    """Fail before launch, in the caller's process, on a spec that names no function (the
+    judge is checked with its own config)."""
+    if spec.strip() != JUDGE:
+        load(spec)
 
 
 # ---------------------------------------------------------------------- calling

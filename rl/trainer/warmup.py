@@ -83,13 +83,14 @@ def supervised_warmup(
 
 
 def evaluator(trainer: MegatronTrainer, task: Task, cfg: RootConfig) -> Callable[[list], float]:
-    """The warm-up's greedy pass rate, scored by ``reward.fn`` in this process."""
+    """The warm-up's greedy pass rate, scored by ``reward.fn`` in this process (loaded at
+    the first evaluation: a warm-up that evaluates nothing needs no function here, as with
+    the judge, which scores on the reward ranks only)."""
     from rl.tasks.scoring import load
 
-    fn = load(cfg.reward.fn)
     new = task.answer_tokens or cfg.rollout.sampling.max_new_tokens
     return lambda examples: greedy_accuracy(
-        trainer, task, examples, fn, new, cfg.reward.pass_threshold
+        trainer, task, examples, load(cfg.reward.fn), new, cfg.reward.pass_threshold
     )
 
 

@@ -26,9 +26,9 @@ import torch
 
 from rl.ddma import fp8
 from rl.ddma.plan import DstLayout, SrcLayout, make_plan
-from rl.generator import server_api as api
 from rl.generator.ddma_target import SGLangTarget
-from rl.generator.launcher import ServerConfig, ServerLauncher, fp8_serving_dir
+from rl.serving import server_api as api
+from rl.serving.launcher import ServerConfig, ServerLauncher, fp8_serving_dir
 from tests.helpers.ddma_util import megatron_globals, megatron_shards, model_dims
 from tests.helpers.hf_reference import HFReferenceGenerator
 from tests.helpers.sglang_reference import sglang_rank_params, write_fp8_checkpoint

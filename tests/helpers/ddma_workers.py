@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 if TYPE_CHECKING:
     from rl.ddma.transport import GroupTransport
-    from rl.generator.server_api import ServerKeys
+    from rl.serving.server_api import ServerKeys
 
 
 def _transport(name: str = "p2p") -> GroupTransport:
@@ -279,8 +279,8 @@ def p2p_sync(
     from rl.ddma import group, transport
     from rl.ddma import relay as relays
     from rl.ddma.plan import DstLayout, SrcLayout, make_plan
-    from rl.generator import server_api as api
     from rl.generator.ddma_target import SGLangTarget
+    from rl.serving import server_api as api
     from tests.helpers.ddma_util import megatron_shards, model_dims
 
     rank = dist.get_rank()

@@ -1,10 +1,11 @@
-"""A tiny chat model that calls a tool, made here in seconds (no download).
+"""Tiny chat models made here in seconds (no download): a byte-level BPE tokenizer with
+ChatML's special tokens and the shipped ``chatml_tools`` template, and a 2-layer Llama
+trained until greedy decoding plays given conversations exactly.
 
-A byte-level BPE tokenizer with ChatML's special tokens and the shipped ``chatml_tools``
-template, and a 2-layer Llama trained on one conversation per question of
-:data:`QUESTIONS`: the assistant calls the calculator, reads its result and answers with
-it. Greedy decoding then plays each episode exactly, so tests against a real SGLang server
-see real tool calls, observations and answers.
+The tool model plays one conversation per question of :data:`QUESTIONS`: the assistant
+calls the calculator, reads its result and answers with it, so tests against a real SGLang
+server see real tool calls, observations and answers. A judge model (tests/servers/
+test_judge.py) answers fixed grading prompts.
 """
 
 from __future__ import annotations
@@ -65,22 +66,25 @@ def chatml_tokenizer(corpus: list[str]):
     return fast
 
 
-def _texts(tok) -> list[str]:
-    return [
-        tok.apply_chat_template(conversation(q), tools=[CALC.schema()], tokenize=False)
-        for q in QUESTIONS
-    ]
-
-
 def make_tool_model(path: Path, steps: int = 400, seed: int = 0) -> Path:
-    """Tokenizer and model saved in ``path``; raises unless greedy decoding plays every
-    question's episode (checked here with transformers, turn by turn)."""
+    """The tool-calling model: every question of :data:`QUESTIONS` played greedily."""
+    return train_chat_model(path, [conversation(q) for q in QUESTIONS], [CALC.schema()],
+                            steps, seed)  # fmt: skip
+
+
+def train_chat_model(
+    path: Path, conversations: list[list[dict]], tools: list[dict] | None = None,
+    steps: int = 400, seed: int = 0,
+) -> Path:  # fmt: skip
+    """A tokenizer and a 2-layer Llama trained on ``conversations`` (rendered by the
+    template, with ``tools``), saved in ``path``; raises unless greedy decoding gives
+    every assistant turn from the conversation before it (checked with transformers)."""
     import transformers
 
     torch.manual_seed(seed)
     probe = chatml_tokenizer(["x"])  # renders the corpus the real tokenizer is trained on
-    tok = chatml_tokenizer(_texts(probe) * 4)
-    texts = _texts(tok)
+    texts = [probe.apply_chat_template(c, tools=tools, tokenize=False) for c in conversations]
+    tok = chatml_tokenizer(texts * 4)
     end = tok.convert_tokens_to_ids("<|im_end|>")
     conf = transformers.LlamaConfig(
         vocab_size=len(tok), hidden_size=64, intermediate_size=192, num_hidden_layers=2,
@@ -105,25 +109,25 @@ def make_tool_model(path: Path, steps: int = 400, seed: int = 0) -> Path:
         loss.backward()
         opt.step()
     model.eval()
-    _check_plays(model, tok, end)
+    for conv in conversations:
+        _check_plays(model, tok, end, conv, tools)
     model.save_pretrained(path)
     tok.save_pretrained(path)
     (path / "generation_config.json").write_text(json.dumps({"eos_token_id": end}))
     return path
 
 
-def _check_plays(model, tok, end: int) -> None:
-    for q in QUESTIONS:
-        conv = conversation(q)
-        for turn in (1, 3):  # each assistant turn, from the conversation before it
-            prompt = tok.apply_chat_template(
-                conv[:turn], tools=[CALC.schema()], add_generation_prompt=True, tokenize=False
-            )
-            ids = tok(prompt, add_special_tokens=False, return_tensors="pt")["input_ids"]
-            with torch.no_grad():
-                out = model.generate(ids, max_new_tokens=48, do_sample=False, eos_token_id=end,
-                                     pad_token_id=tok.pad_token_id)  # fmt: skip
-            got = tok.decode(out[0, ids.shape[1] :], skip_special_tokens=False)
-            want = conv[turn]["content"] + "<|im_end|>"
-            if got != want:
-                raise AssertionError(f"the tool model did not learn {q!r} turn {turn}: {got!r}")
+def _check_plays(model, tok, end: int, conv: list[dict], tools: list[dict] | None) -> None:
+    for turn, m in enumerate(conv):
+        if m["role"] != "assistant":
+            continue
+        prompt = tok.apply_chat_template(
+            conv[:turn], tools=tools, add_generation_prompt=True, tokenize=False
+        )
+        ids = tok(prompt, add_special_tokens=False, return_tensors="pt")["input_ids"]
+        with torch.no_grad():
+            out = model.generate(ids, max_new_tokens=48, do_sample=False, eos_token_id=end,
+                                 pad_token_id=tok.pad_token_id)  # fmt: skip
+        got = tok.decode(out[0, ids.shape[1] :], skip_special_tokens=False)
+        if got != m["content"] + "<|im_end|>":
+            raise AssertionError(f"the model did not learn turn {turn} of {conv[0]}: {got!r}")

@@ -1,4 +1,4 @@
-"""The CPU shim SGLang servers start with (rl/generator/cpu_shim.py), in a real child
+"""The CPU shim SGLang servers start with (rl/serving/cpu_shim.py), in a real child
 interpreter with the environment a server gets."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 import rl
-from rl.generator.cpu_shim import server_env
+from rl.serving.cpu_shim import server_env
 
 
 def test_cpu_shim_only_touches_cpu_servers(tmp_path):

@@ -46,10 +46,10 @@ def test_the_package_keeps_its_contracts(copy: Path) -> None:
     "module, line, broken",
     [
         ("rl/weights/keymap.py", "import rl.trainer", "rl.weights.keymap -> rl.trainer"),
-        ("rl/ddma/plan.py", "import rl.generator.launcher", "rl.ddma.plan -> rl.generator"),
+        ("rl/ddma/plan.py", "import rl.serving.launcher", "rl.ddma.plan -> rl.serving"),
         ("rl/trainer/trainer.py", "import rl.reward.service", "rl.trainer.trainer -> rl.reward"),
     ],
-    ids=["keymap-imports-trainer", "ddma-imports-generator", "trainer-imports-reward"],
+    ids=["keymap-imports-trainer", "ddma-imports-serving", "trainer-imports-reward"],
 )
 def test_an_upward_or_cross_import_breaks_the_contract(
     copy: Path, tmp_path: Path, module: str, line: str, broken: str

@@ -30,4 +30,4 @@ def test_wheel_contains_packages_and_requirements(tmp_path):
     assert "Requires-Dist: apex" not in metadata
     assert "Provides-Extra: sglang" in metadata
     assert 'Requires-Dist: sglang==0.5.23; extra == "sglang"' in metadata
-    assert "rl/generator/cpu_shim.py" in names
+    assert "rl/serving/cpu_shim.py" in names

@@ -11,7 +11,7 @@ import time
 
 import psutil
 
-from rl.generator.launcher import GUARD
+from rl.serving.launcher import GUARD
 from tests.helpers.procs import assert_group_gone, live_group_members
 
 

@@ -15,9 +15,9 @@ from rl.config import compose
 from rl.config.sampling import SamplingParams
 from rl.ddma.plan import DstLayout, SrcLayout, make_plan
 from rl.generator.client import GeneratorClient
-from rl.generator.launcher import ServerConfig, ServerLauncher
 from rl.runtime.launch import spawn
 from rl.runtime.net import free_port
+from rl.serving.launcher import ServerConfig, ServerLauncher
 from tests.helpers.ddma_util import hf_state, megatron_globals, model_dims
 from tests.helpers.ddma_workers import p2p_sync
 from tests.helpers.hf_models import make_model

@@ -22,10 +22,10 @@ from rl.ddma import wire
 from rl.ddma.plan import DstLayout, SrcLayout, make_plan
 from rl.generator.client import GeneratorClient
 from rl.generator.ddma_target import SGLangTarget, SyncError
-from rl.generator.launcher import ServerConfig, ServerError, ServerLauncher
-from rl.generator.server_api import job_keys
 from rl.runtime import secret
 from rl.runtime.launch import spawn
+from rl.serving.launcher import ServerConfig, ServerError, ServerLauncher
+from rl.serving.server_api import job_keys
 from rl.weights.convert import hf_to_mcore, mcore_to_hf, prepare_hf_to_mcore
 from tests.helpers.ddma_util import hf_state, megatron_globals, megatron_shards, model_dims
 from tests.helpers.ddma_workers import train_then_sync
@@ -297,8 +297,8 @@ def test_staging_none_incomplete_version_keeps_the_server_out(client, served, fr
     model) resumes the server on its version; one that loses a trainer rank midway leaves
     it paused, torn, and reporting NOT_READY, so no client routes to it and a request sent
     straight to it is not served; the next complete version resumes it."""
-    from rl.generator import server_api as api
     from rl.generator.ddma_target import NOT_READY
+    from rl.serving import server_api as api
 
     d, glob, hf = fresh
     url, ref = client.urls[0], served
@@ -343,8 +343,8 @@ def test_status_outside_the_servers_directory_is_refused(client, tmp_path):
     import json
 
     from rl.ddma import sglang_receiver as rx
-    from rl.generator import server_api as api
     from rl.generator.weight_payload import serialize
+    from rl.serving import server_api as api
 
     url = client.urls[0]
     plan = make_plan(model_dims(client.launcher.config.model_path, 2), SrcLayout(2), CPU_DST, 4,

@@ -34,10 +34,10 @@ from rl.config import compose
 from rl.config.sampling import SamplingParams
 from rl.ddma.plan import DstLayout, SrcLayout, make_plan
 from rl.generator.client import GeneratorClient
-from rl.generator.launcher import ServerConfig, ServerLauncher
-from rl.generator.server_api import ServerKeys
 from rl.generator.types import Rollout
 from rl.runtime.launch import spawn
+from rl.serving.launcher import ServerConfig, ServerLauncher
+from rl.serving.server_api import ServerKeys
 from rl.weights.convert import mcore_to_hf, prepare_hf_to_mcore
 from rl.weights.keymap import Dims
 from tests.helpers.ddma_workers import train_then_sync

@@ -33,11 +33,11 @@ from rl.config.sampling import RequestError, SamplingParams
 from rl.controller.batch import build_batch
 from rl.controller.rollouts import RolloutStream
 from rl.controller.staleness import StalenessGate
-from rl.generator import server_api as api
 from rl.generator.client import REQUEUE_REPORT_S, GeneratorClient
-from rl.generator.launcher import ServerConfig, ServerError, ServerLauncher
 from rl.generator.weight_payload import FlatBucket, buckets
 from rl.runtime.net import free_port
+from rl.serving import server_api as api
+from rl.serving.launcher import ServerConfig, ServerError, ServerLauncher
 from rl.tasks.common import Example
 from rl.tasks.scoring import ScoreResult
 from tests.helpers.hf_models import make_model
@@ -239,7 +239,7 @@ def test_the_api_key_can_read_the_admin_key(launcher):
 def test_server_listens_on_localhost_only(launcher):
     """Its HTTP port, and every other socket: the scheduler's torch.distributed store,
     which torch's TCPStore would open on every interface, is a file on a CPU server
-    (rl/generator/server_footprint.py; without it this found ``::`` and the scheduler)."""
+    (rl/serving/server_footprint.py; without it this found ``::`` and the scheduler)."""
     s = launcher.servers[0]
     assert s.proc is not None
     listening = group_listeners(os.getpgid(s.proc.pid))
@@ -285,7 +285,7 @@ def test_segmented_generation_equals_one_shot(client, ref):
 
 def test_seeded_samples_depend_on_neither_the_batch_nor_the_cuts(client):
     """rollout.sampling.seed: each token is drawn from (seed, position), which a CPU server
-    does through rl/generator/cpu_seeds.py. A sampled rollout is the same alone, batched
+    does through rl/serving/cpu_seeds.py. A sampled rollout is the same alone, batched
     with other prompts (on either server) and cut into segments; unseeded samples of one
     prompt still differ."""
     seeded = SamplingParams(temperature=1.0, max_new_tokens=12, ignore_eos=True, seed=3)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from rl.generator.launcher import ServerConfig, ServerError, ServerLauncher
+from rl.serving.launcher import ServerConfig, ServerError, ServerLauncher
 from tests.helpers.hf_models import make_model
 from tests.helpers.procs import assert_group_gone, group_listeners
 
@@ -29,7 +29,7 @@ def model_dir(tmp_path_factory):
 _OWNER = """
 import signal, sys, time
 signal.signal(signal.SIGINT, signal.default_int_handler)
-from rl.generator.launcher import ServerConfig, ServerLauncher
+from rl.serving.launcher import ServerConfig, ServerLauncher
 cfg = ServerConfig(model_path=sys.argv[1], threads=1)
 launcher = ServerLauncher(cfg, n=1, log_dir=sys.argv[2]).start()
 print(launcher.servers[0].proc.pid, flush=True)

@@ -100,6 +100,7 @@ def test_smollm2_from_jsonl_with_a_user_reward_file(smollm2_dir, tmp_path):
     assert any(r["grad_norm"] > 0 for r in rl)  # the RL steps changed the weights
     evals = [r for r in recs if r["phase"] == "rl_eval"]
     assert [r["step"] for r in evals] == [0, 3] and "eval_pass@2" in evals[-1]
+    assert all(r["eval_reward_user_fn"] == 1.0 for r in evals)  # the function's own metrics
 
     # The prompts the loop sent: the tokenizer's own chat template, assistant turn opened.
     tok = AutoTokenizer.from_pretrained(smollm2_dir)
@@ -160,7 +161,7 @@ def test_smollm2_from_jsonl_with_a_user_reward_file(smollm2_dir, tmp_path):
     # SGLang loads the export as it is and gives the same greedy tokens.
     from rl.config.sampling import SamplingParams
     from rl.generator.client import GeneratorClient
-    from rl.generator.launcher import ServerConfig, ServerLauncher
+    from rl.serving.launcher import ServerConfig, ServerLauncher
 
     server = ServerConfig(model_path=str(export), dtype="float32", threads=1,
                           max_total_tokens=4096, context_length=512)  # fmt: skip

@@ -78,7 +78,7 @@ def _no_server_left(out: Path) -> None:
 
 def _semaphores() -> set[str]:
     """multiprocessing's named semaphores in /dev/shm: a server's tqdm made one that its
-    stop left behind, every run (rl/generator/server_footprint.py)."""
+    stop left behind, every run (rl/serving/server_footprint.py)."""
     return {n for n in os.listdir("/dev/shm") if n.startswith("sem.mp-")}
 
 

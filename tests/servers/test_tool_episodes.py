@@ -37,7 +37,7 @@ from rl.controller.episodes import EpisodeDriver, run_episodes
 from rl.controller.rollouts import Group, RolloutStream
 from rl.controller.staleness import StalenessGate
 from rl.generator.client import GeneratorClient
-from rl.generator.launcher import ServerConfig, ServerLauncher
+from rl.serving.launcher import ServerConfig, ServerLauncher
 from rl.tasks.scoring import ScoreResult
 from tests.helpers.tool_model import CALC, QUESTIONS, calculate, conversation, make_tool_model
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from rl.generator import cpu_batch_invariant as bi
+from rl.serving import cpu_batch_invariant as bi
 
 
 @pytest.fixture

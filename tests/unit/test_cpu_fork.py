@@ -1,4 +1,4 @@
-"""The CPU shim's fork patch (rl/generator/cpu_fork.py) on a stand-in for SGLang's engine
+"""The CPU shim's fork patch (rl/serving/cpu_fork.py) on a stand-in for SGLang's engine
 module: spawn becomes fork, everything else is multiprocessing's own."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import multiprocessing
 from types import ModuleType
 
-from rl.generator import cpu_fork
-from rl.generator.cpu_shim import server_env
+from rl.serving import cpu_fork
+from rl.serving.cpu_shim import server_env
 
 
 def test_the_engines_spawn_becomes_fork_and_nothing_else_changes(monkeypatch, tmp_path):

@@ -1,4 +1,4 @@
-"""The seeded sampler a CPU server runs (rl/generator/cpu_seeds.py), without a server: the
+"""The seeded sampler a CPU server runs (rl/serving/cpu_seeds.py), without a server: the
 draw is a function of (seed, position) only, follows the distribution, and the patches go
 in once. The server honouring seeds: tests/servers/test_generator.py."""
 
@@ -9,7 +9,7 @@ import types
 
 import torch
 
-from rl.generator import cpu_seeds
+from rl.serving import cpu_seeds
 
 
 def test_the_draw_depends_on_seed_and_position_only():

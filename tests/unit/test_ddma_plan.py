@@ -200,8 +200,8 @@ def test_fp8_expert_slabs_are_quantized_with_their_fused_scales(ckpts):
 
 def test_servers_are_started_with_this_receiver():
     from rl.ddma import sglang_receiver
-    from rl.generator.launcher import ServerConfig
-    from rl.generator.server_api import DDMA_LOAD_FORMAT
+    from rl.serving.launcher import ServerConfig
+    from rl.serving.server_api import DDMA_LOAD_FORMAT
 
     assert f"{sglang_receiver.__name__}.{sglang_receiver.load.__name__}" == DDMA_LOAD_FORMAT
     argv = ServerConfig(model_path="m").argv(1234)

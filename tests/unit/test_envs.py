@@ -302,10 +302,14 @@ def test_bad_env_config_fails_in_one_line_before_launch(tmp_path):
     assert "task.name=arithmetic has no chat template" in _check(
         "task=arithmetic", "env.tools=[calculator]"
     )
+    assert "the warm-up's greedy decoder plays no episodes" in _check(
+        "env.tools=[calculator]", "sft.steps=5", "sft.eval_every=5"
+    )
 
 
 def test_a_tokenizer_template_without_tools_is_refused_when_the_task_is_built(chatml, tmp_path):
     from rl.config import ConfigError
+    from rl.tasks import sft_batch
     from rl.tasks.checks import check_task
     from tests.helpers.configs import composed
 
@@ -314,15 +318,37 @@ def test_a_tokenizer_template_without_tools_is_refused_when_the_task_is_built(ch
     )
     chatml.save_pretrained(tmp_path / "tok")
     data = tmp_path / "d.jsonl"
-    data.write_text(json.dumps({"prompt": "12*7?", "label": "84"}) + "\n")
+    demo = [{"role": "assistant", "content": CALL},
+            {"role": "tool", "name": "calculator", "content": "84"},
+            {"role": "assistant", "content": "84"}]  # fmt: skip
+    data.write_text(json.dumps({"prompt": "12*7?", "label": "84", "demo": demo}) + "\n")
     base = ["task=dataset", f"task.tokenizer={tmp_path / 'tok'}", f"task.train_files=[{data}]",
             f"task.eval_files=[{data}]", "env.tools=[calculator]", "rl.steps=0"]  # fmt: skip
     with pytest.raises(ConfigError, match=r"^the chat template does not render tools .*chatml_"):
         check_task(composed(base))
-    task = check_task(composed([*base, "env.chat_template=chatml_tools"]))
+    task = check_task(composed([*base, "env.chat_template=chatml_tools", "task.demo_key=demo"]))
     (ex,) = task.eval_sets["eval"]
     assert ex.messages == ({"role": "user", "content": "12*7?"},)
     assert '"name": "calculator"' in ex.prompt_text  # the tools are in the prompt
+    # The warm-up's target: the demonstration as an episode holds it (the template's
+    # tokens, less the newline after the last end token), trained on but the tool's result.
+    full = chatml.apply_chat_template([*ex.messages, *demo], tools=[CALC.schema()],
+                                      chat_template=template_text("chatml_tools"),
+                                      tokenize=False)  # fmt: skip
+    want = chatml(full.removesuffix("\n"), add_special_tokens=False)["input_ids"]
+    assert list(ex.prompt_ids + ex.target_ids) == want
+    observed = [t for t, m in zip(ex.target_ids, ex.target_mask, strict=True) if not m]
+    assert chatml.decode(observed).startswith("\n<|im_start|>user\n<tool_response>\n84\n")
+    assert ex.target_mask.count(False) == len(observed) > 0
+    batch = sft_batch([ex], pad_id=0)
+    p = len(ex.prompt_ids)
+    n = len(ex.target_ids)
+    assert batch.loss_mask[0, p - 1 : p - 1 + n].tolist() == [float(m) for m in ex.target_mask]
+    bad = json.dumps({"prompt": "q", "label": "1", "demo": [{"role": "tool", "content": "1"}]})
+    data.write_text(bad + "\n")
+    with pytest.raises(ConfigError, match=r"line 1: 'demo' \(task.demo_key\): a demonstration "
+                       "must end with an assistant turn"):  # fmt: skip
+        check_task(composed([*base, "env.chat_template=chatml_tools", "task.demo_key=demo"]))
 
 
 def test_a_tool_that_overruns_its_time_is_answered_as_a_timeout():

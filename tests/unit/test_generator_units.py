@@ -20,8 +20,6 @@ from omegaconf import OmegaConf
 
 from rl.config.sampling import RequestError, SamplingParams
 from rl.config.schema import SamplingConfig
-from rl.generator import server_api as api
-from rl.generator.launcher import ServerConfig, ServerError
 from rl.generator.types import ModelLimits, Rollout, ServerResponseError, parse_result
 from rl.generator.weight_payload import (
     ALIGN,
@@ -31,6 +29,8 @@ from rl.generator.weight_payload import (
     use_file_system_sharing,
 )
 from rl.runtime.net import free_port
+from rl.serving import server_api as api
+from rl.serving.launcher import ServerConfig, ServerError
 
 LIMITS = ModelLimits(vocab_size=99, context_len=128, eos_ids=(2,))
 KEYS = api.ServerKeys.random()
@@ -415,7 +415,7 @@ def test_an_fp8_server_starts_from_its_checkpoint_with_the_fp8_config_and_dummy_
     """rollout.weight_sync.fp8_block: SGLang builds blockwise-FP8 layers from the config's
     quantization_config (it cannot run them on CPU: tests/gpu starts one), every other file
     is the checkpoint's own, and the weights come by DDMA, not from the bf16 files."""
-    from rl.generator.launcher import fp8_serving_dir
+    from rl.serving.launcher import fp8_serving_dir
 
     src = tmp_path / "hf"
     src.mkdir()

@@ -147,7 +147,7 @@ def test_call_rejects_values_that_are_not_scores(value, fragment):
 @pytest.mark.parametrize(
     "spec,fragment",
     [
-        ("regex", "not a built-in (exact, gsm8k, math_verify)"),
+        ("regex", "not a built-in (exact, gsm8k, math_verify, env), judge"),
         ("tests.helpers.reward_scorers:", "not a built-in"),
         (":flaky", "not a built-in"),
         ("no such module:f", "not a built-in"),

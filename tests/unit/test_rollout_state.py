@@ -33,7 +33,8 @@ class _Prompts:
         self.drawn += 1
         i = self.drawn - 1
         return Example(f"p{i}", (5 + i, 7), f"prompt {i}", label={"answer": [i]},
-                       metadata={"k": "v"}, target_ids=(9, 2))  # fmt: skip
+                       metadata={"k": "v"}, target_ids=(9, 4, 2), target_mask=(True, False, True),
+                       messages=({"role": "user", "content": f"prompt {i}"},))  # fmt: skip
 
     def position(self) -> dict:
         return {"task": "fake", "drawn": self.drawn}

@@ -1,4 +1,4 @@
-"""The footprint patches of CPU servers (rl/generator/server_footprint.py), without a
+"""The footprint patches of CPU servers (rl/serving/server_footprint.py), without a
 server: only a loopback ``tcp://`` store becomes a file, tqdm makes no multiprocessing
 lock, and each patch goes in once. A server listening on nothing but loopback and leaving
 no semaphore: tests/servers/test_generator_launcher.py."""
@@ -9,7 +9,7 @@ import types
 
 import pytest
 
-from rl.generator import server_footprint as ls
+from rl.serving import server_footprint as ls
 
 
 @pytest.mark.parametrize(

@@ -20,9 +20,9 @@ import aiohttp
 import pytest
 import yaml
 
-from rl.generator import server_api as api
-from rl.generator.launcher import Server, ServerConfig, ServerError, _write_private
 from rl.runtime import secret
+from rl.serving import server_api as api
+from rl.serving.launcher import Server, ServerConfig, ServerError, _write_private
 
 # Every route this project calls, by the function that builds the call.
 OUR_CALLS = [

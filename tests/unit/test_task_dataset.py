@@ -222,5 +222,5 @@ def test_prompt_plus_response_must_fit_the_context(tok_dir, tmp_path):
         check_task(cfg)
     cfg = composed(["task=dataset", *over, "sft.steps=5", "rl.steps=0",
                    "task.label_key=missing", "rollout.sampling.max_new_tokens=4"])  # fmt: skip
-    with pytest.raises(ConfigError, match="needs a label on every prompt"):
+    with pytest.raises(ConfigError, match="needs a target on every prompt"):
         check_task(cfg)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from rl.generator.watchdog import Watchdog
+from rl.serving.watchdog import Watchdog
 
 
 class FakeServer:

@@ -14,7 +14,7 @@ itself, token ids and per-token log-probs bit for bit:
 
 Twice: greedy, and sampled at temperature 1 with per-request seeds (SGLang's
 ``sampling_seed``, from ``rollout.sampling.seed``: rl/generator/types.py; a CPU server
-honours them through rl/generator/cpu_seeds.py). Then the same on a server started with
+honours them through rl/serving/cpu_seeds.py). Then the same on a server started with
 SGLang's ``--enable-deterministic-inference`` (refused on CPU: its error is recorded),
 with the batched throughput of both measured in this run. Writes
 tools/bench/results/batch_invariance.json.
@@ -32,8 +32,8 @@ from bench_util import write_result
 
 from rl.config.sampling import SamplingParams
 from rl.generator.client import GeneratorClient
-from rl.generator.cpu_batch_invariant import BATCH_INVARIANT_ENV
-from rl.generator.launcher import ServerConfig, ServerError, ServerLauncher
+from rl.serving.cpu_batch_invariant import BATCH_INVARIANT_ENV
+from rl.serving.launcher import ServerConfig, ServerError, ServerLauncher
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = ROOT / "models/smollm2-135m-instruct"

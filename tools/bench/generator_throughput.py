@@ -26,9 +26,9 @@ import torch
 from bench_util import tree_peak_rss_mb, write_result
 
 from rl.config.sampling import SamplingParams
-from rl.generator import server_api as api
 from rl.generator.client import GeneratorClient
-from rl.generator.launcher import ServerConfig, ServerLauncher
+from rl.serving import server_api as api
+from rl.serving.launcher import ServerConfig, ServerLauncher
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -1,5 +1,5 @@
 """How long a CPU SGLang server takes to become ready, with its scheduler and detokenizer
-spawned (SGLang's own way) or forked (rl/generator/cpu_fork.py, the CPU default).
+spawned (SGLang's own way) or forked (rl/serving/cpu_fork.py, the CPU default).
 
     PYTHONPATH=. $(tools/setup_env.sh)/bin/python tools/bench/server_start.py
 
@@ -27,8 +27,8 @@ sys.path.insert(0, str(ROOT))
 
 from rl.config.sampling import SamplingParams  # noqa: E402
 from rl.generator.client import GeneratorClient  # noqa: E402
-from rl.generator.cpu_fork import FORK_ENV  # noqa: E402
-from rl.generator.launcher import ServerConfig, ServerLauncher  # noqa: E402
+from rl.serving.cpu_fork import FORK_ENV  # noqa: E402
+from rl.serving.launcher import ServerConfig, ServerLauncher  # noqa: E402
 from tests.helpers.hf_models import make_model  # noqa: E402
 
 GREEDY = SamplingParams(temperature=0, max_new_tokens=8)

@@ -54,8 +54,8 @@ from bench_util import peak_mb, reset_peak, rss_mb, tree_peak_rss_mb, tree_rss_m
 from rl.ddma import engine, shm
 from rl.ddma.plan import HEADER_BYTES, DstLayout, SrcLayout, make_plan
 from rl.generator.ddma_target import SGLangTarget
-from rl.generator.server_api import ServerKeys
 from rl.runtime.launch import spawn
+from rl.serving.server_api import ServerKeys
 from rl.weights import keymap as km
 from rl.weights.hf_config import model_config_from_hf
 from tests.helpers import ddma_baseline as baseline
@@ -367,8 +367,8 @@ def bandwidth(plan, seconds: float, memcpy: float) -> dict:
 
 def live_server(model: Path, d: km.Dims, args, memcpy: float, tmp: str) -> dict:
 
-    from rl.generator.launcher import ServerConfig, ServerLauncher
     from rl.runtime.net import free_port
+    from rl.serving.launcher import ServerConfig, ServerLauncher
 
     plan = make_plan(d, SrcLayout(2), DstLayout.sglang(1, "cpu"), 4, args.bucket_mb * MB)
     out: dict = {"modes": {}}

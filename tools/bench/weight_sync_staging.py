@@ -39,8 +39,8 @@ from rl.runtime.launch import spawn
 from rl.weights.keymap import Dims
 
 if TYPE_CHECKING:
-    from rl.generator.launcher import ServerLauncher
-    from rl.generator.server_api import ServerKeys
+    from rl.serving.launcher import ServerLauncher
+    from rl.serving.server_api import ServerKeys
 
 ROOT = Path(__file__).resolve().parents[2]
 MB = 1 << 20
@@ -150,7 +150,7 @@ def _dims(model: Path) -> Dims:
 def main(argv: list[str] | None = None) -> dict:
     from weight_sync import SHAPE, make_model
 
-    from rl.generator.launcher import ServerConfig, ServerLauncher
+    from rl.serving.launcher import ServerConfig, ServerLauncher
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--bucket-mb", type=int, default=32)

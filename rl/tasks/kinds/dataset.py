@@ -124,6 +124,22 @@ def _messages(value: Any, where: str, key: str) -> list[dict[str, str]]:  # a JS
     return [{"role": m["role"], "content": m["content"]} for m in value]
 
 
+def _demo(value: Any, where: str, key: str) -> list[dict[str, Any]]:  # a JSON value
+    """A demonstration: a list of messages, each with a role and a string content (a
+    tool's may carry its name)."""
+    value = _decoded(value)
+    ok = isinstance(value, list) and all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+        for m in value
+    )
+    if not ok or not value:
+        raise TaskError(
+            f"{where}: {key!r} (task.demo_key) must be a non-empty list of {{role, content}} "
+            f"messages, not {str(value)[:60]!r}"
+        )
+    return [dict(m) for m in value]
+
+
 class DatasetTask:
     name = "dataset"
     answer_tokens = None
@@ -133,6 +149,11 @@ class DatasetTask:
         self.cfg, self.codec, self.episodes = cfg, codec, episodes
         if episodes is not None and not cfg.apply_chat_template:
             raise TaskError("env.tools/env.cls need task.apply_chat_template=true")
+        if cfg.demo_key and episodes is None:
+            raise TaskError(
+                f"task.demo_key={cfg.demo_key!r} needs env.tools or env.cls (a demonstration is "
+                "rendered as an episode's turns)"
+            )
         if cfg.apply_chat_template and not codec.has_chat_template and episodes is None:
             raise TaskError(
                 "task.apply_chat_template=true but the tokenizer has no chat template "
@@ -221,8 +242,11 @@ class DatasetTask:
                                 f"{type(e).__name__}: {e}") from None  # fmt: skip
             ids = self.episodes.chat.encode(text)
         label = row.get(c.label_key)
-        target = None
-        if label is not None:
+        target, mask = None, None
+        if c.demo_key and self.episodes is not None:  # a row without one has no target
+            if row.get(c.demo_key) is not None:
+                target, mask = self._demonstration(where, start, row[c.demo_key])
+        elif label is not None:
             target = (*self.codec.encode(str(label)), self.codec.end_id)
         return Example(
             uid=where,
@@ -232,7 +256,20 @@ class DatasetTask:
             metadata={k: row[k] for k in c.metadata_keys},
             target_ids=target,
             messages=tuple(start),
+            target_mask=mask,
         )
+
+    def _demonstration(
+        self, where: str, start: list[dict[str, Any]], value: Any
+    ) -> tuple[tuple[int, ...], tuple[bool, ...]]:
+        assert self.episodes is not None
+        key = self.cfg.demo_key
+        demo = _demo(value, where, str(key))
+        try:
+            ids, trained = self.episodes.chat.demonstration(start, demo)
+        except ValueError as e:  # ChatError: the demonstration's shape
+            raise TaskError(f"{where}: {key!r} (task.demo_key): {e}") from None
+        return tuple(ids), tuple(trained)
 
     def train_stream(self, start: Mapping[str, Any] | None = None) -> DatasetStream:
         return DatasetStream(self, start)

@@ -59,8 +59,13 @@ class Watchdog:
         health_failures: int,
         clock: Callable[[], float] = time.monotonic,
         on_down: Callable[[int, str], None] = lambda index, why: None,
+        who: str = "generator",
+        fields: str = "rollout",
     ) -> None:
+        """``who``: how its lines name the servers; ``fields``: the config group of the
+        restart budget, named when it is spent."""
         self.launcher, self.on_down = launcher, on_down
+        self.who, self.fields = who, fields
         self.max_restarts, self.window_s = max_restarts, window_s
         self.health_timeout_s, self.health_failures = health_timeout_s, health_failures
         self.clock = clock
@@ -97,16 +102,16 @@ class Watchdog:
         if len(self._recent) >= self.max_restarts:
             raise s.error(
                 f"{why}, after {len(self._recent)} restarts within {self.window_s:.0f}s "
-                f"(rollout.max_restarts={self.max_restarts}, "
-                f"rollout.restart_window_s={self.window_s:g})"
+                f"({self.fields}.max_restarts={self.max_restarts}, "
+                f"{self.fields}.restart_window_s={self.window_s:g})"
             )
         self._recent.append(now)
         self._failed[i] = 0
-        print(f"[generator] server {s.index} ({s.url}) {why}: restarting it", flush=True)
+        print(f"[{self.who}] server {s.index} ({s.url}) {why}: restarting it", flush=True)
         self.on_down(i, why)  # before the restart: its clients stop using it now
         t0 = time.perf_counter()
         self.launcher.restart(i)
         self.restarts += 1
         took = time.perf_counter() - t0
-        print(f"[generator] server {s.index} ({s.url}) is back up after {took:.1f}s", flush=True)
+        print(f"[{self.who}] server {s.index} ({s.url}) is back up after {took:.1f}s", flush=True)
         return Restart(i, why, took)

@@ -26,8 +26,6 @@ from typing import Any
 
 import aiohttp
 
-from rl.generator.types import parse_version
-
 # The DDMA receiver, imported by every server process from this checkout: the servers
 # start with it as their custom weight loader, and DDMA buckets name it as load format.
 DDMA_LOAD_FORMAT = "rl.ddma.sglang_receiver.load"
@@ -90,6 +88,20 @@ def job_keys() -> ServerKeys:
 
     key = secret.load()
     return ServerKeys(secret.derive(key, "sglang-api"), secret.derive(key, "sglang-admin"))
+
+
+class ServerResponseError(RuntimeError):
+    """A server answered with something that is not a well-formed generation result."""
+
+
+def parse_version(v: Any) -> int:  # a JSON value
+    try:
+        return int(v)
+    except (TypeError, ValueError):
+        raise ServerResponseError(
+            f"server reports weight version {v!r}; servers started by rl.serving.launcher "
+            "use integer versions"
+        ) from None
 
 
 class CallError(RuntimeError):

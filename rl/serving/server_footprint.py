@@ -1,7 +1,7 @@
 """What a CPU server would otherwise leave open or behind on the machine: its scheduler's
 store on a port of every interface, and a semaphore in ``/dev/shm`` after it stops
 (imported at start-up in every process of a CPU server, by the ``sitecustomize`` that
-rl/generator/cpu_shim.py writes).
+rl/serving/cpu_shim.py writes).
 
 The store. Each SGLang server initialises torch.distributed for its TP group with
 ``tcp://127.0.0.1:<port>``, and torch's TCPStore server listens on every interface
@@ -35,7 +35,7 @@ import os
 from types import ModuleType
 from urllib.parse import urlsplit
 
-from rl.generator.after_import import Patch, patch_on_import
+from rl.serving.after_import import Patch, patch_on_import
 
 STORE_ENV = "MSRL_SGLANG_STORE"
 BOOTSTRAP = "sglang.srt.distributed.bootstrap"

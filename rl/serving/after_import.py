@@ -1,5 +1,5 @@
 """Patch a module right after it is first imported, in a server process (the CPU shim's
-``sitecustomize`` runs before SGLang imports anything: rl/generator/cpu_shim.py).
+``sitecustomize`` runs before SGLang imports anything: rl/serving/cpu_shim.py).
 
 Why a meta-path hook rather than patching at start-up: importing SGLang (and torch) in
 every server process only to patch it would cost each one seconds, and a patch applied

@@ -1,5 +1,5 @@
 """Per-request sampling seeds on SGLang's CPU servers (imported at start-up in every process
-of a CPU server, by the ``sitecustomize`` that rl/generator/cpu_shim.py writes).
+of a CPU server, by the ``sitecustomize`` that rl/serving/cpu_shim.py writes).
 
 Why: SGLang 0.5.23 honours a request's ``sampling_seed`` only under
 ``--enable-deterministic-inference``, and refuses that flag on CPU (its CPU attention
@@ -28,7 +28,7 @@ from collections.abc import Sequence
 from types import ModuleType
 from typing import TYPE_CHECKING, Protocol
 
-from rl.generator.after_import import Patch, patch_on_import
+from rl.serving.after_import import Patch, patch_on_import
 
 if TYPE_CHECKING:  # imported at run time only once SGLang's sampler needs it
     import torch

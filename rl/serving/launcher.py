@@ -11,7 +11,7 @@ process group, which stops the whole group when asked, when SGLang exits, or whe
 thread that started it dies (even by SIGKILL); ``atexit`` and a SIGTERM handler stop every
 live launcher; and ``stop`` SIGKILLs whatever is left of each group after a grace period.
 
-Keys: every server requires an API key and an admin key (rl/generator/server_api.py). They
+Keys: every server requires an API key and an admin key (rl/serving/server_api.py). They
 never appear on a command line (``ps`` shows every user's): SGLang takes them only as
 flags, so the launcher writes them to a 0600 YAML file that SGLang reads through
 ``--config`` and deletes it once the server answers. The logs are 0600 as well.
@@ -37,11 +37,11 @@ from types import FrameType
 from typing import TYPE_CHECKING
 
 from rl.config.sglang import layout_problem
-from rl.generator import server_api
-from rl.generator.cpu_shim import server_env
-from rl.generator.server_api import ServerKeys
-from rl.generator.server_footprint import STORE_ENV
 from rl.runtime.net import free_port
+from rl.serving import server_api
+from rl.serving.cpu_shim import server_env
+from rl.serving.server_api import ServerKeys
+from rl.serving.server_footprint import STORE_ENV
 
 if TYPE_CHECKING:
     from rl.config.schema import RolloutConfig
@@ -87,7 +87,7 @@ class ServerConfig:
     # a bf16 checkpoint: fp8_serving_dir).
     load_format: str | None = None
     # A request's tokens and log-probs the same whatever it is batched with (a
-    # deterministic run): on CPU our padded products (rl/generator/cpu_batch_invariant.py,
+    # deterministic run): on CPU our padded products (rl/serving/cpu_batch_invariant.py,
     # measured bit-equal); on CUDA SGLang's own --enable-deterministic-inference.
     batch_invariant: bool = False
 
@@ -339,7 +339,7 @@ class ServerLauncher:
         env = server_env(self.config.device, self._shim, env, self.config.threads,
                          batch_invariant=self.config.batch_invariant)  # fmt: skip
         # The scheduler's torch.distributed store, fresh for each start (a file, not a
-        # port on every interface: rl/generator/server_footprint.py; CPU servers only).
+        # port on every interface: rl/serving/server_footprint.py; CPU servers only).
         store = s.log_path.with_suffix(".store")
         store.unlink(missing_ok=True)
         env[STORE_ENV] = str(store.absolute())

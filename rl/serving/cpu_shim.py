@@ -11,7 +11,7 @@ What it replaces: nothing in SGLang's code. It writes a ``vllm/_custom_ops.py`` 
 directory and puts that directory on the *server's* PYTHONPATH only (the trainer and
 clients never see a fake ``vllm``). It also caps the server's intra-op threads so a server
 and trainer ranks sharing a small machine do not oversubscribe it, and makes SGLang honour
-per-request sampling seeds on CPU (rl/generator/cpu_seeds.py, through a ``sitecustomize``
+per-request sampling seeds on CPU (rl/serving/cpu_seeds.py, through a ``sitecustomize``
 in the same directory, which shadows any other ``sitecustomize`` in the server only).
 
 Activated only for ``device == "cpu"``; on CUDA :func:`server_env` returns the environment
@@ -27,10 +27,10 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from rl.generator.cpu_batch_invariant import BATCH_INVARIANT_ENV
-from rl.generator.cpu_fork import FORK_ENV
+from rl.serving.cpu_batch_invariant import BATCH_INVARIANT_ENV
+from rl.serving.cpu_fork import FORK_ENV
 
-STUB = '''"""Stub of vllm._custom_ops written by rl/generator/cpu_shim.py (see its header).
+STUB = '''"""Stub of vllm._custom_ops written by rl/serving/cpu_shim.py (see its header).
 
 SGLang imports rotary_embedding from here at import time; on CPU it never calls it.
 """
@@ -38,24 +38,24 @@ SGLang imports rotary_embedding from here at import time; on CPU it never calls 
 
 def rotary_embedding(*args, **kwargs):
     raise RuntimeError(
-        "vllm._custom_ops.rotary_embedding is a CPU-shim stub (rl/generator/cpu_shim.py); "
+        "vllm._custom_ops.rotary_embedding is a CPU-shim stub (rl/serving/cpu_shim.py); "
         "it must never be called on CPU"
     )
 '''
 
 
 # Run by Python at the start of every process of a CPU server (the shim's directory comes
-# first on its path): per-request sampling seeds (rl/generator/cpu_seeds.py), for a
-# deterministic run batch-invariant products (rl/generator/cpu_batch_invariant.py), no
+# first on its path): per-request sampling seeds (rl/serving/cpu_seeds.py), for a
+# deterministic run batch-invariant products (rl/serving/cpu_batch_invariant.py), no
 # store port on every interface nor semaphore left behind
-# (rl/generator/server_footprint.py), and child processes forked, not spawned
-# (rl/generator/cpu_fork.py).
-SITE = '''"""Written by rl/generator/cpu_shim.py: runs rl/generator/cpu_seeds.py,
-rl/generator/server_footprint.py, rl/generator/cpu_fork.py, and
-rl/generator/cpu_batch_invariant.py when the launcher asked for it."""
+# (rl/serving/server_footprint.py), and child processes forked, not spawned
+# (rl/serving/cpu_fork.py).
+SITE = '''"""Written by rl/serving/cpu_shim.py: runs rl/serving/cpu_seeds.py,
+rl/serving/server_footprint.py, rl/serving/cpu_fork.py, and
+rl/serving/cpu_batch_invariant.py when the launcher asked for it."""
 
 try:
-    from rl.generator import cpu_batch_invariant, cpu_fork, cpu_seeds, server_footprint
+    from rl.serving import cpu_batch_invariant, cpu_fork, cpu_seeds, server_footprint
 except ImportError:
     pass
 else:
@@ -78,7 +78,7 @@ def write_stub(root: Path) -> Path:
     directory to put on sys.path."""
     pkg = root / "vllm"
     pkg.mkdir(parents=True, exist_ok=True)
-    _write(pkg / "__init__.py", '"""CPU-shim stub package (rl/generator/cpu_shim.py)."""\n')
+    _write(pkg / "__init__.py", '"""CPU-shim stub package (rl/serving/cpu_shim.py)."""\n')
     _write(pkg / "_custom_ops.py", STUB)
     _write(root / "sitecustomize.py", SITE)
     return root

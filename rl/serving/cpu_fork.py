@@ -8,7 +8,7 @@ over its processes (tools/bench/server_start.py). Spawn is SGLang's choice for C
 (a CUDA context does not survive fork); a CPU server has none, and the parent has started
 no thread pool by then (it has only imported modules and parsed its arguments).
 
-On by default for CPU servers (rl/generator/cpu_shim.py); ``MSRL_SGLANG_FORK=0`` in the
+On by default for CPU servers (rl/serving/cpu_shim.py); ``MSRL_SGLANG_FORK=0`` in the
 environment the servers inherit restores spawn.
 
 Replaces, once ``sglang.srt.entrypoints.engine`` is imported and when ``FORK_ENV`` is
@@ -25,7 +25,7 @@ import os
 from types import ModuleType
 from typing import Any
 
-from rl.generator.after_import import patch_on_import
+from rl.serving.after_import import patch_on_import
 
 FORK_ENV = "MSRL_SGLANG_FORK"
 ENGINE = "sglang.srt.entrypoints.engine"

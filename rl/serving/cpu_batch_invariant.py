@@ -1,6 +1,6 @@
 """Batch-invariant matrix products on SGLang's CPU servers: a request's log-probs, bit for
 bit, whatever it is batched with (a deterministic run's generator; imported at start-up
-by the ``sitecustomize`` that rl/generator/cpu_shim.py writes, when the launcher sets
+by the ``sitecustomize`` that rl/serving/cpu_shim.py writes, when the launcher sets
 ``BATCH_INVARIANT_ENV``).
 
 Why: a CPU server's only op whose result for one row depends on the other rows is the
@@ -41,7 +41,7 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import TYPE_CHECKING
 
-from rl.generator.after_import import Patch, patch_on_import
+from rl.serving.after_import import Patch, patch_on_import
 
 if TYPE_CHECKING:
     import torch

@@ -1,0 +1,13 @@
+"""SGLang servers as this project runs them, for every executor that serves a model: the
+generator's policy servers and the reward ranks' LLM judge.
+
+* ``server_api``: every HTTP route we call on a server, its body and its errors (blocking
+  and asyncio), and the load format of the DDMA receiver the servers start with.
+* ``launcher``: start N SGLang servers as subprocesses, health-checked, restartable, never
+  orphaned (``server_guard`` leads each server's process group).
+* ``watchdog``: notice a dead or unresponsive server and restart it, within a budget.
+* ``cpu_shim``: what SGLang needs on a CPU-only machine, loaded into each server by a
+  ``sitecustomize``: per-request seeds (``cpu_seeds``), batch-invariant products
+  (``cpu_batch_invariant``), the footprint probe (``server_footprint``), forked children
+  (``cpu_fork``), each a patch applied after its module imports (``after_import``).
+"""

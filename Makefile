@@ -6,12 +6,17 @@ SHELL := /bin/bash
 export PYTHONPATH := $(CURDIR)
 ARGS ?=
 
-.PHONY: run test lint venv
+.PHONY: run test lint venv tools-example
 venv:
 	@tools/setup_env.sh >/dev/null
 
 run:
 	@V=$$(tools/setup_env.sh) && $$V/bin/python -m rl.train $(ARGS)
+
+# The tool-use example (README "Tool use on this CPU"): its data and tokenizer, then the job.
+tools-example:
+	@V=$$(tools/setup_env.sh) && $$V/bin/python tools/make_tool_task.py --out outputs/tool_task \
+		&& $$V/bin/python -m rl.train experiment=tiny_tools $(ARGS)
 
 # ruff; the import layers (.importlinter); types (mypy, [tool.mypy] in pyproject.toml).
 LINT = $$V/bin/ruff check . && $$V/bin/ruff format --check . \

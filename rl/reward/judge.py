@@ -18,12 +18,10 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import itertools
-import os
 import threading
 import time
-from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING
 
 from rl.reward.executor import RewardStats
 from rl.serving import server_api as api
@@ -31,6 +29,7 @@ from rl.serving.launcher import ServerConfig, ServerLauncher
 from rl.serving.watchdog import Watchdog
 from rl.tasks import judging
 from rl.tasks.scoring import ScoreItem, ScoreResult
+from rl.tasks.tokenizer import HFCodec
 
 if TYPE_CHECKING:
     from rl.config.schema import JudgeConfig
@@ -44,17 +43,13 @@ class JudgeScorer:
     """``submit(item)`` -> Future[ScoreResult], scored by the judge's servers."""
 
     def __init__(self, cfg: JudgeConfig, keys: ServerKeys | None, log_dir: Path):
-        os.environ.setdefault("HF_HUB_OFFLINE", "1")
-        from transformers import AutoTokenizer
-
         assert cfg.model_path is not None, "checked before launch"
         self.cfg = cfg
         self.template = judging.prompt_template(cfg.prompt)
         self.parse = judging.load_parser(cfg.parser)
-        self.tok = AutoTokenizer.from_pretrained(cfg.model_path, local_files_only=True)
-        eos = self.tok.eos_token_id
+        self.codec = HFCodec(cfg.model_path, "reward.judge.model_path")  # ends at every EOS
         self.sampling = {"temperature": 0.0, "max_new_tokens": cfg.max_new_tokens,
-                         "stop_token_ids": [] if eos is None else [int(eos)]}  # fmt: skip
+                         "stop_token_ids": list(self.codec.eos_ids)}  # fmt: skip
         server = ServerConfig(model_path=cfg.model_path, dtype=cfg.dtype, threads=cfg.threads,
                               max_total_tokens=cfg.max_total_tokens,
                               context_length=cfg.context_length,
@@ -80,16 +75,12 @@ class JudgeScorer:
         self.close()
 
     def prompt_ids(self, item: ScoreItem) -> list[int]:
+        """The judge's user turn, its assistant turn opened (its own chat template; the
+        text alone for a model without one)."""
         text = judging.render(self.template, item.prompt, item.response, item.label,
                               item.metadata)  # fmt: skip
-        if not getattr(self.tok, "chat_template", None):
-            return list(self.tok(text)["input_ids"])
-        out = self.tok.apply_chat_template([{"role": "user", "content": text}],
-                                           add_generation_prompt=True)  # fmt: skip
-        # A BatchEncoding when the tokenizer returns dicts; one conversation's ids otherwise
-        # (transformers' return type also covers text and batches).
-        ids = cast("list[int]", out["input_ids"] if isinstance(out, Mapping) else out)
-        return [int(i) for i in ids]
+        message = {"role": "user", "content": text}
+        return self.codec.render([message], chat=self.codec.has_chat_template)[0]
 
     def submit(self, item: ScoreItem) -> cf.Future[ScoreResult]:
         return self._pool.submit(self._score, item)
@@ -105,7 +96,7 @@ class JudgeScorer:
             call = api.generate([self.prompt_ids(item)], [self.sampling])
             reply = api.call(url, call, self.launcher.keys, timeout=self.cfg.timeout_s)
             ids = [int(t) for t in api.generate_results(reply, 1)[0]["output_ids"]]
-            answer = cast(str, self.tok.decode(ids, skip_special_tokens=True))
+            answer = self.codec.response_text(ids)
             score = float(self.parse(answer))
         except api.CallError as e:
             return self._failed(f"judge {e}", timeout="timed out" in e.detail)

@@ -12,8 +12,10 @@ order, on one server:
 2. the server is SIGKILLed while every sample of a group waits for the environment's
    answer to its first turn: once restarted, each trajectory resumes at its second turn,
    its first turn's tokens untouched, and the group is delivered to the trainer once;
-3. the whole job, ``python -m rl.train`` with the environment configured: the episodes'
-   metrics are logged, and the evaluation's samples hold their conversations.
+3. the whole job, ``python -m rl.train`` with the environment configured and an LLM judge
+   as the reward (``reward.fn=judge``, served on the reward rank): the episodes' metrics
+   and the judge's latency are logged, and the evaluation's samples hold their
+   conversations.
 """
 
 from __future__ import annotations
@@ -38,8 +40,16 @@ from rl.controller.rollouts import Group, RolloutStream
 from rl.controller.staleness import StalenessGate
 from rl.generator.client import GeneratorClient
 from rl.serving.launcher import ServerConfig, ServerLauncher
+from rl.tasks import judging
 from rl.tasks.scoring import ScoreResult
-from tests.helpers.tool_model import CALC, QUESTIONS, calculate, conversation, make_tool_model
+from tests.helpers.tool_model import (
+    CALC,
+    QUESTIONS,
+    calculate,
+    conversation,
+    make_tool_model,
+    train_chat_model,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 MAX_NEW = 96  # the call (~30 tokens), the observation (~12) and the answer (~4), with room
@@ -199,10 +209,25 @@ def test_a_server_killed_mid_episode_resumes_each_trajectory_at_its_next_turn(
         assert r.episode["turns"] >= 2 and r.finished
 
 
-def test_the_job_runs_episodes_and_logs_them(model_dir, data, tmp_path):
+@pytest.fixture(scope="module")
+def judge_dir(task, tmp_path_factory) -> Path:
+    """A judge that says "yes" to every question's right final answer (the shipped
+    ``correctness`` prompt filled in as the reward ranks fill it)."""
+    template = judging.prompt_template("correctness")
+    convs = []
+    for e in task.eval_sets["eval"]:
+        text = judging.render(template, e.prompt_text, e.label, e.label, {})
+        convs.append([{"role": "user", "content": text}, {"role": "assistant", "content": "yes"}])
+    return train_chat_model(tmp_path_factory.mktemp("judge"), convs, steps=300)
+
+
+def test_the_job_runs_episodes_scored_by_a_judge_and_logs_them(
+    model_dir, data, judge_dir, tmp_path
+):
     out = tmp_path / "run"
     args = [
-        *_overrides(model_dir, data), "reward.fn=exact", "trainer.micro_batch_size=4",
+        *_overrides(model_dir, data), "reward.fn=judge", f"reward.judge.model_path={judge_dir}",
+        "trainer.micro_batch_size=4",
         "trainer.global_batch_size=4", "algorithm.group_size=2", "rl.prompts_per_step=2",
         "rl.steps=2", "rl.eval_every=2", "rl.save_hf=false", f"run.output_dir={out}",
     ]  # fmt: skip
@@ -216,9 +241,11 @@ def test_the_job_runs_episodes_and_logs_them(model_dir, data, tmp_path):
     for r in rl:
         assert r["episode_turns_mean"] >= 1 and r["episode_tool_calls_mean"] > 0
         assert r["episode_observation_tokens_mean"] > 0
+        assert r["reward_judge_s"] > 0  # the judge on the reward rank scored the samples
     evals = [r for r in recs if r["phase"] == "rl_eval"]
-    assert evals[0]["eval_accuracy"] == 1.0  # every greedy episode answers right
+    assert evals[0]["eval_accuracy"] == 1.0  # every greedy episode answers right: judged yes
     assert evals[0]["eval_episode_tool_success"] == 1.0
+    assert list((out / "reward" / "rank0" / "logs").iterdir())  # its judge server's log
     samples = [json.loads(x) for x in (out / "eval" / "eval_step_000000.jsonl").open()]
     for s in samples:
         assert s["episode"]["messages"][-1]["content"] == s["label"] == s["response"]

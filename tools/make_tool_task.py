@@ -13,16 +13,16 @@ Writes, byte-identical for the same flags:
   ``<tool_response>``); at most :data:`VOCAB` ids, so ``model.vocab_size`` can be fixed;
 - ``DIR/train.jsonl``: one row per question, with its demonstration for the warm-up::
 
-      {"prompt": "What is 347 * 29?", "label": "10063",
-       "demo": [{"role": "assistant", "content": "<tool_call>{...347 * 29...}</tool_call>"},
-                {"role": "tool", "name": "calculator", "content": "10063"},
-                {"role": "assistant", "content": "10063"}]}
+      {"prompt": "What is 347 * 29 + 518?", "label": "10581",
+       "demo": [{"role": "assistant", "content": "<tool_call>{...347 * 29 + 518...}</tool_call>"},
+                {"role": "tool", "name": "calculator", "content": "10581"},
+                {"role": "assistant", "content": "10581"}]}
 
-- ``DIR/eval.jsonl``: held-out questions (no (a, b) pair of train), without demonstrations.
+- ``DIR/eval.jsonl``: held-out questions (no expression of train), without demonstrations.
 
-A 3-digit by 2-digit product is beyond a ~2M-parameter model's arithmetic, so its accuracy
-is its tool use: copy the operands into the call, then the calculator's result into the
-answer.
+Three operands, a product among them, are beyond a ~2M-parameter model's arithmetic, so
+its accuracy is its tool use: copy the expression into the call, then the calculator's
+result into the answer.
 """
 
 from __future__ import annotations
@@ -43,13 +43,15 @@ VOCAB = 640  # the tokenizer's most ids (conf/experiment/tiny_tools.yaml: model.
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
 
-def problems(seed: int, train: int, evals: int) -> tuple[list[tuple[int, int]], list]:
-    """Disjoint (a, b) pairs: ``a`` of 3 digits, ``b`` of 2."""
+def problems(seed: int, train: int, evals: int) -> tuple[list[str], list[str]]:
+    """Disjoint expressions ``a * b + c`` or ``a * b - c``: ``a`` and ``c`` of 3 digits,
+    ``b`` of 2 (the result is always positive)."""
     rng = random.Random(seed)
-    pairs: set[tuple[int, int]] = set()
-    while len(pairs) < train + evals:
-        pairs.add((rng.randint(100, 999), rng.randint(10, 99)))
-    ordered = sorted(pairs)
+    exprs: set[str] = set()
+    while len(exprs) < train + evals:
+        a, b, c = rng.randint(100, 999), rng.randint(10, 99), rng.randint(100, 999)
+        exprs.add(f"{a} * {b} {rng.choice('+-')} {c}")
+    ordered = sorted(exprs)
     rng.shuffle(ordered)
     return ordered[:train], ordered[train:]
 
@@ -59,10 +61,9 @@ def call(expression: str) -> str:
     return f"<tool_call>{json.dumps(args)}</tool_call>"
 
 
-def row(a: int, b: int, demo: bool) -> dict:
-    expr, question = f"{a} * {b}", f"What is {a} * {b}?"
+def row(expr: str, demo: bool) -> dict:
     answer = calculate(expr)
-    out: dict = {"prompt": question, "label": answer}
+    out: dict = {"prompt": f"What is {expr}?", "label": answer}
     if demo:
         out["demo"] = [
             {"role": "assistant", "content": call(expr)},
@@ -113,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     train, evals = problems(args.seed, args.train, args.eval)
-    rows = [row(a, b, demo=True) for a, b in train]
+    rows = [row(e, demo=True) for e in train]
     schema = [load_tool("calculator").schema()]
     probe = tokenizer(["x"])  # renders the texts the real tokenizer is trained on
     corpus = [
@@ -130,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     (args.out / "tokenizer" / "generation_config.json").write_text(
         json.dumps({"eos_token_id": end}) + "\n"
     )
-    for name, data in (("train", rows), ("eval", [row(a, b, demo=False) for a, b in evals])):
+    for name, data in (("train", rows), ("eval", [row(e, demo=False) for e in evals])):
         with open(args.out / f"{name}.jsonl", "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in data)
     print(f"{len(rows)} training and {len(evals)} held-out questions, a tokenizer of "

@@ -54,6 +54,9 @@ class Tool:
     parameters: dict[str, JSON]  # the JSON Schema of the arguments object
     fn: Callable[..., str | ToolOutcome]  # fn(**arguments) -> the observation
     limits: sandbox.Limits = field(default_factory=sandbox.Limits)
+    # Enforces ``limits.wall_s`` itself (the sandbox kills its process group and says so):
+    # the call's own wait is then only a backstop.
+    bounded: bool = False
 
     def schema(self) -> dict[str, JSON]:
         """As chat templates take it: ``apply_chat_template(messages, tools=[...])``."""
@@ -141,6 +144,7 @@ BUILTIN: dict[str, Callable[[sandbox.Limits], Tool]] = {
         _string_schema("code", "a Python program; print the values you need"),
         _python_tool(limits),
         limits,
+        bounded=True,
     ),
 }
 
@@ -218,13 +222,15 @@ def run_tool(tools: Mapping[str, Tool], call: ToolCall) -> ToolOutcome:
     return _timed(tool, call.arguments)
 
 
-_GRACE_S = 1.0  # past a tool's wall clock, so the sandbox reports its own timeout first
+# Past a bounded tool's wall clock: a sandbox killing a fork bomb's processes and reporting
+# takes seconds on a busy machine.
+_BACKSTOP_S = 30.0
 
 
 def _timed(tool: Tool, arguments: dict[str, JSON]) -> ToolOutcome:
-    """``tool.fn`` in a thread of its own, waited for ``tool.limits.wall_s`` (plus a
-    second). A Python thread cannot be stopped: one that overruns is left to finish in
-    the background, a daemon, and its call is answered as a timeout now."""
+    """``tool.fn`` in a thread of its own, waited for ``tool.limits.wall_s`` (a bounded
+    tool's, longer). A Python thread cannot be stopped: one that overruns is left to
+    finish in the background, a daemon, and its call is answered as a timeout now."""
     box: list[str | ToolOutcome | Exception] = []
 
     def call() -> None:
@@ -235,7 +241,7 @@ def _timed(tool: Tool, arguments: dict[str, JSON]) -> ToolOutcome:
 
     worker = threading.Thread(target=call, name=f"tool-{tool.name}", daemon=True)
     worker.start()
-    worker.join(tool.limits.wall_s + _GRACE_S)
+    worker.join(tool.limits.wall_s + (_BACKSTOP_S if tool.bounded else 0.0))
     if not box:
         return ToolOutcome(
             f"error: {tool.name!r} took longer than {tool.limits.wall_s:g} s", "timeout"

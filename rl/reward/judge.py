@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import itertools
+import math
 import threading
 import time
 from pathlib import Path
@@ -96,12 +97,17 @@ class JudgeScorer:
             call = api.generate([self.prompt_ids(item)], [self.sampling])
             reply = api.call(url, call, self.launcher.keys, timeout=self.cfg.timeout_s)
             ids = [int(t) for t in api.generate_results(reply, 1)[0]["output_ids"]]
-            answer = self.codec.response_text(ids)
-            score = float(self.parse(answer))
         except api.CallError as e:
             return self._failed(f"judge {e}", timeout="timed out" in e.detail)
-        except (judging.VerdictError, ValueError, TypeError, KeyError) as e:
-            return self._failed(f"judge answer: {e}")
+        except (ValueError, TypeError, KeyError) as e:  # a reply that is not a generation
+            return self._failed(f"judge reply: {type(e).__name__}: {e}")
+        answer = self.codec.response_text(ids)
+        try:  # the parser may be the user's: whatever it raises is a failed score
+            score = float(self.parse(answer))
+        except Exception as e:
+            return self._failed(f"judge answer {answer[:60]!r}: {type(e).__name__}: {e}")
+        if not math.isfinite(score):
+            return self._failed(f"judge answer {answer[:60]!r}: parsed as {score}")
         with self._lock:
             self.stats.scored += 1
         return ScoreResult(score, {"judge_s": time.perf_counter() - t0})

@@ -245,7 +245,8 @@ class DatasetTask:
         target, mask = None, None
         if c.demo_key and self.episodes is not None:  # a row without one has no target
             if row.get(c.demo_key) is not None:
-                target, mask = self._demonstration(where, start, row[c.demo_key])
+                demo = _demo(row[c.demo_key], where, c.demo_key)
+                target, mask = self._demonstration(where, start, demo)
         elif label is not None:
             target = (*self.codec.encode(str(label)), self.codec.end_id)
         return Example(
@@ -260,15 +261,14 @@ class DatasetTask:
         )
 
     def _demonstration(
-        self, where: str, start: list[dict[str, Any]], value: Any
+        self, where: str, start: list[dict[str, Any]], demo: list[dict[str, Any]]
     ) -> tuple[tuple[int, ...], tuple[bool, ...]]:
+        """The warm-up's target and its loss mask: ``demo`` as an episode would hold it."""
         assert self.episodes is not None
-        key = self.cfg.demo_key
-        demo = _demo(value, where, str(key))
         try:
             ids, trained = self.episodes.chat.demonstration(start, demo)
         except ValueError as e:  # ChatError: the demonstration's shape
-            raise TaskError(f"{where}: {key!r} (task.demo_key): {e}") from None
+            raise TaskError(f"{where}: {self.cfg.demo_key!r} (task.demo_key): {e}") from None
         return tuple(ids), tuple(trained)
 
     def train_stream(self, start: Mapping[str, Any] | None = None) -> DatasetStream:

@@ -26,6 +26,7 @@ import torch
 
 from rl.batch import TrainBatch
 from rl.runtime.channel import Failed
+from rl.trainer.determinism import deterministic_kernels
 
 if TYPE_CHECKING:
     from rl.config.schema import RootConfig
@@ -242,6 +243,8 @@ def serve(cfg: RootConfig, job: Job, make_target: TargetFactory) -> None:
 
     megatron_patches.apply_all(cfg.trainer.device)  # before anything imports Megatron
     torch.set_num_threads(cfg.trainer.threads_per_rank)
+    if cfg.rl.deterministic:
+        deterministic_kernels(cfg.trainer.device)
     os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")  # Megatron's advice for TP
     from rl.algorithms.registry import loss_from_config
     from rl.algorithms.reuse import Reuse

@@ -21,7 +21,8 @@ from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
 from rl.algorithms import registry as algorithms
-from rl.config import ConfigError, compose, composition_error
+from rl.compose import compose
+from rl.config import ConfigError, composition_error
 from rl.config.prelaunch import prelaunch
 from rl.config.schema import RootConfig
 from rl.config.validate import validate
@@ -50,7 +51,7 @@ def check(cfg: RootConfig, world_size: int | None = None) -> None:
 
 
 def compose_resolved(overrides: list[str]) -> RootConfig:
-    """:func:`~rl.config.compose` and :func:`resolve_model` (the architecture from
+    """:func:`~rl.compose.compose` and :func:`resolve_model` (the architecture from
     model.hf_checkpoint's config.json) for a command-line tool: a bad override or model is
     a :class:`ConfigError` whose message is the one line to print."""
     try:

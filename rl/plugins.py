@@ -6,7 +6,7 @@ adding a module; nothing else names it.
 It also loads what a user names by path (a reward function, a tool, an environment):
 ``pkg.module:attr`` from ``sys.path`` or ``path/to/file.py:attr``.
 
-Pure logic and a leaf: importlib and pkgutil only.
+Pure logic and a leaf: importlib, pkgutil and OmegaConf's types only.
 """
 
 from __future__ import annotations
@@ -19,7 +19,9 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
-from typing import TypeVar
+from typing import Protocol, TypeVar
+
+from omegaconf import OmegaConf
 
 T = TypeVar("T")
 
@@ -35,6 +37,35 @@ def discover(package: ModuleType, attr: str, key: Callable[[T], str]) -> dict[st
             raise RuntimeError(f"{name!r} is declared twice in {package.__name__} ({info.name})")
         out[name] = obj
     return out
+
+
+class Named(Protocol):
+    """A config node that names its choice (a task's, an objective's, a correction's)."""
+
+    name: str
+
+
+def chosen(
+    node: Named,
+    choices: dict[str, T],
+    config: Callable[[T], type],
+    group: str,
+    error: type[Exception],
+) -> T:
+    """The choice a config node names (``node.name``), each choice's config dataclass
+    being ``config(choice)``; ``error`` when no choice has that name, or when the node's
+    fields are another choice's (its ``name`` set by hand), saying which override of the
+    config ``group`` picks it."""
+    choice = choices.get(node.name)
+    if choice is None:
+        raise error(f"{group}={node.name!r} must be one of {', '.join(choices)}")
+    kind = OmegaConf.get_type(node)
+    if kind is not config(choice):
+        raise error(
+            f"{group.replace('/', '.')}.name={node.name!r} but its fields are those of "
+            f"{getattr(kind, '__name__', kind)}: choose it with {group}={node.name}"
+        )
+    return choice
 
 
 def _one_line(e: BaseException) -> str:

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, NoReturn
 import hydra
 from omegaconf import OmegaConf
 
-from rl.config import register
+from rl.compose import register
 from rl.config.roles import RoleMap
 from rl.runtime.launch import (
     RankFailed,
@@ -159,7 +159,8 @@ def check_overrides(argv: list[str]) -> None:
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
-    from rl.config import compose, composition_error
+    from rl.compose import compose
+    from rl.config import composition_error
 
     try:
         compose([a for a in argv if not a.lstrip("+~").startswith("hydra.")])

@@ -9,7 +9,8 @@ from __future__ import annotations
 import sys
 
 from rl.checks import check
-from rl.config import ConfigError, compose
+from rl.compose import compose
+from rl.config import ConfigError
 from rl.config.roles import RoleMap
 
 

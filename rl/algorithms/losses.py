@@ -136,7 +136,7 @@ def ppo_clip_loss(clip_eps: float = 0.2, kl_coef: float = 0.0) -> LossFn:
     """GRPO/PPO clipped surrogate ``-min(r A, clip(r, 1-eps, 1+eps) A)``, ``r = pi/mu``:
     the on-policy baseline the paper compares AIPO with."""
     if not 0 < clip_eps < 1:
-        raise ValueError(f"ppo clip_eps={clip_eps} must be in (0, 1)")
+        raise ValueError(f"algorithm.objective.clip_eps={clip_eps} must be in (0, 1)")
 
     def surrogate(logprobs, log_ratio, _ratio, adv):
         ratio = torch.exp(log_ratio)  # with its gradient, unlike the detached _ratio

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, Generic, NamedTuple, TypeVar
 
-import torch
+from rl.config.schema import CorrectionConfig
 
 if TYPE_CHECKING:
-    from rl.config.schema import AlgorithmConfig
+    import torch
 
 
 class Weight(NamedTuple):
@@ -24,13 +24,21 @@ class Weight(NamedTuple):
 
 
 # ratio pi/mu (detached) -> Weight
-WeightFn = Callable[[torch.Tensor], Weight]
+WeightFn = Callable[["torch.Tensor"], Weight]
+
+
+C = TypeVar("C", bound=CorrectionConfig)
 
 
 @dataclass(frozen=True)
-class Correction:
-    """``algorithm.correction=<name>``: its weight, built from the algorithm's config
-    (raising ValueError, naming the field, for a bad parameter)."""
+class Correction(Generic[C]):
+    """``algorithm/correction=<name>``: its config (a :class:`CorrectionConfig` subclass
+    whose ``name`` default is the choice's name, with the correction's own fields) and its
+    weight, built from that config (raising ValueError, naming the field, for a bad one)."""
 
-    name: str
-    weight: Callable[[AlgorithmConfig], WeightFn]
+    config: type[C]
+    weight: Callable[[C], WeightFn]
+
+    @property
+    def name(self) -> str:
+        return str(self.config.name)

@@ -140,31 +140,13 @@ class TrainerConfig:
 
 @dataclass
 class TaskConfig:
-    """What the loop trains and evaluates on (rl/tasks): ``arithmetic``, the synthetic task
-    the project generates, or ``dataset``, prompt files of the user's."""
+    """What the loop trains and evaluates on (rl/tasks): the fields every task has. Each
+    task's module in rl/tasks/kinds/ subclasses this with its own fields, and ``task=<name>``
+    picks it."""
 
-    name: str = "arithmetic"  # arithmetic | dataset
+    name: str = MISSING
     seed: int = 0  # the training stream's shuffle and the held-out split
-    # arithmetic: held-out problems. dataset: rows held out of train_files for evaluation
-    # when eval_files is empty (0: none), or the cap on eval rows read from eval_files.
-    eval_size: int = 256
-    digits: int = 2  # arithmetic: operand digits
-    # dataset: local paths or globs of .jsonl, .json or .parquet files.
-    train_files: list[str] = field(default_factory=list)
-    eval_files: list[str] = field(default_factory=list)
-    prompt_key: str = "prompt"  # a string, or a chat ``messages`` list of {role, content}
-    label_key: str = "label"  # handed to the reward function; the warm-up's target text
-    metadata_keys: list[str] = field(default_factory=list)  # handed to the reward function
-    # Multi-turn (env): a key holding a demonstration, the messages that follow the prompt
-    # (assistant turns and the tool results answering them); the warm-up's target instead of
-    # the label's text, trained on the assistant turns only.
-    demo_key: str | None = None
-    system_prompt: str | None = None
-    apply_chat_template: bool = True  # render with the tokenizer's chat template
-    max_prompt_tokens: int | None = None  # longer prompts are dropped (and counted)
-    shuffle: bool = True
-    epochs: int | None = None  # passes over train_files; null: as many as the run needs
-    tokenizer: str | None = None  # an HF directory; null: model.hf_checkpoint
+    eval_size: int = 256  # held-out prompts for the evaluation (0: none)
 
 
 @dataclass
@@ -270,15 +252,30 @@ class RolloutConfig:
 
 
 @dataclass
-class AlgorithmConfig:
-    """The RL objective and how stale a rollout may be (rl/algorithms)."""
+class ObjectiveConfig:
+    """The RL loss's own fields. Each objective's module in rl/algorithms/objectives/
+    subclasses this, and ``algorithm/objective=<name>`` picks it."""
 
-    # The loss (rl/algorithms/objectives/): pg, the off-policy-corrected policy gradient;
-    # ppo_clip, GRPO/PPO's clipped ratio. The presets: algorithm=aipo (pg with the aipo
-    # correction) and algorithm=grpo (ppo_clip).
-    objective: str = "pg"
-    rho: float = 4.0  # AIPO: truncation of the importance weight pi/mu
-    clip_eps: float = 0.2  # GRPO/PPO clip range
+    name: str = MISSING
+
+
+@dataclass
+class CorrectionConfig:
+    """The fields of the per-token off-policy weight ``w(pi/mu)`` (no gradient) of the
+    policy gradient ``-w * A * log pi``. Each correction's module in
+    rl/algorithms/corrections/ subclasses this, and ``algorithm/correction=<name>`` picks
+    it."""
+
+    name: str = MISSING
+
+
+@dataclass
+class AlgorithmConfig:
+    """The RL objective and how stale a rollout may be (rl/algorithms). The presets:
+    algorithm=aipo (pg with the aipo correction) and algorithm=grpo (ppo_clip)."""
+
+    objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
+    correction: CorrectionConfig = field(default_factory=CorrectionConfig)
     # Sample reuse (rl/algorithms/reuse.py): passes over each RL batch, each cut into this
     # many minibatches, one optimizer step per minibatch. With more than one step the
     # trainer scores pi_old first (a forward pass) to log the policy's move apart from the
@@ -292,14 +289,6 @@ class AlgorithmConfig:
     # synchronous). Older ones are dropped, or the generator is throttled at the source.
     max_policy_lag: int = 1
     stale: str = "drop"  # drop | throttle
-    # The per-token off-policy weight w (no gradient) of the pg objective -w * A * log pi,
-    # with r = pi/mu (rl/algorithms/corrections/): aipo min(r, rho); tis clamp(r,
-    # tis_clip_low, tis_clip); icepop r inside [1/icepop_beta, icepop_beta], else 0 (the
-    # token is masked); none 1. ppo_clip's clipped ratio is its own correction (none).
-    correction: str = "aipo"  # aipo | tis | icepop | none
-    tis_clip: float = 2.0
-    tis_clip_low: float = 0.0
-    icepop_beta: float = 5.0
     # Skip groups whose rewards are all equal (no signal), count them, refill the batch.
     drop_uniform_groups: bool = False
     # A response cut by max_new_tokens: keep it, mask it out of the loss, or penalise it
@@ -523,7 +512,9 @@ _REGISTERED = False
 
 
 def register() -> None:
-    """Register the schemas once; YAML files extend them by name in their defaults lists."""
+    """Register the schemas once; YAML files extend them by name in their defaults lists.
+    The choices of ``task``, ``algorithm/objective`` and ``algorithm/correction`` are each
+    registered by the layer that owns them (rl/compose.py registers them all)."""
     global _REGISTERED
     if _REGISTERED:
         return
@@ -531,7 +522,6 @@ def register() -> None:
     cs.store(name="root_schema", node=RootConfig)
     cs.store(group="model", name="model_schema", node=ModelConfig)
     cs.store(group="trainer", name="trainer_schema", node=TrainerConfig)
-    cs.store(group="task", name="task_schema", node=TaskConfig)
     cs.store(group="rollout", name="rollout_schema", node=RolloutConfig)
     cs.store(group="algorithm", name="algorithm_schema", node=AlgorithmConfig)
     cs.store(group="cluster", name="cluster_schema", node=ClusterConfig)

@@ -134,8 +134,6 @@ def validate_rollout(r: RolloutConfig) -> None:
 
 
 def validate_algorithm(a: AlgorithmConfig) -> None:
-    require(a.rho > 0, f"algorithm.rho={a.rho} must be > 0 (the importance-weight cap)")
-    require(0 < a.clip_eps < 1, f"algorithm.clip_eps={a.clip_eps} must be in (0, 1)")
     require(a.kl_coef >= 0, f"algorithm.kl_coef={a.kl_coef} must be >= 0")
     for name in ("epochs", "minibatches"):
         v = getattr(a, name)

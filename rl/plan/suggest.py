@@ -19,7 +19,8 @@ if TYPE_CHECKING:
 def context_floor(cfg: RootConfig) -> int:
     """The shortest context the rollouts still fit in: the longest prompt the task admits
     (``task.max_prompt_tokens``; at least one token when unbounded) plus the response."""
-    return (cfg.task.max_prompt_tokens or 1) + cfg.rollout.sampling.max_new_tokens
+    longest = getattr(cfg.task, "max_prompt_tokens", None)  # a task of text files has it
+    return (longest or 1) + cfg.rollout.sampling.max_new_tokens
 
 
 def can_lower_context(cfg: RootConfig) -> bool:

@@ -1,8 +1,11 @@
 """Tasks: what the RL loop trains and evaluates on (the protocol is in ``common.py``).
 
 Each task is one module of ``rl/tasks/kinds/`` defining ``TASK`` (found by listing the
-package); ``build_task(cfg)`` builds the one ``task.name`` names. The loop, the trainer and
-the generator see only the protocol.
+package) with its own config dataclass, which :func:`store_schemas` makes a choice of
+Hydra's ``task`` group; ``build_task(cfg)`` builds the one ``task=<name>`` picks. The loop,
+the trainer and the generator see only the protocol. Composing any config imports every
+task's module (the planner too, which runs without torch), so a task imports torch inside
+its functions.
 """
 
 from __future__ import annotations
@@ -10,7 +13,7 @@ from __future__ import annotations
 from functools import cache
 from typing import TYPE_CHECKING
 
-from rl.plugins import discover
+from rl.plugins import chosen, discover
 from rl.tasks.common import Codec, Example, PromptStream, Task, TaskError, TaskKind, sft_batch
 
 if TYPE_CHECKING:
@@ -27,22 +30,29 @@ __all__ = [
     "check_config",
     "registry",
     "sft_batch",
+    "store_schemas",
 ]
 
 
 @cache
 def registry() -> dict[str, TaskKind]:
-    """``task.name`` -> the task, one per module of rl/tasks/kinds/."""
+    """``task=<name>`` -> the task, one per module of rl/tasks/kinds/."""
     from rl.tasks import kinds as package
 
     return discover(package, "TASK", lambda k: k.name)
 
 
+def store_schemas() -> None:
+    """Every task as a choice of Hydra's ``task`` group, typed by its config."""
+    from hydra.core.config_store import ConfigStore
+
+    cs = ConfigStore.instance()
+    for kind in registry().values():
+        cs.store(group="task", name=kind.name, node=kind.config)
+
+
 def _kind(cfg: RootConfig) -> TaskKind:
-    kind = registry().get(cfg.task.name)
-    if kind is None:
-        raise TaskError(f"task.name={cfg.task.name!r} must be one of {', '.join(registry())}")
-    return kind
+    return chosen(cfg.task, registry(), lambda k: k.config, "task", TaskError)
 
 
 def check_config(cfg: RootConfig) -> None:

@@ -9,7 +9,7 @@ The task owns them; rl/checks.py runs them with every other layer's. Each raises
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from rl.config.errors import ConfigError, require
 from rl.envs import setup as episode_setup
@@ -20,6 +20,7 @@ from rl.tasks.tokenizer import check_tokenizer_dir
 if TYPE_CHECKING:
     from rl.config.schema import RootConfig
     from rl.tasks import Task
+    from rl.tasks.kinds.dataset import DatasetTaskConfig
 
 
 def check(cfg: RootConfig) -> None:
@@ -105,12 +106,15 @@ def check_task(cfg: RootConfig) -> Task:
         check_context(cfg, task.max_prompt_len)
     if cfg.sft.steps > 0:
         missing = next((e.uid for e in task.validation_set if not e.target_ids), None)
-        t = cfg.task
-        key = f"task.demo_key={t.demo_key!r}" if t.demo_key else f"task.label_key={t.label_key!r}"
-        require(
-            missing is None,
-            f"sft.steps={cfg.sft.steps} needs a target on every prompt: {missing} has none ({key})",
-        )
+        if missing is not None:  # only a task of text files can lack one (task=dataset)
+            t = cast("DatasetTaskConfig", cfg.task)
+            key = (
+                f"task.demo_key={t.demo_key!r}" if t.demo_key else f"task.label_key={t.label_key!r}"
+            )
+            raise ConfigError(
+                f"sft.steps={cfg.sft.steps} needs a target on every prompt: {missing} has none "
+                f"(task.{key})"
+            )
     return task
 
 

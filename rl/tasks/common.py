@@ -17,10 +17,9 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
-from rl.batch import TrainBatch
-
 if TYPE_CHECKING:
-    from rl.config.schema import RootConfig
+    from rl.batch import TrainBatch
+    from rl.config.schema import RootConfig, TaskConfig
     from rl.envs.setup import EpisodeSetup
 
 
@@ -147,13 +146,19 @@ class Task(Protocol):
 
 @dataclass(frozen=True)
 class TaskKind:
-    """A task as ``task.name`` names it (one module of rl/tasks/kinds/): ``check`` its
-    fields against the model and the rollouts, reading no data; ``build`` it (reads its
-    data). Both raise :class:`TaskError` in one line."""
+    """A task as ``task=<name>`` names it (one module of rl/tasks/kinds/): its config (a
+    :class:`~rl.config.schema.TaskConfig` subclass whose ``name`` default is the task's
+    name, with the task's own fields); ``check`` its fields against the model and the
+    rollouts, reading no data; ``build`` it (reads its data). Both raise
+    :class:`TaskError` in one line."""
 
-    name: str
+    config: type[TaskConfig]
     check: Callable[[RootConfig], None]
     build: Callable[[RootConfig], Task]
+
+    @property
+    def name(self) -> str:
+        return str(self.config.name)
 
 
 def sft_batch(examples: Sequence[Example], pad_id: int) -> TrainBatch:
@@ -163,6 +168,8 @@ def sft_batch(examples: Sequence[Example], pad_id: int) -> TrainBatch:
     convention), so a row with a P-token prompt and a T-token target is 1 on
     ``[P-1, P-1+T)``. Right padding never moves a real position under causal attention."""
     import torch
+
+    from rl.batch import TrainBatch
 
     missing = [e.uid for e in examples if not e.target_ids]
     if missing:

@@ -229,7 +229,8 @@ def _export_hf(cfg: RootConfig, path: str, step: int) -> str:
     from rl.weights.convert import mcore_to_hf
 
     dst = Path(cfg.run.output_dir) / "hf" / f"step_{step:06d}"
-    tok = cfg.task.tokenizer or cfg.model.hf_checkpoint
+    # a task of text files may name its own tokenizer (task=dataset: task.tokenizer)
+    tok = getattr(cfg.task, "tokenizer", None) or cfg.model.hf_checkpoint
     mcore_to_hf(path, str(dst), tokenizer_dir=tok)
     return str(dst)
 

@@ -5,7 +5,7 @@ Hydra once per session; value overrides (``trainer.tp=4``) are then applied to a
 way Hydra applies them after composing: parsed by Hydra's own override parser, in order,
 with ``OmegaConf.update``. Anything else (deletions, additions, ``???``) is composed by
 Hydra itself. Tests of composition itself (every file in conf/, Hydra's errors) call
-:func:`rl.config.compose` directly.
+:func:`rl.compose.compose` directly.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.override_parser.types import OverrideType
 from omegaconf import DictConfig, OmegaConf
 
-from rl.config import CONF_DIR, compose
+from rl.compose import compose, is_group
 from rl.plan import ClusterPlan, plan_cluster
 
 
@@ -41,7 +41,7 @@ def composed(overrides: Iterable[str] = (), config_name: str = "config") -> Dict
         plain = o.type == OverrideType.CHANGE and o.package is None
         if not plain or text.endswith("=???"):
             return compose(overrides, config_name)
-        if (CONF_DIR / o.key_or_group).is_dir():
+        if is_group(o.key_or_group):
             groups.append(text)
         else:
             values.append((o.key_or_group, o.value()))

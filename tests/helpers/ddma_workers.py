@@ -181,7 +181,7 @@ def train_then_sync(
     ``mcore_dir`` on these same ranks (saves a second world's start-up). ``keys``: the
     server's (handed over by pickle, as a job hands them over its secret file)."""
     from rl.algorithms.losses import nll_loss
-    from rl.config import compose
+    from rl.compose import compose
     from rl.ddma.megatron_source import shard_getter, source_rank
     from rl.ddma.plan import DstLayout, SrcLayout, make_plan
     from rl.generator.ddma_target import SGLangTarget

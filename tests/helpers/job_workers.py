@@ -8,7 +8,7 @@ from rl.batch import TrainBatch
 def checkpoint_logits(hf_dir: str, ckpt: str, tokens, extra: list[str]):
     """Logits of the Megatron checkpoint ``ckpt`` (of the model in ``hf_dir``) at TP=1."""
     from rl.checks import resolve_model
-    from rl.config import compose
+    from rl.compose import compose
     from rl.trainer.trainer import build_trainer
 
     rows = tokens.shape[0]

@@ -34,7 +34,7 @@ def run_layout(
     step, and the number of parameters this rank holds (to show the model is sharded).
     """
     from rl.algorithms.losses import nll_loss
-    from rl.config import compose
+    from rl.compose import compose
     from rl.trainer.trainer import build_trainer
 
     cfg = compose(overrides)
@@ -67,7 +67,7 @@ def convert_then_logits(
 ):
     """Convert HF -> Megatron on this world, then load it into a trainer and return logits
     (and per-token log-probs at each temperature in ``temps``)."""
-    from rl.config import compose
+    from rl.compose import compose
     from rl.trainer.trainer import build_trainer
     from rl.weights.convert import hf_to_mcore_rank
 
@@ -92,7 +92,7 @@ def budget_parity(overrides: list[str], batch: dict, budget: int) -> dict:
     path, the log-probs of ``batch`` before and after, the step's loss and grad norm, and
     how many micro-batches this rank ran."""
     from rl.algorithms.losses import nll_loss
-    from rl.config import compose
+    from rl.compose import compose
     from rl.trainer.trainer import build_trainer
 
     res: dict = {}
@@ -122,7 +122,7 @@ def reuse_steps(overrides: list[str], batch: TrainBatch, epochs: int, minibatche
 
     from rl.algorithms.registry import loss_from_config
     from rl.algorithms.reuse import Reuse
-    from rl.config import compose
+    from rl.compose import compose
     from rl.trainer.trainer import build_trainer
 
     cfg = compose(overrides)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from rl.config import compose
+from rl.compose import compose
 from rl.runtime import secret
 from rl.runtime.launch import spawn
 from tests.helpers.channel_workers import role_rank

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from rl.config import compose
+from rl.compose import compose
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -49,7 +49,7 @@ def test_cli_prints_the_placement() -> None:
 def test_planner_imports_no_torch() -> None:
     """Pure logic, so it runs on a laptop in well under a second."""
     code = (
-        "import sys; from rl.config import compose; from rl.plan import plan_cluster; "
+        "import sys; from rl.compose import compose; from rl.plan import plan_cluster; "
         "plan_cluster(compose(['experiment=llama3_405b_1024gpu'])); "
         "print(sorted(m for m in ('torch', 'megatron', 'sglang') if m in sys.modules))"
     )

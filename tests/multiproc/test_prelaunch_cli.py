@@ -69,7 +69,7 @@ def write_checkpoint(path: Path, model_config: dict) -> Path:
 def tiny_model() -> dict:
     from omegaconf import OmegaConf
 
-    from rl.config import compose
+    from rl.compose import compose
 
     return OmegaConf.to_container(compose().model)  # type: ignore[return-value]
 

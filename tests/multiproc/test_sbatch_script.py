@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from rl.config import compose
+from rl.compose import compose
 from rl.config.roles import NODE_RANKS_ENV, RoleMap
 from rl.runtime.job import placed_rank
 from tests.helpers.sbatch import BAD_JOB_IDS, BAD_JOBS

@@ -11,7 +11,8 @@ import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from rl.checks import check
-from rl.config import CONF_DIR, compose
+from rl.compose import compose
+from rl.config import CONF_DIR
 
 CONF_FILES = sorted(CONF_DIR.rglob("*.yaml"))
 
@@ -102,3 +103,35 @@ def test_every_conf_file_composes_and_validates(path: Path) -> None:
     else:
         group = rel.parent.as_posix().replace("/", ".")
         _assert_contains(body, OmegaConf.select(cfg, group), group)
+
+
+def _registered() -> list[tuple[str, str, type]]:
+    """Every choice a registry adds to a config group (rl/compose.py): group, name and
+    its config dataclass."""
+    from rl import tasks
+    from rl.algorithms import registry
+
+    groups = {"task": tasks.registry(), "algorithm/objective": registry.objectives(),
+              "algorithm/correction": registry.corrections()}  # fmt: skip
+    return [(g, name, c.config) for g, choices in groups.items() for name, c in choices.items()]
+
+
+# What a choice needs beside it to pass the checks: PPO's clip is its own correction.
+BESIDE = {"algorithm/objective=ppo_clip": ["algorithm/correction=none"]}
+
+
+@pytest.mark.parametrize(
+    ("group", "name", "config"), _registered(), ids=[f"{g}={n}" for g, n, _ in _registered()]
+)
+def test_every_registered_choice_composes_typed_and_validates(
+    group: str, name: str, config: type
+) -> None:
+    """Each task, objective and correction, picked by its group, composes with its own
+    config dataclass (the defaults it declares) and passes the checks."""
+    choice = f"{group}={name}"
+    cfg = compose([choice, "~experiment", *BESIDE.get(choice, [])])
+    node = OmegaConf.select(cfg, group.replace("/", "."))
+    assert OmegaConf.get_type(node) is config and node.name == name
+    assert OmegaConf.to_container(node) == OmegaConf.to_container(OmegaConf.structured(config))
+    if group != "task":  # a task of files is checked against its files (tests/unit)
+        check(cfg)

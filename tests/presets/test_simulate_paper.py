@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from rl.config import CONF_DIR, compose
+from rl.compose import compose
+from rl.config import CONF_DIR
 from rl.config.errors import ConfigError
 from rl.simulate import PAPER, simulate
 from rl.simulate.hardware import SOURCES, assumptions

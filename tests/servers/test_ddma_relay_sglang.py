@@ -11,7 +11,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from rl.config import compose
+from rl.compose import compose
 from rl.config.sampling import SamplingParams
 from rl.ddma.plan import DstLayout, SrcLayout, make_plan
 from rl.generator.client import GeneratorClient

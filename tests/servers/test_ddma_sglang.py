@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from rl.batch import TrainBatch
-from rl.config import compose
+from rl.compose import compose
 from rl.config.sampling import SamplingParams
 from rl.ddma import wire
 from rl.ddma.plan import DstLayout, SrcLayout, make_plan

@@ -30,7 +30,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from rl.batch import TrainBatch
-from rl.config import compose
+from rl.compose import compose
 from rl.config.sampling import SamplingParams
 from rl.ddma.plan import DstLayout, SrcLayout, make_plan
 from rl.generator.client import GeneratorClient

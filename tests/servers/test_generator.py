@@ -28,7 +28,7 @@ import torch
 from safetensors.torch import load_file
 
 from rl.checks import check
-from rl.config import compose
+from rl.compose import compose
 from rl.config.sampling import RequestError, SamplingParams
 from rl.controller.batch import build_batch
 from rl.controller.rollouts import RolloutStream

@@ -9,7 +9,8 @@ from omegaconf import OmegaConf
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
 from rl.checks import check
-from rl.config import CONF_DIR, ConfigError, compose
+from rl.compose import compose
+from rl.config import CONF_DIR, ConfigError
 from rl.config.schema import ModelConfig, RootConfig
 from rl.models.checks import validate_model
 from rl.models.shapes import padded_vocab_size, param_count
@@ -96,9 +97,9 @@ def test_llama_param_counts_match_published(preset: str, published: float) -> No
             ["rollout.device=cuda", "rollout.weight_sync.fp8_block=128"],
             ["fp8_block=128", "qkv_proj", "not on block boundaries"],
         ),
-        (["algorithm.rho=0"], ["algorithm.rho=0", "> 0"]),
+        (["algorithm.correction.rho=0"], ["algorithm.correction.rho=0", "> 0"]),
         (["algorithm.max_policy_lag=-1"], ["algorithm.max_policy_lag=-1", ">= 0"]),
-        (["algorithm.objective=dpo"], ["algorithm.objective='dpo'", "pg, ppo_clip"]),
+        (["algorithm.objective.name=dpo"], ["algorithm/objective='dpo'", "pg, ppo_clip"]),
         (["algorithm.group_size=1"], ["algorithm.group_size=1"]),
         (["algorithm.stale=wait"], ["algorithm.stale='wait'"]),
         (["reward.fn=regex"], ["reward.fn", "'regex'", "not a built-in"]),
@@ -122,10 +123,14 @@ def test_llama_param_counts_match_published(preset: str, published: float) -> No
             ["trainer.max_tokens_per_microbatch=512", "trainer.pp=2"],
         ),
         (["trainer.max_tokens_per_microbatch=0"], ["trainer.max_tokens_per_microbatch=0"]),
-        (["algorithm.correction=vtrace"], ["algorithm.correction='vtrace'", "icepop"]),
-        (["algorithm.correction=tis", "algorithm.tis_clip=0"], ["algorithm.tis_clip=0"]),
+        (["algorithm.correction.name=vtrace"], ["algorithm/correction='vtrace'", "icepop"]),
         (
-            ["algorithm=grpo", "algorithm.correction=tis"],
+            ["algorithm.correction.name=tis"],
+            ["algorithm.correction.name='tis'", "AipoConfig", "algorithm/correction=tis"],
+        ),
+        (["algorithm/correction=tis", "algorithm.correction.clip=0"], ["correction.clip=0"]),
+        (
+            ["algorithm=grpo", "algorithm/correction=tis"],
             ["algorithm.correction='tis'", "objective=ppo_clip"],
         ),
         (["algorithm.overlong=truncate"], ["algorithm.overlong='truncate'", "penalise"]),
@@ -134,7 +139,8 @@ def test_llama_param_counts_match_published(preset: str, published: float) -> No
             ["reward.fn=json:dumps"],
             ["reward.fn 'json:dumps'", "must take (prompt, response, label, metadata)"],
         ),
-        (["task.name=gsm8k"], ["task.name='gsm8k'", "arithmetic, dataset"]),
+        (["task.name=gsm8k"], ["task='gsm8k'", "arithmetic, dataset"]),
+        (["task.name=dataset"], ["task.name='dataset'", "ArithmeticTaskConfig", "task=dataset"]),
         (["rl.eval_k=0"], ["rl.eval_k=0"]),
     ],
     ids=[
@@ -199,12 +205,14 @@ def test_llama_param_counts_match_published(preset: str, published: float) -> No
         "budget-pp",
         "budget-positive",
         "alg-correction",
+        "alg-correction-fields",
         "alg-tis-clip",
         "alg-grpo-correction",
         "alg-overlong",
         "reward-fn-file",
         "reward-fn-signature",
         "task-name",
+        "task-fields",
         "rl-eval-k",
     ],
 )
@@ -280,8 +288,25 @@ def _composition_error_text(overrides: list[str]) -> str:
         (["trainer.optim.lr=fast"], "fast"),
         (["rollout.sever=2"], "sever"),
         (["rollout.sampling.temprature=0.5"], "temprature"),
+        (["algorithm/correction=icepop", "algorithm.correction.rho=2"], "rho"),
+        (["algorithm/correction=tis", "algorithm.correction.clip=wide"], "wide"),
+        (["algorithm/correction=vtrace"], "vtrace"),
+        (["task=dataset", "task.digits=3"], "digits"),
+        (["algorithm.correction=tis"], "pick it with algorithm/correction=tis"),
     ],
-    ids=["unknown-key", "bad-int", "unknown-preset", "bad-float", "rollout-key", "sampling-key"],
+    ids=[
+        "unknown-key",
+        "bad-int",
+        "unknown-preset",
+        "bad-float",
+        "rollout-key",
+        "sampling-key",
+        "other-correction-key",
+        "correction-type",
+        "unknown-correction",
+        "other-task-key",
+        "choice-as-value",
+    ],
 )
 def test_hydra_rejects_bad_overrides(overrides: list[str], needle: str) -> None:
     """Typos and wrong types fail at composition, before any process is spawned."""
@@ -298,7 +323,8 @@ def test_root_config_does_not_chdir() -> None:
     "overrides",
     [
         ["experiment=llama3_405b_1024gpu", "trainer.tp=4", "rollout.context_length=null"],
-        ["algorithm=grpo", "algorithm.rho=1.5"],
+        ["algorithm=grpo", "algorithm.objective.clip_eps=0.1"],
+        ["algorithm/correction=icepop", "algorithm.correction.beta=3"],
         ["task=dataset", "task.train_files=[a.jsonl]", "cluster.roles.generator=0"],
         ["trainer.optim.lr=1e-3", "~experiment", "model.hidden_size=???"],
     ],

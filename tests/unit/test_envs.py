@@ -299,7 +299,7 @@ def test_bad_env_config_fails_in_one_line_before_launch(tmp_path):
     assert "rl.deterministic=true with env.tools" in _check(
         "env.tools=[calculator]", "rl.deterministic=true"
     )
-    assert "task.name=arithmetic has no chat template" in _check(
+    assert "task=arithmetic has no chat template" in _check(
         "task=arithmetic", "env.tools=[calculator]"
     )
     assert "the warm-up's greedy decoder plays no episodes" in _check(

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from rl.checks import PrelaunchCheck
-from rl.config import compose
+from rl.compose import compose
 
 
 def _refused(tmp_path: Path, *args: str) -> str:
@@ -28,7 +28,7 @@ def _refused(tmp_path: Path, *args: str) -> str:
     ("args", "message"),
     [
         (["algorithm.max_policy_lag=-1"], "algorithm.max_policy_lag=-1 must be >= 0"),
-        (["algorithm.rho=0"], "algorithm.rho=0.0 must be > 0"),
+        (["algorithm.correction.rho=0"], "algorithm.correction.rho=0.0 must be > 0"),
         (["cluster.roles.reward=0"], "cluster.roles.reward=0: rl.steps=400 needs at least one"),
         (["model=tiny_moe", "trainer.ep=2"], "trainer.ep=2 does not divide trainer.dp=1"),
     ],

@@ -43,10 +43,11 @@ def test_the_planner_does_not_suggest_lowering_micro_batch_size_1() -> None:
         # At the context's floor: the rollouts' prompt bound plus their responses.
         [
             "experiment=qwen3_0_6b_16gpu",
+            "task=dataset",
             "task.max_prompt_tokens=1024",
             "rollout.context_length=8192",
         ],
-        ["experiment=llama3_70b_512gpu", "task.max_prompt_tokens=1024"],
+        ["experiment=llama3_70b_512gpu", "task=dataset", "task.max_prompt_tokens=1024"],
     ],
 )
 @pytest.mark.parametrize("activations", [True, False])
@@ -65,7 +66,7 @@ def test_micro_batch_and_context_are_suggested_only_above_their_minimum() -> Non
     cfg = composed([*base, "trainer.micro_batch_size=2"])
     lower, _ = _clauses(trainer_hint(cfg, activations_dominate=True))
     assert lower == "lower rollout.context_length=16384 or trainer.micro_batch_size=2"
-    cfg = composed(["experiment=qwen3_0_6b_16gpu", "task.max_prompt_tokens=1024",
+    cfg = composed(["experiment=qwen3_0_6b_16gpu", "task=dataset", "task.max_prompt_tokens=1024",
                     "rollout.context_length=8192"])  # fmt: skip
     assert context_floor(cfg) == 8192
     assert trainer_hint(cfg, activations_dominate=True) == "raise trainer.tp=1"

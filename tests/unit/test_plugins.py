@@ -17,7 +17,6 @@ from rl import plugins, tasks
 from rl.algorithms import corrections, objectives
 from rl.algorithms import registry as algorithms
 from rl.batch import TrainBatch
-from rl.config.schema import AlgorithmConfig
 from rl.ddma import transport, transports
 from tests.helpers.configs import composed
 
@@ -56,25 +55,42 @@ def test_a_name_declared_twice_is_refused(package: Path):
 
 
 @pytest.fixture
-def extended(package: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """The correction and task packages extended by ``package``, as if a user's module
-    had been added to each; the registries forget what they had found."""
-    monkeypatch.setattr(corrections, "__path__", [*corrections.__path__, str(package)])
-    monkeypatch.setattr(tasks.kinds, "__path__", [*tasks.kinds.__path__, str(package)])
+def extended(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, Path]]:
+    """A folder each added to the correction and task packages, as if a user's module had
+    been dropped into each; the registries forget what they had found."""
+    folders = {"corrections": tmp_path / "corrections", "tasks": tmp_path / "tasks"}
+    for folder in folders.values():
+        folder.mkdir()
+    monkeypatch.setattr(
+        corrections, "__path__", [*corrections.__path__, str(folders["corrections"])]
+    )
+    monkeypatch.setattr(tasks.kinds, "__path__", [*tasks.kinds.__path__, str(folders["tasks"])])
     for cached in (algorithms.corrections, tasks.registry):
         cached.cache_clear()
-    yield package
+    yield folders
     for cached in (algorithms.corrections, tasks.registry):
         cached.cache_clear()
+    for name in [m for m in sys.modules if m.endswith((".half", ".constant"))]:
+        del sys.modules[name]
 
 
-def test_a_correction_is_one_module(extended: Path):
-    (extended / "half.py").write_text(
+def test_a_correction_is_one_module(extended: dict[str, Path]):
+    (extended["corrections"] / "half.py").write_text(
+        "from dataclasses import dataclass\n"
         "import torch\n"
         "from rl.algorithms.weights import Correction, Weight\n"
-        "CORRECTION = Correction('half', lambda a: lambda r: Weight(torch.full_like(r, 0.5)))\n"
+        "from rl.config.schema import CorrectionConfig\n"
+        "@dataclass\n"
+        "class HalfConfig(CorrectionConfig):\n"
+        "    name: str = 'half'\n"
+        "    w: float = 0.5\n"
+        "CORRECTION = Correction(HalfConfig, lambda c: lambda r: Weight(torch.full_like(r, c.w)))\n"
     )
-    loss = algorithms.loss_from_config(AlgorithmConfig(correction="half"))
+    # a choice of its config group, with its own field, typed
+    cfg = composed(["algorithm/correction=half", "algorithm.correction.w=0.5"])
+    with pytest.raises(Exception, match="could not be converted"):
+        composed(["algorithm/correction=half", "algorithm.correction.w=many"])
+    loss = algorithms.loss_from_config(cfg.algorithm)
     lp = torch.tensor([[-1.0, -2.0, 0.0]], requires_grad=True)
     mb = TrainBatch(torch.zeros(1, 3, dtype=torch.long), torch.tensor([[1.0, 1.0, 0.0]]),
                     behaviour_logprobs=torch.tensor([[-1.5, -0.5, 0.0]]),
@@ -82,16 +98,22 @@ def test_a_correction_is_one_module(extended: Path):
     assert loss(lp, mb).loss_sum.item() == pytest.approx(-0.5 * (2.0 * -1.0 + -1.0 * -2.0))
 
 
-def test_a_task_is_one_module(extended: Path):
-    (extended / "constant.py").write_text(
+def test_a_task_is_one_module(extended: dict[str, Path]):
+    (extended["tasks"] / "constant.py").write_text(
+        "from dataclasses import dataclass\n"
+        "from rl.config.schema import TaskConfig\n"
         "from rl.tasks.common import TaskError, TaskKind\n"
+        "@dataclass\n"
+        "class ConstantConfig(TaskConfig):\n"
+        "    name: str = 'constant'\n"
+        "    text: str = 'a task'\n"
         "def check(cfg):\n"
         "    if cfg.task.eval_size > 3:\n"
         "        raise TaskError(f'task.eval_size={cfg.task.eval_size} must be <= 3')\n"
-        "TASK = TaskKind('constant', check, lambda cfg: 'a task')\n"
+        "TASK = TaskKind(ConstantConfig, check, lambda cfg: cfg.task.text)\n"
     )
-    cfg = composed(["task.name=constant", "task.eval_size=2"])
+    cfg = composed(["task=constant", "task.eval_size=2", "task.text=another"])
     tasks.check_config(cfg)
-    assert tasks.build_task(cfg) == "a task"
+    assert tasks.build_task(cfg) == "another"
     with pytest.raises(tasks.TaskError, match=r"task\.eval_size=9 must be <= 3"):
-        tasks.check_config(composed(["task.name=constant", "task.eval_size=9"]))
+        tasks.check_config(composed(["task=constant", "task.eval_size=9"]))

@@ -228,7 +228,7 @@ def test_output_dir_checks(tmp_path: Path) -> None:
 
 def test_the_hydra_callback_exits_in_one_line_and_writes_nothing(tmp_path: Path) -> None:
     from rl.checks import PrelaunchCheck
-    from rl.config import compose
+    from rl.compose import compose
 
     afile = tmp_path / "afile"
     afile.write_text("")

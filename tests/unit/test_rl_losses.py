@@ -18,11 +18,22 @@ from rl.algorithms.corrections.icepop import icepop_weight
 from rl.algorithms.corrections.none import no_weight
 from rl.algorithms.corrections.tis import tis_weight
 from rl.algorithms.losses import LossFn, pg_loss, ppo_clip_loss
-from rl.algorithms.registry import loss_from_config
+from rl.algorithms.registry import corrections, loss_from_config, objectives
 from rl.batch import TrainBatch
-from rl.config.schema import AlgorithmConfig
+from rl.config.schema import AlgorithmConfig, CorrectionConfig
 
 R0, R1 = math.exp(0.5), math.exp(-1.5)
+
+
+def alg(
+    correction: str = "aipo", objective: str = "pg", kl_coef: float = 0.0, **fields: float
+) -> AlgorithmConfig:
+    """The algorithm config that ``algorithm/objective=<objective>`` and
+    ``algorithm/correction=<correction>`` compose, the correction's own ``fields`` set (an
+    unknown name keeps the base config, as a hand-set ``name`` would)."""
+    known = corrections().get(correction)
+    chosen = known.config(**fields) if known else CorrectionConfig(name=correction)
+    return AlgorithmConfig(objectives()[objective].config(), chosen, kl_coef=kl_coef)
 
 
 def aipo_loss(rho: float = 4.0, kl_coef: float = 0.0) -> LossFn:
@@ -144,7 +155,7 @@ def test_loss_from_composed_config():
     from tests.helpers.configs import composed
 
     lp, mb = _batch()
-    aipo = loss_from_config(composed(["algorithm.rho=1.5"]).algorithm)(lp, mb)
+    aipo = loss_from_config(composed(["algorithm.correction.rho=1.5"]).algorithm)(lp, mb)
     assert aipo.loss_sum.item() == pytest.approx(aipo_loss(1.5)(lp, mb).loss_sum.item())
     grpo_cfg = composed(["algorithm=grpo"]).algorithm
     grpo = loss_from_config(grpo_cfg)(lp, mb)
@@ -184,7 +195,7 @@ def _close(t: torch.Tensor, want: list[float]):
 
 
 def test_correction_aipo_on_four_tokens():
-    out, grad = _run(AlgorithmConfig(correction="aipo", rho=1.5))
+    out, grad = _run(alg("aipo", rho=1.5))
     # w = min(r, 1.5) = [1.5, e^-1.5, 1, 1.5]; -w*A*log pi = [3, 4e^-1.5 = 0.8925, -0.5, -4.5]
     assert out.loss_sum.item() == pytest.approx(-1.1074794, rel=1e-6)
     _close(grad, [-3.0, -0.4462603, 1.0, 4.5, 0.0])  # -w*A; -2e^-1.5 = -0.44626
@@ -196,7 +207,7 @@ def test_correction_aipo_on_four_tokens():
 
 
 def test_correction_tis_clips_both_sides():
-    out, grad = _run(AlgorithmConfig(correction="tis", tis_clip=2.0, tis_clip_low=0.5))
+    out, grad = _run(alg("tis", clip=2.0, clip_low=0.5))
     # w = clamp(r, 0.5, 2) = [e^0.5, 0.5 (raised), 1, 2 (cut)];
     # -w*A*log pi = [2e^0.5 = 3.29744, 2, -0.5, -6] -> 2e^0.5 - 4.5 = -1.2025575
     assert out.loss_sum.item() == pytest.approx(-1.2025575, rel=1e-6)
@@ -208,7 +219,7 @@ def test_correction_tis_clips_both_sides():
 
 
 def test_correction_tis_default_low_clip_only_cuts_above():
-    out, grad = _run(AlgorithmConfig(correction="tis"))  # tis_clip=2, tis_clip_low=0
+    out, grad = _run(alg("tis"))  # clip=2, clip_low=0
     # w = [e^0.5, e^-1.5, 1, 2]: 2e^0.5 + 4e^-1.5 - 0.5 - 6 = -2.3100368
     assert out.loss_sum.item() == pytest.approx(-2.3100368, rel=1e-6)
     _close(grad, [-3.2974425, -0.4462603, 1.0, 6.0, 0.0])
@@ -216,7 +227,7 @@ def test_correction_tis_default_low_clip_only_cuts_above():
 
 
 def test_correction_icepop_masks_tokens_outside_the_band():
-    out, grad = _run(AlgorithmConfig(correction="icepop", icepop_beta=2.0))
+    out, grad = _run(alg("icepop", beta=2.0))
     # band [0.5, 2]: t1 (0.2231) and t3 (2.7183) are masked, w = [e^0.5, 0, 1, 0];
     # -w*A*log pi = [2e^0.5, 0, -0.5, 0] -> 2e^0.5 - 0.5 = 2.7974425
     assert out.loss_sum.item() == pytest.approx(2.7974425, rel=1e-6)
@@ -229,7 +240,7 @@ def test_correction_icepop_masks_tokens_outside_the_band():
 
 def test_correction_icepop_masks_the_kl_term_too():
     out, grad = _run(
-        AlgorithmConfig(correction="icepop", icepop_beta=2.0, kl_coef=0.1),
+        alg("icepop", kl_coef=0.1, beta=2.0),
         ref=[-1.0, -1.0, -1.0, -1.0],
     )
     # k3 with d = ref - log pi = [0, 1, -0.5, 0]: [0, e-2, e^-0.5-0.5, 0]; d k3/d log pi =
@@ -242,7 +253,7 @@ def test_correction_icepop_masks_the_kl_term_too():
 
 
 def test_correction_none_is_the_plain_policy_gradient():
-    out, grad = _run(AlgorithmConfig(correction="none"))
+    out, grad = _run(alg("none"))
     # w = 1: -A*log pi = [2, 4, -0.5, -3] -> 2.5
     assert out.loss_sum.item() == pytest.approx(2.5, rel=1e-6)
     _close(grad, [-2.0, -2.0, 1.0, 3.0, 0.0])  # -A
@@ -279,7 +290,7 @@ def test_aipo_correction_is_bit_identical_to_the_old_aipo():
     old = (-(w * mb.advantages * lp_old) * mb.loss_mask).sum()
     old.backward()
     lp_new = lp0.clone().requires_grad_()
-    new = loss_from_config(AlgorithmConfig(rho=1.5))(lp_new, mb)
+    new = loss_from_config(alg(rho=1.5))(lp_new, mb)
     new.loss_sum.backward()
     assert torch.equal(new.loss_sum.detach(), old.detach())
     assert torch.equal(lp_new.grad, lp_old.grad)
@@ -290,22 +301,22 @@ def test_aipo_correction_is_bit_identical_to_the_old_aipo():
 @pytest.mark.parametrize("correction", ["aipo", "tis", "icepop"])
 def test_grpo_refuses_a_correction(correction):
     with pytest.raises(ValueError, match=r"algorithm\.correction='" + correction):
-        loss_from_config(AlgorithmConfig(objective="ppo_clip", correction=correction))
-    loss_from_config(AlgorithmConfig(objective="ppo_clip", correction="none"))  # the one allowed
+        loss_from_config(alg(correction, "ppo_clip"))
+    loss_from_config(alg("none", "ppo_clip"))  # the one allowed
 
 
 @pytest.mark.parametrize(
     "a,match",
     [
-        (AlgorithmConfig(correction="tis", tis_clip=0.0), r"algorithm\.tis_clip=0\.0 must be > 0"),
-        (AlgorithmConfig(correction="tis", tis_clip_low=-0.1), r"algorithm\.tis_clip_low=-0\.1"),
-        (AlgorithmConfig(correction="tis", tis_clip_low=2.0), r"algorithm\.tis_clip_low=2\.0"),
-        (AlgorithmConfig(correction="icepop", icepop_beta=1.0), r"algorithm\.icepop_beta=1\.0"),
-        (AlgorithmConfig(correction="aipo", rho=0.0), r"algorithm\.rho=0\.0"),
-        (AlgorithmConfig(correction="is"), r"algorithm\.correction='is'.*aipo, icepop, none, tis"),
+        (alg("tis", clip=0.0), r"algorithm\.correction\.clip=0\.0 must be > 0"),
+        (alg("tis", clip_low=-0.1), r"algorithm\.correction\.clip_low=-0\.1"),
+        (alg("tis", clip_low=2.0), r"algorithm\.correction\.clip_low=2\.0"),
+        (alg("icepop", beta=1.0), r"algorithm\.correction\.beta=1\.0"),
+        (alg("aipo", rho=0.0), r"algorithm\.correction\.rho=0\.0"),
+        (alg("is"), r"algorithm/correction='is'.*aipo, icepop, none, tis"),
         (
-            AlgorithmConfig(objective="ppo_clip", correction="is"),
-            r"algorithm\.correction='is'.*aipo",
+            alg("is", "ppo_clip"),
+            r"algorithm/correction='is'.*aipo",
         ),
     ],
 )

@@ -74,7 +74,7 @@ def test_sample_reuse_costs_a_pass_per_epoch_and_a_scoring_forward() -> None:
     """algorithm.epochs passes of forward+backward (6 per token and parameter), plus pi_old's
     forward (2) once a batch takes several updates; minibatches alone add only that
     forward (the pipeline bubble aside: pp=1 here)."""
-    from rl.config import compose
+    from rl.compose import compose
     from rl.simulate.phases import Workload, train_s
 
     cfg = compose(["experiment=llama3_8b_256gpu"])

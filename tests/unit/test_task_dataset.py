@@ -12,9 +12,10 @@ from omegaconf import OmegaConf
 
 from rl.checks import check_task
 from rl.config import ConfigError
-from rl.config.schema import EnvConfig, TaskConfig
+from rl.config.schema import EnvConfig
 from rl.tasks import TaskError, build_task, sft_batch
 from rl.tasks.common import take
+from rl.tasks.kinds.dataset import DatasetTaskConfig
 from tests.helpers.configs import composed
 
 WORDS = ["<pad>", "<eos>", "<|user|>", "<|system|>", "<|assistant|>"]
@@ -48,7 +49,7 @@ def _write(path: Path, rows: list) -> Path:
 
 
 def _cfg(tok_dir: Path, **task) -> OmegaConf:
-    base = OmegaConf.structured(TaskConfig(name="dataset", eval_size=0, tokenizer=str(tok_dir)))
+    base = OmegaConf.structured(DatasetTaskConfig(eval_size=0, tokenizer=str(tok_dir)))
     return OmegaConf.create({"task": OmegaConf.merge(base, task), "model": {"hf_checkpoint": None},
                              "env": OmegaConf.structured(EnvConfig)})  # fmt: skip
 

@@ -155,7 +155,7 @@ def main() -> None:
                 f"rl.mode={mode}",
                 f"rl.steps={a.steps}",
                 f"rl.eval_every={a.eval_every or a.steps}",
-                f"algorithm.correction={corr}",
+                f"algorithm/correction={corr}",
                 "sft.steps=0",
                 f"trainer.load_dir={warm}/checkpoint",
                 "trainer.load_optimizer=false",

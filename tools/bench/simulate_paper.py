@@ -27,7 +27,7 @@ GOAL = 0.15  # each predicted speedup within 15% of the paper's
 
 
 def result() -> dict:
-    from rl.config import compose
+    from rl.compose import compose
     from rl.simulate.report import to_json
     from rl.simulate.simulation import simulate
 

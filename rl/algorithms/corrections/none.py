@@ -4,13 +4,21 @@ corrects itself, as PPO's clipped ratio does)."""
 
 from __future__ import annotations
 
-import torch
+from dataclasses import dataclass
 
 from rl.algorithms.weights import Correction, Weight, WeightFn
+from rl.config.schema import CorrectionConfig
+
+
+@dataclass
+class NoCorrectionConfig(CorrectionConfig):
+    name: str = "none"
 
 
 def no_weight() -> WeightFn:
+    import torch
+
     return lambda r: Weight(torch.ones_like(r))
 
 
-CORRECTION = Correction("none", lambda a: no_weight())
+CORRECTION = Correction(NoCorrectionConfig, lambda c: no_weight())

@@ -3,9 +3,27 @@
 
 from __future__ import annotations
 
-from rl.algorithms.losses import ppo_clip_loss
-from rl.algorithms.registry import Objective
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-OBJECTIVE = Objective(
-    "ppo_clip", lambda a, weight: ppo_clip_loss(a.clip_eps, a.kl_coef), own_correction=True
-)
+from rl.algorithms.registry import Objective
+from rl.config.schema import AlgorithmConfig, ObjectiveConfig
+
+if TYPE_CHECKING:
+    from rl.algorithms.losses import LossFn
+    from rl.algorithms.weights import WeightFn
+
+
+@dataclass
+class PpoClipConfig(ObjectiveConfig):
+    name: str = "ppo_clip"
+    clip_eps: float = 0.2  # the clip range of the ratio pi/mu
+
+
+def loss(o: PpoClipConfig, a: AlgorithmConfig, weight: WeightFn) -> LossFn:
+    from rl.algorithms.losses import ppo_clip_loss
+
+    return ppo_clip_loss(o.clip_eps, a.kl_coef)
+
+
+OBJECTIVE = Objective(PpoClipConfig, loss, own_correction=True)

@@ -12,14 +12,13 @@ from __future__ import annotations
 import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
-import torch
-
-from rl.batch import TrainBatch
+from rl.config.schema import TaskConfig
 from rl.tasks.common import Example, TaskError, TaskKind, resume_position
 
 if TYPE_CHECKING:
+    from rl.batch import TrainBatch
     from rl.config.schema import RootConfig
 
 PAD, BOS, EOS = 0, 1, 2
@@ -133,22 +132,35 @@ class AdditionTask:
         before EOS.
         """
         seqs = [p.prompt(self.digits) + p.answer(self.digits) for p in problems]
+        import torch  # here: composing a config imports this module, and needs no torch
+
+        from rl.batch import TrainBatch
+
         tokens = torch.tensor(seqs, dtype=torch.long)
         mask = torch.zeros_like(tokens, dtype=torch.float32)
         mask[:, self.prompt_len - 1 : self.prompt_len - 1 + self.answer_len] = 1.0
         return TrainBatch(tokens, mask)
 
 
+@dataclass
+class ArithmeticTaskConfig(TaskConfig):
+    """n-digit addition with a character tokenizer (07+35=042), a seeded held-out set of
+    ``eval_size`` problems, and the answer's text as the label (reward.fn=exact)."""
+
+    name: str = "arithmetic"
+    digits: int = 2  # operand digits
+
+
 def check_config(cfg: RootConfig) -> None:
     """The arithmetic task's fields against the model and the rollouts."""
-    t = cfg.task
+    t = cast(ArithmeticTaskConfig, cfg.task)
     if not (isinstance(t.digits, int) and t.digits >= 1):
         raise TaskError(f"task.digits={t.digits!r} must be an integer >= 1")
     if t.eval_size < 1:
         raise TaskError(f"task.eval_size={t.eval_size} must be >= 1")
     if cfg.env.tools or cfg.env.cls:
         raise TaskError(
-            "env.tools/env.cls: task.name=arithmetic has no chat template to write tools and "
+            "env.tools/env.cls: task=arithmetic has no chat template to write tools and "
             "observations into; multi-turn episodes need task=dataset with a chat tokenizer"
         )
     need, have = sequence_length(t.digits), cfg.model.max_position_embeddings
@@ -251,11 +263,11 @@ class ArithmeticStream:
 
 
 def build(cfg: RootConfig) -> ArithmeticTask:
-    t = cfg.task
+    t = cast(ArithmeticTaskConfig, cfg.task)
     try:
         return ArithmeticTask(t.digits, t.seed, t.eval_size)
     except ValueError as e:
         raise TaskError(str(e)) from None
 
 
-TASK = TaskKind("arithmetic", check_config, build)
+TASK = TaskKind(ArithmeticTaskConfig, check_config, build)

@@ -20,19 +20,51 @@ import json
 import os
 import random
 from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
+from rl.config.schema import TaskConfig
 from rl.envs import setup as episode_setup
 from rl.envs.setup import EpisodeSetup
 from rl.tasks.common import Example, TaskError, TaskKind, resume_position
 from rl.tasks.tokenizer import HFCodec
 
 if TYPE_CHECKING:
-    from rl.config.schema import RootConfig, TaskConfig
+    from rl.config.schema import RootConfig
     from rl.envs.chat import ChatTokenizer
 
 SUFFIXES = (".jsonl", ".json", ".parquet")
+
+
+@dataclass
+class DatasetTaskConfig(TaskConfig):
+    """Prompt files of the user's: JSONL, JSON (a list of objects) or Parquet, as paths or
+    globs. Rows carry the prompt (a string or a chat messages list) under ``prompt_key`` and
+    the label under ``label_key``; the label and ``metadata_keys`` go to the reward
+    function. The tokenizer (and its chat template) is model.hf_checkpoint's unless
+    ``tokenizer`` names another directory. ``eval_size``: rows held out of train_files for
+    evaluation when eval_files is empty (0: none), or the cap on rows read from
+    eval_files."""
+
+    name: str = "dataset"
+    train_files: list[str] = field(default_factory=list)
+    eval_files: list[str] = field(default_factory=list)
+    prompt_key: str = "prompt"  # a string, or a chat ``messages`` list of {role, content}
+    label_key: str = "label"  # handed to the reward function; the warm-up's target text
+    metadata_keys: list[str] = field(default_factory=list)  # handed to the reward function
+    # Multi-turn (env): a key holding a demonstration, the messages that follow the prompt
+    # (assistant turns and the tool results answering them); the warm-up's target instead
+    # of the label's text, trained on the assistant turns only.
+    demo_key: str | None = None
+    system_prompt: str | None = None
+    apply_chat_template: bool = True  # render with the tokenizer's chat template
+    max_prompt_tokens: int | None = None  # longer prompts are dropped (and counted)
+    shuffle: bool = True
+    epochs: int | None = None  # passes over train_files; null: as many as the run needs
+    tokenizer: str | None = None  # an HF directory; null: model.hf_checkpoint
+
+
 VALIDATION_MAX = 64  # rows for warm-up decisions: enough to see a trend, cheap to decode
 
 
@@ -144,7 +176,9 @@ class DatasetTask:
     name = "dataset"
     answer_tokens = None
 
-    def __init__(self, cfg: TaskConfig, codec: HFCodec, episodes: EpisodeSetup | None = None):
+    def __init__(
+        self, cfg: DatasetTaskConfig, codec: HFCodec, episodes: EpisodeSetup | None = None
+    ):
         """``episodes``: multi-turn; prompts are rendered with its environment's tools."""
         self.cfg, self.codec, self.episodes = cfg, codec, episodes
         if episodes is not None and not cfg.apply_chat_template:
@@ -329,19 +363,17 @@ class DatasetStream:
 
 
 def check_config(cfg: RootConfig) -> None:
-    t = cfg.task
+    t = cast(DatasetTaskConfig, cfg.task)
     if not (t.prompt_key and t.label_key):
         raise TaskError(f"task.prompt_key={t.prompt_key!r} and task.label_key must be named")
 
 
 def build(cfg: RootConfig) -> DatasetTask:
-    t = cfg.task
+    t = cast(DatasetTaskConfig, cfg.task)
     path, field = (t.tokenizer, "task.tokenizer") if t.tokenizer else (
         cfg.model.hf_checkpoint, "model.hf_checkpoint")  # fmt: skip
     if not path:
-        raise TaskError(
-            "task.name=dataset needs a tokenizer: set model.hf_checkpoint or task.tokenizer"
-        )
+        raise TaskError("task=dataset needs a tokenizer: set model.hf_checkpoint or task.tokenizer")
     codec = HFCodec(path, field)
     episodes = None
     if episode_setup.enabled(cfg.env):
@@ -354,4 +386,4 @@ def build(cfg: RootConfig) -> DatasetTask:
     return DatasetTask(t, codec, episodes)
 
 
-TASK = TaskKind("dataset", check_config, build)
+TASK = TaskKind(DatasetTaskConfig, check_config, build)

@@ -113,6 +113,19 @@ class OptimConfig:
 
 
 @dataclass
+class LoraConfig:
+    """Low-rank adapters on the trainer's linears (rl/models/lora.py): each targeted weight
+    W trains as W + (alpha / rank) * B @ A with W frozen, and only A and B get gradients and
+    optimizer state. DDMA sends the servers the merged W + (alpha / rank) * B @ A."""
+
+    rank: int = 0  # 0: no adapters, every weight trains
+    alpha: float = 16.0
+    dropout: float = 0.0  # on the adapters' input, training only
+    # qkv (attention's fused QKV), proj (its output), fc1 (the MLP's fused gate/up), fc2
+    targets: list[str] = field(default_factory=lambda: ["qkv", "proj", "fc1", "fc2"])
+
+
+@dataclass
 class TrainerConfig:
     """Megatron-Core trainer executor: parallel layout, batching, optimizer, checkpoints."""
 
@@ -136,6 +149,7 @@ class TrainerConfig:
     # Cut each rank's rows into micro-batches of at most this many tokens (rows x their
     # longest sequence) instead of micro_batch_size rows; null: micro_batch_size rows.
     max_tokens_per_microbatch: int | None = None
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
 
 @dataclass

@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from rl.config.schema import (
         AlgorithmConfig,
         ClusterConfig,
+        LoraConfig,
         OptimConfig,
         RewardConfig,
         RolloutConfig,
@@ -31,6 +32,8 @@ if TYPE_CHECKING:
 CLUSTERS = ("local", "slurm")
 OVERLONG = ("keep", "mask", "penalise")
 DEVICES = ("cpu", "cuda")
+# trainer.lora.targets: attention's fused QKV and output, the MLP's fused gate/up and down
+LORA_TARGETS = ("qkv", "proj", "fc1", "fc2")
 DECAY_STYLES = ("constant", "linear", "cosine")
 
 
@@ -69,6 +72,25 @@ def validate_trainer_fields(t: TrainerConfig) -> None:
         f"exchange one fixed micro-batch shape), not trainer.pp={t.pp}",
     )
     require(t.save_interval >= 0, f"trainer.save_interval={t.save_interval} must be >= 0")
+    validate_lora(t.lora)
+
+
+def validate_lora(lora: LoraConfig) -> None:
+    """The adapters' own fields (their fit to the model: rl/models/checks.py)."""
+    require(
+        isinstance(lora.rank, int) and lora.rank >= 0,
+        f"trainer.lora.rank={lora.rank!r} must be an integer >= 0 (0: no adapters)",
+    )
+    if not lora.rank:
+        return
+    require(lora.alpha > 0, f"trainer.lora.alpha={lora.alpha} must be > 0")
+    require(0 <= lora.dropout < 1, f"trainer.lora.dropout={lora.dropout} must be in [0, 1)")
+    targets = list(lora.targets)
+    bad = [x for x in targets if x not in LORA_TARGETS]
+    require(
+        bool(targets) and not bad and len(set(targets)) == len(targets),
+        f"trainer.lora.targets={targets} must be distinct names among {list(LORA_TARGETS)}",
+    )
 
 
 def validate_batch(t: TrainerConfig) -> None:
@@ -173,6 +195,12 @@ def validate_rl(cfg: RootConfig) -> None:
         v = getattr(rl, name)
         require(v >= 0, f"rl.{name}={v} must be >= 0")
     require(rl.channel_timeout > 0, f"rl.channel_timeout={rl.channel_timeout} must be > 0")
+    require(
+        not (rl.save_hf and t.lora.rank),
+        f"rl.save_hf=true with trainer.lora.rank={t.lora.rank}: the merged HF export of a "
+        "LoRA checkpoint is not built yet (the checkpoints hold the adapters; the servers "
+        "get merged weights through DDMA)",
+    )
     if rl.steps == 0:
         return
     require(

@@ -14,6 +14,7 @@ import torch
 
 from rl.ddma import wire
 from rl.ddma.plan import Plan, SrcLayout
+from rl.models import lora
 from rl.weights.megatron_io import leaves, split_key
 
 if TYPE_CHECKING:  # Megatron is imported at run time only after its patches
@@ -97,4 +98,22 @@ def shard_getter(model: MegatronModule, plan: Plan, rank: int) -> wire.SrcGetter
                     f"trainer rank {rank}: {p.key} layer {p.layer} is {have}, "
                     f"plan expects {list(want)}"
                 )
-    return lambda key, layer: shards[(key, layer)]
+    adapters = lora.adapters_by_weight(model)
+    if not adapters:
+        return lambda key, layer: shards[(key, layer)]
+    last: dict[tuple[str, int | None], torch.Tensor] = {}
+
+    def merged(key: str, layer: int | None) -> torch.Tensor:
+        """LoRA: the shard with its adapter merged, made on the shard's device when a piece
+        of it is packed; kept until another shard is asked for (a shard split over
+        buckets is merged once), so at most one merged shard exists at a time."""
+        t = shards[(key, layer)]
+        adapter = adapters.get(id(t))
+        if adapter is None:
+            return t
+        if (key, layer) not in last:
+            last.clear()
+            last[(key, layer)] = adapter.merged(t)
+        return last[(key, layer)]
+
+    return merged

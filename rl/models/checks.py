@@ -107,6 +107,17 @@ def validate_trainer(t: TrainerConfig, m: ModelConfig) -> None:
     """The trainer's own fields, its layout on ``m`` (every split must divide), then its
     batch."""
     validate_trainer_fields(t)
+    targets = [x for x in t.lora.targets if x in ("fc1", "fc2")]
+    require(
+        not (t.lora.rank and m.num_experts and targets),
+        f"trainer.lora.targets={list(t.lora.targets)}: adapters on experts are not built; "
+        "with model.num_experts target qkv and proj only",
+    )
+    require(
+        not (t.lora.rank and m.num_experts and t.tp > 1),
+        f"trainer.lora.rank={t.lora.rank} with trainer.tp={t.tp} on a Mixture-of-Experts "
+        "model: adapters under sequence parallelism are not built (use trainer.tp=1)",
+    )
     require(
         t.ep == 1 or m.num_experts > 0,
         f"trainer.ep={t.ep} needs a Mixture-of-Experts model (model.num_experts=0)",

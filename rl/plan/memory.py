@@ -26,6 +26,9 @@ Trainer GPU of pipeline stage p (P = its parameters, on this TP rank):
   them (``k * h``, whole: with TP the dispatcher gathers the sequence, as the experts are
   split over TP too); and with TP > 1 sequence parallelism is on (Megatron-Core requires
   it for MoE), which splits the 4h too: ``a = w * (k * h + (4h + 2q + 2kv + 3f) / tp)``;
+* with LoRA (``trainer.lora.rank``) the adapters' parameters A join the weights, and the
+  grads and Adam hold A alone (the base is frozen); a push merges one targeted shard at a
+  time into a temporary (the largest, ``w`` bytes an element), counted with the buffers;
 * logits (last stage) ``b * s * vocab / tp * (w + 8)``: the logits plus the fp32 copy and
   softmax the vocab-parallel cross-entropy keeps;
 * a frozen reference copy ``P * w`` when ``algorithm.kl_coef > 0``; two DDMA buckets;
@@ -48,10 +51,16 @@ from typing import TYPE_CHECKING
 from rl.config import dtypes
 from rl.models.arch import Dims
 from rl.models.registry import expert_count
-from rl.models.shapes import kv_channels, layer_param_count, padded_vocab_size
+from rl.models.shapes import (
+    LORA_SHAPES,
+    kv_channels,
+    layer_param_count,
+    lora_layer_params,
+    padded_vocab_size,
+)
 
 if TYPE_CHECKING:
-    from rl.config.schema import ModelConfig, RootConfig
+    from rl.config.schema import ModelConfig, RootConfig, TrainerConfig
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -164,6 +173,11 @@ def trainer_gpu(cfg: RootConfig, stage: int, dp: int | None = None) -> TrainerGP
     w = dtypes.itemsize(t.params_dtype)
     p = stage_params(m, t.tp, t.pp, stage, t.ep)
     experts = stage_expert_params(m, t.tp, t.pp, t.ep)
+    # LoRA: the adapters are all that trains, so all that has gradients and Adam state;
+    # a DDMA push merges one targeted shard at a time (the largest: fc1's, or qkv's).
+    lora = t.lora.rank and lora_layer_params(m, t.lora.rank, list(t.lora.targets), t.tp)
+    adapters = (m.num_layers // t.pp) * lora if lora else 0
+    trained, trained_experts = (adapters, 0) if lora else (p, experts)
     adam = 8 + (4 if w != 4 else 0)
     shards = dp if t.use_distributed_optimizer else 1
     expert_shards = max(1, shards // t.ep)
@@ -173,18 +187,28 @@ def trainer_gpu(cfg: RootConfig, stage: int, dp: int | None = None) -> TrainerGP
     acts = tokens * layers * in_flight * activation_bytes_per_token_layer(m, t.tp, w)
     logits = tokens * (padded_vocab_size(m) // t.tp) * (w + 8) if stage == t.pp - 1 else 0
     syncing = cfg.rl.steps > 0
+    merged = max(_merged_shards(m, t)) if adapters else 0
     return TrainerGPU(
         stage=stage,
-        params=p,
-        weights=p * w,
-        grads=p * GRAD_BYTES,
-        optimizer=-(-(p - experts) * adam // shards) + -(-experts * adam // expert_shards),
+        params=p + adapters,
+        weights=(p + adapters) * w,
+        grads=trained * GRAD_BYTES,
+        optimizer=-(-(trained - trained_experts) * adam // shards)
+        + -(-trained_experts * adam // expert_shards),
         activations=acts,
         logits=logits,
         reference=p * w if cfg.algorithm.kl_coef > 0 else 0,
-        buffers=2 * cfg.rollout.weight_sync.bucket_mb * MIB if syncing else 0,
+        buffers=(2 * cfg.rollout.weight_sync.bucket_mb * MIB + merged * w) if syncing else 0,
         overhead=TRAINER_OVERHEAD if t.device == "cuda" else 0,
     )
+
+
+def _merged_shards(m: ModelConfig, t: TrainerConfig) -> list[int]:
+    """Elements of each targeted weight's shard on one TP rank (what a LoRA push merges)."""
+    kv_ch = kv_channels(m)
+    q, kv = m.num_attention_heads * kv_ch, m.num_query_groups * kv_ch
+    shapes = [LORA_SHAPES[x](m.hidden_size, q, kv, m.ffn_hidden_size) for x in t.lora.targets]
+    return [n_in * n_out // t.tp for n_in, n_out, _ in shapes]
 
 
 def sglang_reserved(gpu_bytes: int, tp: int) -> int:

@@ -14,8 +14,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 from omegaconf import DictConfig
 
+from rl.models import lora
+from rl.weights.dist_ckpt import CheckpointError, model_state, read_common, write
 from rl.weights.dist_ckpt import load as load_state
-from rl.weights.dist_ckpt import model_state, read_common, write
 
 if TYPE_CHECKING:
     from megatron.core.optimizer import MegatronOptimizer
@@ -47,6 +48,10 @@ def _state(
     optimizer, the scheduler and the train state, otherwise it is weights only.
     ``carried``: common fields kept from the loaded checkpoint (dist_ckpt.HF_FIELDS)."""
     sd = model_state(model, model_cfg, **(carried or {}))
+    adapters = lora.adapters_by_weight(model)
+    if adapters:  # LoRA: which checkpoints hold adapters, and at what rank and scale
+        first = next(iter(adapters.values()))
+        sd["lora"] = {"rank": int(first.lora_A.shape[0]), "scale": first.scale}
     if state is not None:
         assert optimizer is not None and scheduler is not None
         # "fully_reshardable": optimizer state stored by global parameter coordinates, so
@@ -120,11 +125,27 @@ def load(
     from megatron_patches import cuda_to_cpu
 
     common = read_common(path, model_cfg)
+    adapters = bool(lora.adapters_by_weight(model))
+    if common.get("lora") and not adapters:
+        raise CheckpointError(
+            f"checkpoint {path!r} holds LoRA adapters (rank {common['lora']['rank']}): load "
+            "it with trainer.lora.rank set (a merged export is not built yet)"
+        )
+    # LoRA on a base checkpoint: the base's weights, the adapters as they start (B = 0),
+    # and a fresh optimizer (only the adapters train).
+    base_only = adapters and not common.get("lora")
     # A weights-only checkpoint (saved before any step) resumes with a fresh optimizer.
-    if not (load_optimizer and common.get("has_optimizer")):
+    if not (load_optimizer and common.get("has_optimizer")) or base_only:
         with cuda_to_cpu():
             sd = _state(model, model_cfg, None, None, None, is_loading=True)
-            model.load_state_dict(load_state(sd, path)["model"])
+            if base_only:
+                sd["model"] = {k: v for k, v in sd["model"].items() if not lora.is_adapter_key(k)}
+            missing, unexpected = model.load_state_dict(load_state(sd, path)["model"], strict=False)
+            left = [
+                k for k in [*missing, *unexpected] if not (base_only and lora.is_adapter_key(k))
+            ]
+            if left:
+                raise CheckpointError(f"checkpoint {path!r}: {left[0]} does not match the model")
             if optimizer is not None and hasattr(optimizer, "reload_model_params"):
                 # Master copies (bf16 training, distributed optimizer) must follow the weights.
                 optimizer.reload_model_params()

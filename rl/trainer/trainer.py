@@ -121,6 +121,12 @@ class MegatronTrainer:
         # Same seed on every rank: CPU init builds each full weight and splits it.
         torch.manual_seed(t.seed)
         model = build_gpt(model_cfg, t, layout.first_stage, layout.last_stage, layout.pg_collection)
+        # LoRA: the base frozen, adapters on the targeted linears (the reference stays base).
+        self.adapter_params = 0
+        if t.lora.rank and not frozen:
+            from rl.models import lora
+
+            self.adapter_params = lora.apply(model, t.lora, layout.tp, layout.tp_rank, t.seed)
         # Built on the host (use_cpu_initialization: the same seed gives the same weights on
         # every device), then moved where it trains: the rank's current CUDA device on GPU.
         here = torch.cuda.current_device() if t.device == "cuda" else None

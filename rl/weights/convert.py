@@ -192,6 +192,11 @@ def mcore_to_hf(
 
     path = str(check(ckpt_dir))
     common = dist_checkpointing.load_common_state_dict(path)
+    if common.get("lora"):
+        raise CheckpointError(
+            f"checkpoint {path!r} holds LoRA adapters (rank {common['lora']['rank']}): the "
+            "merged HF export is not built yet"
+        )
     m = _stored_model_config(common, path)
     d = km.Dims.of(m)
     tensors = checkpoint_tensors(path)

@@ -60,6 +60,27 @@ def test_8b_bf16_numbers_by_hand() -> None:
     assert g.logits == 8192 * (128256 // 2) * (2 + 8)
 
 
+def test_8b_lora_numbers_by_hand() -> None:
+    """LoRA rank 16 on the 8B preset (TP2): the adapters join the weights, and the grads
+    and Adam hold only them; a push merges one fc1 shard at a time."""
+    full = plan_cluster(_cfg("experiment=llama3_8b_256gpu")).trainer[0]
+    cfg = _cfg("experiment=llama3_8b_256gpu", "trainer.lora.rank=16")
+    g = plan_cluster(cfg).trainer[0]
+    h, q, kv, f, r = 4096, 4096, 1024, 14336, 16
+    per_layer = r * (
+        (h + (q + 2 * kv) // 2)  # qkv: A whole, B's rows split over TP2
+        + (q // 2 + h)  # proj: A's columns split, B whole
+        + (h + 2 * f // 2)  # fc1 (gate and up)
+        + (f // 2 + h)  # fc2
+    )
+    adapters = 32 * per_layer
+    assert g.params == full.params + adapters
+    assert (g.weights, g.grads) == (2 * g.params, 4 * adapters)
+    assert g.optimizer == math.ceil(12 * adapters / 32)
+    assert g.buffers == full.buffers + 2 * h * 2 * f // 2  # one merged fc1 shard, bf16
+    assert g.static < full.static / 2
+
+
 def test_70b_fp8_volume_by_hand() -> None:
     """FP8: linear weights 1 byte + a float32 scale per 128x128 block (every per-rank dim
     is a multiple of 128 here); norms and embeddings stay bf16, norms copied to each of

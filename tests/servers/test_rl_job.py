@@ -178,6 +178,28 @@ def test_moe_job_with_expert_parallelism_samples_what_it_trains(tmp_path):
     _no_server_left(out)
 
 
+def test_lora_job_serves_the_merged_weights(tmp_path):
+    """trainer.lora on the default TP=2 trainer: the warm-up trains the adapters alone (the
+    loss falls with the base frozen), the RL trainer resumes them from the warm-up's
+    checkpoint, and DDMA gives the servers W + s B A: in sync mode the trainer, computing
+    with base and adapters apart, scores every sampled token as SGLang did on the merged
+    weights."""
+    out = tmp_path / "run"
+    res = _run(
+        *SHORT, "sft.steps=20", "sft.eval_every=20", "trainer.lora.rank=8",
+        "rl.steps=2", "rl.mode=sync", "rl.eval_every=0", f"run.output_dir={out}",
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr[-4000:]
+    warm = [r["loss"] for r in _records(out, "warmup")]
+    assert warm[-1] < warm[0] - 0.5, warm
+    steps = _records(out, "rl")
+    assert len(steps) == 2
+    for r in steps:
+        assert r["mismatch_abs_logp"] < 1e-5, r
+        assert abs(r["is_ratio"] - 1) < 1e-4
+    _no_server_left(out)
+
+
 def test_launcher_world_must_match_the_role_map():
     """torchrun/srun started 3 ranks for a job whose role map needs 5: refused at once."""
     env = {"RANK": "0", "WORLD_SIZE": "3", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}

@@ -195,12 +195,6 @@ def validate_rl(cfg: RootConfig) -> None:
         v = getattr(rl, name)
         require(v >= 0, f"rl.{name}={v} must be >= 0")
     require(rl.channel_timeout > 0, f"rl.channel_timeout={rl.channel_timeout} must be > 0")
-    require(
-        not (rl.save_hf and t.lora.rank),
-        f"rl.save_hf=true with trainer.lora.rank={t.lora.rank}: the merged HF export of a "
-        "LoRA checkpoint is not built yet (the checkpoints hold the adapters; the servers "
-        "get merged weights through DDMA)",
-    )
     if rl.steps == 0:
         return
     require(

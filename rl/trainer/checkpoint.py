@@ -129,7 +129,7 @@ def load(
     if common.get("lora") and not adapters:
         raise CheckpointError(
             f"checkpoint {path!r} holds LoRA adapters (rank {common['lora']['rank']}): load "
-            "it with trainer.lora.rank set (a merged export is not built yet)"
+            "it with trainer.lora.rank set, or export it merged (tools/convert_mcore_to_hf.py)"
         )
     # LoRA on a base checkpoint: the base's weights, the adapters as they start (B = 0),
     # and a fresh optimizer (only the adapters train).

@@ -192,11 +192,6 @@ def mcore_to_hf(
 
     path = str(check(ckpt_dir))
     common = dist_checkpointing.load_common_state_dict(path)
-    if common.get("lora"):
-        raise CheckpointError(
-            f"checkpoint {path!r} holds LoRA adapters (rank {common['lora']['rank']}): the "
-            "merged HF export is not built yet"
-        )
     m = _stored_model_config(common, path)
     d = km.Dims.of(m)
     tensors = checkpoint_tensors(path)
@@ -217,13 +212,26 @@ def mcore_to_hf(
     shards = plan_shards(sizes, max_shard_bytes)
     t0 = time.perf_counter()
 
+    # A LoRA checkpoint (rl/models/lora.py) is exported merged: W + scale * B @ A, on the
+    # global tensors of each layer, whose rows B shares in the checkpoint's layout.
+    scale = float(common["lora"]["scale"]) if common.get("lora") else 0.0
+
+    def adapters(ckpt: str) -> tuple[str, str]:
+        stem = ckpt.removesuffix("weight")
+        return f"{stem}adapter.lora_A", f"{stem}adapter.lora_B"
+
     def produce():
         def convert(layer: int | None, keys: list[str]):
             want = {ckpt: tensors[ckpt] for ckpt in {checkpoint_key(k, layer)[0] for k in keys}}
+            if scale and layer is not None:
+                want |= {a: tensors[a] for c in list(want) for a in adapters(c) if a in tensors}
             got = read_layer(path, want, layer)
             for k in keys:
                 ckpt, expert = checkpoint_key(k, layer)
                 t = got[ckpt] if expert is None else got[ckpt][expert]
+                a, b = adapters(ckpt)
+                if a in got:
+                    t = t + (scale * (got[b].double() @ got[a].double())).to(t.dtype)
                 for name, part in zip(km.hf_names(k, d, layer), km.to_hf(k, t, d), strict=True):
                     yield name, part.to(out_dtype)
 

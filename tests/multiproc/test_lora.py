@@ -9,7 +9,9 @@
   written into the weights, adapters zeroed);
 - DDMA from the live adapted model (merged shard by shard as it is packed) sends the very
   bytes DDMA sends from that merged dense model;
-- a checkpoint saved at TP=2 with trained adapters loads at TP=1 with the same log-probs.
+- a checkpoint saved at TP=2 (or PP=2) with trained adapters loads at TP=1 with the same
+  log-probs, and exports merged to an HF directory whose transformers logits are the
+  adapted model's.
 """
 
 from __future__ import annotations
@@ -17,7 +19,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from rl.batch import TrainBatch
 from rl.runtime.launch import spawn
+from rl.weights.convert import mcore_to_hf
+from tests.helpers.hf_models import hf_logits
 from tests.helpers.workers import random_batches
 
 STEPS = 3
@@ -73,6 +78,7 @@ def lora_rank(overrides: list[str], batches: list, load: str = "", save_init: st
         // t.pp
         * lora_layer_params(cfg.model, t.lora.rank, list(t.lora.targets), t.tp)
     )
+    res["logits"] = tr.logits(TrainBatch(probe.tokens))
     if save_final:
         tr.save(save_final)
     plan = plan_for(cfg.model, cfg.trainer, cfg.rollout)
@@ -129,3 +135,9 @@ def test_sharded_lora_matches_tp1(reference, tp: int, pp: int):
     # The trained adapters, saved sharded, load at TP=1 (no steps): the same model.
     back = spawn(lora_rank, 1, _layout(1, 1), [], save)[0]
     torch.testing.assert_close(back["logprobs"][0], out[0]["logprobs"][-1], atol=TOL, rtol=RTOL)
+    # Exported merged (rl.save_hf, tools/convert_mcore_to_hf.py): transformers computes
+    # the adapted model's logits.
+    hf = root / f"hf_tp{tp}_pp{pp}"
+    mcore_to_hf(save, str(hf))
+    want = hf_logits(hf, random_batches(1)[0].tokens)
+    torch.testing.assert_close(back["logits"][..., : want.shape[-1]], want, atol=1e-4, rtol=0)

@@ -145,7 +145,6 @@ def test_llama_param_counts_match_published(preset: str, published: float) -> No
         (["trainer.lora.rank=4", "trainer.lora.targets=[mlp]"], ["targets=['mlp']", "qkv"]),
         (["trainer.lora.rank=4", "trainer.lora.dropout=1.0"], ["trainer.lora.dropout=1.0"]),
         (["trainer.lora.rank=4", "trainer.lora.alpha=0"], ["trainer.lora.alpha=0"]),
-        (["trainer.lora.rank=4", "rl.save_hf=true"], ["rl.save_hf=true", "not built yet"]),
         (["model=tiny_moe", "trainer.lora.rank=4"], ["trainer.lora.targets", "experts"]),
         (
             ["model=tiny_moe", "trainer.lora.rank=4", "trainer.lora.targets=[qkv,proj]"],
@@ -227,7 +226,6 @@ def test_llama_param_counts_match_published(preset: str, published: float) -> No
         "lora-targets",
         "lora-dropout",
         "lora-alpha",
-        "lora-save-hf",
         "lora-experts",
         "lora-sequence-parallel",
         "rl-eval-k",

@@ -57,6 +57,9 @@ class RolloutFuture(cf.Future[Rollout]):
         self.rollout = rollout
 
 
+KEEPALIVE_S = 2.0
+
+
 class ServerLost(ServerError):
     """A server that stopped answering: marked dead; its requests are re-queued."""
 
@@ -148,7 +151,10 @@ class GeneratorClient:
                    wait_for_server=wait)  # fmt: skip
 
     async def _make_session(self) -> aiohttp.ClientSession:
-        conn = aiohttp.TCPConnector(limit=0)
+        # Idle connections are dropped before SGLang's uvicorn drops them (after 5 s), so a
+        # request rarely goes out on a connection the server has closed (server_api.acall
+        # retries the one that does).
+        conn = aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_S)
         return aiohttp.ClientSession(connector=conn, timeout=self._timeout)
 
     async def _make_slots(self) -> asyncio.Semaphore:

@@ -270,11 +270,21 @@ async def acall(
     """:func:`call` on an asyncio loop (``session`` sets the timeout)."""
     body = c.body if c.method == "POST" else None
     headers = keys.headers(c.route) if keys is not None else None
-    try:
-        async with session.request(c.method, url + c.route, json=body, headers=headers) as resp:
-            text = await resp.text()
-    except (TimeoutError, aiohttp.ClientConnectionError) as e:
-        raise CallError(url, c.route, None, f"{type(e).__name__}: {e}") from e
+    for attempt in range(2):
+        try:
+            async with session.request(c.method, url + c.route, json=body,
+                                       headers=headers) as resp:  # fmt: skip
+                text = await resp.text()
+            break
+        except aiohttp.ServerDisconnectedError as e:
+            # The server closed the connection before answering: most often a kept-alive
+            # connection it had just timed out (uvicorn closes idle ones after 5 s), which
+            # says nothing of the server. Once more, on another connection; a server that
+            # is really gone then refuses it.
+            if attempt:
+                raise CallError(url, c.route, None, f"{type(e).__name__}: {e}") from e
+        except (TimeoutError, aiohttp.ClientConnectionError) as e:
+            raise CallError(url, c.route, None, f"{type(e).__name__}: {e}") from e
     if resp.status != 200:
         raise CallError(url, c.route, resp.status, text[:DETAIL_CHARS])
     return _decode(text)

@@ -121,9 +121,10 @@ class MegatronTrainer:
         # Same seed on every rank: CPU init builds each full weight and splits it.
         torch.manual_seed(t.seed)
         model = build_gpt(model_cfg, t, layout.first_stage, layout.last_stage, layout.pg_collection)
-        # LoRA: the base frozen, adapters on the targeted linears (the reference stays base).
+        # LoRA: the base frozen, adapters on the targeted linears. A frozen trainer has them
+        # too, so it loads an adapted checkpoint (a base one leaves them at B = 0).
         self.adapter_params = 0
-        if t.lora.rank and not frozen:
+        if t.lora.rank:
             from rl.models import lora
 
             self.adapter_params = lora.apply(model, t.lora, layout.tp, layout.tp_rank, t.seed)

@@ -12,6 +12,7 @@ import pickle
 import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import ClassVar
 
 import aiohttp
 import pytest
@@ -288,9 +289,17 @@ class _StandIn(BaseHTTPRequestHandler):
         else:
             self._answer(200 if self.path == "/health" else 404, "")
 
+    dropped: ClassVar[list[str]] = []  # the routes of requests closed unanswered
+
     def do_POST(self) -> None:
         body = self.rfile.read(int(self.headers["Content-Length"])).decode()
-        if self.path == "/generate":
+        if self.path in ("/drop_once", "/drop") and (
+            self.path == "/drop" or self.path not in self.dropped
+        ):
+            self.dropped.append(self.path)
+            self.close_connection = True  # closed without an answer, as a timed-out keep-alive
+            return
+        if self.path in ("/generate", "/drop_once"):
             self._answer(200, body)
         elif self.path == "/flush_cache":
             self._answer(200, "Cache flushed.")
@@ -343,6 +352,15 @@ def test_server_api_async_calls_answer_and_fail_the_same(stand_in):
             with pytest.raises(api.CallError, match="/abort_request unreachable") as e:
                 await api.acall(session, gone, api.abort_all(), KEYS)
             assert not e.value.answered
+            # A connection closed before the answer is tried once more; twice is a failure.
+            _StandIn.dropped.clear()
+            assert await api.acall(session, stand_in, api.Call("/drop_once", {"a": 1}), KEYS) == {
+                "a": 1
+            }
+            assert _StandIn.dropped == ["/drop_once"]
+            with pytest.raises(api.CallError, match="/drop unreachable: ServerDisconnected"):
+                await api.acall(session, stand_in, api.Call("/drop"), KEYS)
+            assert _StandIn.dropped.count("/drop") == 2
 
     asyncio.run(run())
 

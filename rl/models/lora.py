@@ -27,16 +27,26 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 if TYPE_CHECKING:
+    from megatron.core.dist_checkpointing.mapping import ShardedStateDict
     from megatron.core.models.gpt import GPTModel
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+    from torch.distributed import ProcessGroup
 
     from rl.config.schema import LoraConfig
+
+# A tensor-parallel linear's output: (y, its bias when the linear returns it unapplied).
+LinearOutput = tuple[torch.Tensor, torch.Tensor | None]
+# Megatron's sharded_state_dict(prefix, sharded_offsets, metadata) of one module.
+ShardedStateDictFn = Callable[
+    [str, tuple[tuple[int, int, int], ...], dict[str, object] | None], "ShardedStateDict"
+]
 
 # target -> (the transformer layer's submodule, its linear, column-parallel)
 MODULES = {
@@ -56,7 +66,7 @@ class Adapter(torch.nn.Module):
 
     def __init__(
         self, weight: torch.Tensor, column: bool, lora: LoraConfig, tp: int, tp_rank: int,
-        tp_group: Any, seed: int,
+        tp_group: ProcessGroup | None, seed: int,
     ) -> None:  # fmt: skip
         super().__init__()
         out_local, in_local = weight.shape
@@ -105,8 +115,13 @@ def _seed(seed: int, layer: int, target: str) -> int:
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
-def _hook(adapter: Adapter):
-    def hook(module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+def _hook(adapter: Adapter) -> Callable[..., LinearOutput]:
+    def hook(
+        module: torch.nn.Module,
+        args: tuple[torch.Tensor, ...],
+        kwargs: dict[str, torch.Tensor],
+        output: LinearOutput,
+    ) -> LinearOutput:
         x = args[0] if args else kwargs["input_"]
         out, bias = output
         return out + adapter(x), bias
@@ -114,26 +129,33 @@ def _hook(adapter: Adapter):
     return hook
 
 
-def _sharded_state_dict(linear: torch.nn.Module, original: Any, column: bool, swiglu: bool):
+def _sharded_state_dict(
+    linear: torch.nn.Module, original: ShardedStateDictFn, column: bool, swiglu: bool
+) -> ShardedStateDictFn:
     """The linear's checkpoint entry with its adapter sharded as the weight is: Megatron's
     own treats every tensor but ``weight`` (and a column's ``bias``) as whole on each rank,
     which holds for a column's ``A`` and a row's ``B`` but not for the other. Under SwiGLU
     fc1's rows are [gate; up] per rank, and its ``B`` is split into the two as the weight
     is, so the checkpoint reshards to any TP."""
 
-    def sharded_state_dict(prefix: str = "", sharded_offsets: tuple = (), metadata=None):
+    def sharded_state_dict(
+        prefix: str = "",
+        sharded_offsets: tuple[tuple[int, int, int], ...] = (),
+        metadata: dict[str, object] | None = None,
+    ) -> ShardedStateDict:
         from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
         from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
         out = original(prefix, sharded_offsets, metadata)
+        meta = metadata or {}  # Megatron's model-level call always passes it
         name, axis = ("adapter.lora_B", 0) if column else ("adapter.lora_A", 1)
         key = f"{prefix}{name}"
         sharded = make_sharded_tensors_for_checkpoint(
             {name: getattr(linear.adapter, name.split(".")[1])}, prefix, {name: axis},
-            sharded_offsets, tp_group=linear.tp_group, dp_cp_group=metadata["dp_cp_group"],
+            sharded_offsets, tp_group=linear.tp_group, dp_cp_group=meta.get("dp_cp_group"),
         )[key]  # fmt: skip
         if swiglu:
-            singleton = (metadata or {}).get("singleton_local_shards", False)
+            singleton = bool(meta.get("singleton_local_shards", False))
             sharded = apply_swiglu_sharded_factory(sharded, sharded_offsets, singleton)
         out[key] = sharded
         return out
@@ -141,7 +163,7 @@ def _sharded_state_dict(linear: torch.nn.Module, original: Any, column: bool, sw
     return sharded_state_dict
 
 
-def layers(model: GPTModel) -> Iterator[Any]:  # Megatron TransformerLayers
+def layers(model: GPTModel) -> Iterator[TransformerLayer]:
     decoder = getattr(model, "decoder", None)
     yield from getattr(decoder, "layers", [])
 

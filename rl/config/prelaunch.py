@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 from omegaconf import DictConfig, OmegaConf
 
-from rl.config import ckpt_check
+from rl.config import ckpt_check, lora_base
 from rl.config.errors import ConfigError, require
 
 if TYPE_CHECKING:
@@ -100,11 +100,17 @@ def check_checkpoint(path: str, field: str, model: dict[str, Any] | None = None)
     try:
         problem = ckpt_check.problem(p)
         if problem is None and model is not None:
-            stored = ckpt_check.read_common(p).get("model_config")
-            diffs = ckpt_check.architecture_diffs(stored, model)
+            common = ckpt_check.read_common(p)
+            diffs = ckpt_check.architecture_diffs(common.get("model_config"), model)
             problem = "is for a different model: " + "; ".join(diffs) if diffs else None
+            if problem is None and (ref := (common.get("lora") or {}).get("base")):
+                base = lora_base.resolve(ref, p)  # LoRA adapters only: their base, by content
+                if (sub := ckpt_check.problem(Path(base))) is not None:
+                    problem = f"names a LoRA base {base!r} that {sub}"
     except (OSError, ckpt_check.Unreadable) as e:
         problem = f"cannot be read: {e}"
+    except lora_base.BaseError as e:
+        require(False, f"{field}: {e}")
     require(problem is None, f"{name} {problem}")
 
 

@@ -96,6 +96,8 @@ class MegatronTrainer:
         self.mcfg, self.tcfg, self.layout = model_cfg, trainer_cfg, layout
         self.step = 0
         self.carried: dict[str, Any] = {}  # the loaded checkpoint's HF fields (dist_ckpt)
+        # LoRA: the checkpoint holding the frozen base, which every save then names
+        self.lora_base: str | None = None
         self.token_budget: int | None = getattr(trainer_cfg, "max_tokens_per_microbatch", None)
         if self.token_budget is not None:
             if self.token_budget < 1:
@@ -478,14 +480,14 @@ class MegatronTrainer:
         module = self.model.module
         opt, sched = self.optimizer, self.scheduler
         checkpoint.save(path, module, self.mcfg, opt, sched, self.state_dict(), keep_previous,
-                        self.carried)  # fmt: skip
+                        self.carried, self.lora_base)  # fmt: skip
 
     def load(self, path: str, load_optimizer: bool = True) -> None:
         """Load a checkpoint of any TP/PP in place; the optimizer state and step too if
         ``load_optimizer`` and the checkpoint has them."""
         module = self.model.module
         opt, sched = self.optimizer, self.scheduler
-        state = checkpoint.load(path, module, self.mcfg, opt, sched, load_optimizer)
+        state, self.lora_base = checkpoint.load(path, module, self.mcfg, opt, sched, load_optimizer)
         if state is not None:
             self.load_state_dict(state)
         # The HF model's token ids and generation config, for every later save's export.

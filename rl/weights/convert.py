@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from rl.config import lora_base
 from rl.config.dtypes import PARAM_DTYPES, dtype_name, torch_dtype
 from rl.config.errors import ConfigError
 from rl.config.schema import ModelConfig, TrainerConfig
@@ -194,7 +195,15 @@ def mcore_to_hf(
     common = dist_checkpointing.load_common_state_dict(path)
     m = _stored_model_config(common, path)
     d = km.Dims.of(m)
-    tensors = checkpoint_tensors(path)
+    # A LoRA checkpoint holds the adapters; its base is the checkpoint it names, or itself.
+    base = path
+    if ref := (common.get("lora") or {}).get("base"):
+        try:
+            base = str(check(lora_base.resolve(ref, path)))
+        except lora_base.BaseError as e:
+            raise CheckpointError(str(e)) from None
+    tensors = checkpoint_tensors(base)
+    adapter_tensors = checkpoint_tensors(path) if base != path else tensors
     stored = stored_keys(d)
     for full, want in stored.items():
         if full not in tensors or tensors[full][0] != want:
@@ -223,9 +232,11 @@ def mcore_to_hf(
     def produce():
         def convert(layer: int | None, keys: list[str]):
             want = {ckpt: tensors[ckpt] for ckpt in {checkpoint_key(k, layer)[0] for k in keys}}
+            got = read_layer(base, want, layer)
             if scale and layer is not None:
-                want |= {a: tensors[a] for c in list(want) for a in adapters(c) if a in tensors}
-            got = read_layer(path, want, layer)
+                pairs = {a: adapter_tensors[a] for c in want for a in adapters(c)
+                         if a in adapter_tensors}  # fmt: skip
+                got |= read_layer(path, pairs, layer) if pairs else {}
             for k in keys:
                 ckpt, expert = checkpoint_key(k, layer)
                 t = got[ckpt] if expert is None else got[ckpt][expert]

@@ -9,9 +9,9 @@
   written into the weights, adapters zeroed);
 - DDMA from the live adapted model (merged shard by shard as it is packed) sends the very
   bytes DDMA sends from that merged dense model;
-- a checkpoint saved at TP=2 (or PP=2) with trained adapters loads at TP=1 with the same
-  log-probs, and exports merged to an HF directory whose transformers logits are the
-  adapted model's.
+- a checkpoint saved at TP=2 (or PP=2) with trained adapters holds them alone and names
+  its base by content; it loads at TP=1 with the same log-probs, and exports merged to
+  an HF directory whose transformers logits are the adapted model's.
 """
 
 from __future__ import annotations
@@ -132,7 +132,20 @@ def test_sharded_lora_matches_tp1(reference, tp: int, pp: int):
             torch.testing.assert_close(got, want, atol=TOL, rtol=RTOL)
         torch.testing.assert_close(r["merged_logprobs"], r["logprobs"][-1], atol=TOL, rtol=RTOL)
         assert r["sent_live"] == r["sent_merged"]
-    # The trained adapters, saved sharded, load at TP=1 (no steps): the same model.
+    # Saved: the adapters and their Adam state only, naming the base they were loaded from
+    # (init: weights and fresh adapters) by content (rl/config/lora_base.py).
+    from megatron.core import dist_checkpointing
+
+    from rl.config import lora_base
+    from rl.models.lora import is_adapter_key
+    from rl.weights.megatron_io import checkpoint_tensors
+
+    stored = checkpoint_tensors(save)
+    assert stored and all(is_adapter_key(k) for k in stored), sorted(stored)[:3]
+    ref = dist_checkpointing.load_common_state_dict(save)["lora"]["base"]
+    assert ref["relpath"] == "init" and ref["digest"] == lora_base.digest(init)
+    # The trained adapters, saved sharded, load at TP=1 (no steps) on their base: the same
+    # model.
     back = spawn(lora_rank, 1, _layout(1, 1), [], save)[0]
     torch.testing.assert_close(back["logprobs"][0], out[0]["logprobs"][-1], atol=TOL, rtol=RTOL)
     # Exported merged (rl.save_hf, tools/convert_mcore_to_hf.py): transformers computes

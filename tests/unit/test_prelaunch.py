@@ -12,13 +12,14 @@ from __future__ import annotations
 import io
 import json
 import pickle
+import shutil
 import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 
-from rl.config import ConfigError, ckpt_check
+from rl.config import ConfigError, ckpt_check, lora_base
 from rl.config.prelaunch import (
     check_checkpoint,
     check_hf_dir,
@@ -82,7 +83,9 @@ def index_bytes(md: Metadata) -> bytes:
     return buf.getvalue()
 
 
-def make_checkpoint(path: Path, shards: dict[str, int], model: dict | None = None) -> Path:
+def make_checkpoint(
+    path: Path, shards: dict[str, int], model: dict | None = None, **common_fields: object
+) -> Path:
     """A torch_dist directory whose shards hold ``shards`` bytes each, in two chunks."""
     path.mkdir(parents=True)
     (path / "metadata.json").write_text(json.dumps({"sharded_backend": "torch_dist"}))
@@ -93,7 +96,7 @@ def make_checkpoint(path: Path, shards: dict[str, int], model: dict | None = Non
         storage[MetadataIndex(f"{name}/b")] = _StorageInfo(name, half, size - half)
         (path / name).write_bytes(b"\0" * size)
     (path / ".metadata").write_bytes(index_bytes(Metadata(storage)))
-    common = {"format_version": 1, "model_config": model or tiny()}
+    common = {"format_version": 1, "model_config": model or tiny(), **common_fields}
     with zipfile.ZipFile(path / "common.pt", "w") as z:
         z.writestr("common/data.pkl", pickle.dumps(common))
     return path
@@ -176,6 +179,30 @@ def test_missing_and_misplaced_checkpoints(tmp_path: Path, ckpt: Path) -> None:
 def test_a_checkpoint_of_another_model_is_refused(ckpt: Path) -> None:
     msg = _message(check_checkpoint, str(ckpt), "trainer.load_dir", {**tiny(), "hidden_size": 64})
     assert msg.endswith("is for a different model: hidden_size: checkpoint 192 vs config 64")
+
+
+def test_a_lora_checkpoint_names_its_base_by_content(tmp_path: Path, ckpt: Path) -> None:
+    """Adapters only: the base is found (next to it as saved, or where it was) and must
+    hash as it did; a missing or changed base is one line before any rank starts."""
+    ref = lora_base.reference(ckpt, tmp_path / "rl" / "adapters")
+    assert ref["relpath"] == "../ckpt" and len(ref["digest"]) == 32
+    adapters = make_checkpoint(tmp_path / "rl" / "adapters", {"__0_0.distcp": 8},
+                               lora={"rank": 4, "scale": 2.0, "base": ref})  # fmt: skip
+    check_checkpoint(str(adapters), "trainer.load_dir", tiny())
+    # Moved together (a run directory with its conversion cache): found by relpath.
+    moved = tmp_path / "moved"
+    moved.mkdir()
+    (tmp_path / "rl").rename(moved / "rl")
+    ckpt.rename(moved / "ckpt")
+    assert lora_base.resolve(ref, moved / "rl" / "adapters") == str(moved / "ckpt")
+    check_checkpoint(str(moved / "rl" / "adapters"), "trainer.load_dir", tiny())
+    with open(moved / "ckpt" / "__1_0.distcp", "r+b") as f:  # same size, other bytes
+        f.write(b"\1")
+    msg = _message(check_checkpoint, str(moved / "rl" / "adapters"), "trainer.load_dir", tiny())
+    assert msg.startswith("trainer.load_dir: checkpoint ") and "has changed since" in msg
+    shutil.rmtree(moved / "ckpt")
+    msg = _message(check_checkpoint, str(moved / "rl" / "adapters"), "trainer.load_dir", tiny())
+    assert f"its base {str(ckpt)!r} is missing (digest {ref['digest']})" in msg
 
 
 def test_the_index_is_read_without_running_its_code(tmp_path: Path) -> None:

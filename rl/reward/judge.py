@@ -128,7 +128,12 @@ class JudgeScorer:
         watch = Watchdog(self.launcher, c.max_restarts, c.restart_window_s, HEALTH_TIMEOUT_S,
                          HEALTH_FAILURES, who="judge", fields="reward.judge")  # fmt: skip
         while not self._stop.wait(WATCH_S):
-            watch.check()  # it says what it restarted
+            try:
+                watch.check()  # it says what it restarted
+            except Exception:
+                if self._stop.is_set():  # closing: a restart under way lost its server
+                    return
+                raise
 
     def close(self) -> None:
         self._stop.set()

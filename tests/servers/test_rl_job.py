@@ -183,11 +183,16 @@ def test_lora_job_serves_the_merged_weights(tmp_path):
     loss falls with the base frozen), the RL trainer resumes them from the warm-up's
     checkpoint, and DDMA gives the servers W + s B A: in sync mode the trainer, computing
     with base and adapters apart, scores every sampled token as SGLang did on the merged
-    weights."""
+    weights. The final HF export (merged) in transformers picks the tokens the DDMA'd
+    server picked greedily at the last evaluation."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
     out = tmp_path / "run"
     res = _run(
         *SHORT, "sft.steps=20", "sft.eval_every=20", "trainer.lora.rank=8",
-        "rl.steps=2", "rl.mode=sync", "rl.eval_every=0", f"run.output_dir={out}",
+        "rl.steps=2", "rl.mode=sync", "rl.eval_every=0", "rl.save_hf=true",
+        f"run.output_dir={out}",
     )  # fmt: skip
     assert res.returncode == 0, res.stderr[-4000:]
     warm = [r["loss"] for r in _records(out, "warmup")]
@@ -198,6 +203,18 @@ def test_lora_job_serves_the_merged_weights(tmp_path):
         assert r["mismatch_abs_logp"] < 1e-5, r
         assert abs(r["is_ratio"] - 1) < 1e-4
     _no_server_left(out)
+    model = AutoModelForCausalLM.from_pretrained(out / "hf" / "step_000002", dtype=torch.float32)
+    samples = [json.loads(x) for x in (out / "eval" / "eval_step_000002.jsonl").open()]
+    gaps = []
+    for s in samples:
+        with torch.no_grad():
+            logits = model(torch.tensor([s["prompt_ids"] + s["output_ids"]])).logits[0]
+        n = len(s["prompt_ids"])
+        picked = logits[n - 1 : n - 1 + len(s["output_ids"])]
+        # The server's token is the export's argmax (a near-tie may go either way).
+        chosen = picked.gather(1, torch.tensor(s["output_ids"])[:, None])[:, 0]
+        gaps.append((picked.max(dim=1).values - chosen).max().item())
+    assert len(gaps) == 32 and max(gaps) < 1e-4, max(gaps)
 
 
 def test_launcher_world_must_match_the_role_map():

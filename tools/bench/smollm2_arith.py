@@ -1,6 +1,7 @@
 """A real model learning on CPU: SmolLM2-135M-Instruct on generated arithmetic questions.
 
-    PYTHONPATH=. $(tools/setup_env.sh)/bin/python tools/bench/smollm2_arith.py [overrides]
+    PYTHONPATH=. $(tools/setup_env.sh)/bin/python tools/bench/smollm2_arith.py \
+        [--experiment smollm2_arith_cpu_lora] [overrides]
 
 Prepares the model (tools/make_smollm2.py) and the dataset (tools/make_arith_dataset.py)
 where ``experiment=smollm2_arith_cpu`` expects them, runs the experiment as a user would
@@ -8,7 +9,7 @@ where ``experiment=smollm2_arith_cpu`` expects them, runs the experiment as a us
 held-out pass@1 (greedy) and pass@k at the end of the warm-up (RL step 0) and after RL,
 the gain in points, the wall time of the whole run and of its phases, the per-step costs
 (warm-up step, RL train step, weight sync, whole RL step) and the peak memory of the job's
-processes. The run's plot is copied to docs/smollm2_arith_cpu_curves.png.
+processes. The run's plot is copied to docs/<experiment>_curves.png.
 """
 
 from __future__ import annotations
@@ -75,20 +76,22 @@ def summarize(out: Path, wall: float, peak: float) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", default=str(ROOT / "tools/bench/results/smollm2_arith_cpu.json"))
+    ap.add_argument("--experiment", default="smollm2_arith_cpu",
+                    choices=["smollm2_arith_cpu", "smollm2_arith_cpu_lora"])  # fmt: skip
+    ap.add_argument("--out", help="default: tools/bench/results/<experiment>.json")
     ap.add_argument("overrides", nargs="*", help="Hydra overrides for the run")
     a = ap.parse_args()
     prepare()
     run = Path(tempfile.mkdtemp(prefix="smollm2-arith-")) / "run"
-    print(f"[bench] experiment=smollm2_arith_cpu in {run} (log: {run.with_suffix('.log')})")
-    wall, peak = job(["experiment=smollm2_arith_cpu", *a.overrides], run)
-    result = {"overrides": a.overrides, **summarize(run, wall, peak)}
-    shutil.copy(run / "curves.png", ROOT / "docs" / "smollm2_arith_cpu_curves.png")
+    print(f"[bench] experiment={a.experiment} in {run} (log: {run.with_suffix('.log')})")
+    wall, peak = job([f"experiment={a.experiment}", *a.overrides], run)
+    result = {"experiment": a.experiment, "overrides": a.overrides, **summarize(run, wall, peak)}
+    shutil.copy(run / "curves.png", ROOT / "docs" / f"{a.experiment}_curves.png")
     print(
         f"[bench] held-out pass@1 {result['start_pass@1']:.3f} -> {result['final_pass@1']:.3f} "
         f"({result['gain_points']:+.1f} points) in {wall / 60:.1f} min; peak RSS {peak:.0f} MB"
     )
-    write_result(result, a.out)
+    write_result(result, a.out or ROOT / "tools/bench/results" / f"{a.experiment}.json")
 
 
 if __name__ == "__main__":

@@ -315,13 +315,15 @@ def plot_rl(jsonl: str | Path, png: str | Path) -> Path:
     fig, (a1, a2, a3) = plt.subplots(3, 1, figsize=(7.5, 9), sharex=True)
     if ev:
         a1.plot([r["step"] for r in ev], [r["eval_accuracy"] for r in ev], "o-", label="pass@1")
-        for key in sorted({k for r in ev for k in r if k.startswith("eval_pass@")}):
-            pts = [(r["step"], r[key]) for r in ev if key in r]
-            a1.plot(*zip(*pts, strict=True), "s--", label=key.removeprefix("eval_"))
+        # pass@k (any of k samples right) and mean@k (the share of them right)
+        for prefix, style in (("eval_pass@", "s--"), ("eval_mean@", "^:")):
+            for key in sorted({k for r in ev for k in r if k.startswith(prefix)}):
+                pts = [(r["step"], r[key]) for r in ev if key in r]
+                a1.plot(*zip(*pts, strict=True), style, label=key.removeprefix("eval_"))
         a1.axhline(ev[0]["eval_accuracy"], ls="--", c="gray", label="start (pass@1)")
     a1.set_ylabel("held-out accuracy")
     a1.set_ylim(0, 1)
-    a1.legend(loc="lower right")
+    a1.legend(loc="upper left", ncol=2)
     steps = [r["step"] for r in rl]
     reward = [r["reward_mean"] for r in rl]
     a2.plot(steps, reward, alpha=0.35, label="batch")

@@ -12,6 +12,7 @@ a checkpoint loads the base from there first.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
@@ -133,7 +134,9 @@ def save(
     from megatron_patches import cuda_to_cpu
 
     ref = None
-    if base is not None and lora.adapters_by_weight(model):
+    # Saved over the very checkpoint its base is in (a LoRA checkpoint that held its base,
+    # resumed in place): that base is about to be replaced, so this one holds it again.
+    if base is not None and lora.adapters_by_weight(model) and not _same(base, path):
         ref = _on_first_rank(lambda: lora_base.reference(base, path))
     # Before the first step Adam has no state to save: such a checkpoint is weights only.
     # The distributed optimizer gathers its state with .cuda() tensors: build it in scope.
@@ -144,6 +147,10 @@ def save(
     if ref:
         sd["lora"]["base"] = ref
     write(sd, path, keep_previous)
+
+
+def _same(a: str, b: str) -> bool:
+    return os.path.realpath(a) == os.path.realpath(b)
 
 
 def _on_first_rank(fn: Callable[[], T]) -> T:

@@ -16,6 +16,8 @@
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 
@@ -154,3 +156,18 @@ def test_sharded_lora_matches_tp1(reference, tp: int, pp: int):
     mcore_to_hf(save, str(hf))
     want = hf_logits(hf, random_batches(1)[0].tokens)
     torch.testing.assert_close(back["logits"][..., : want.shape[-1]], want, atol=1e-4, rtol=0)
+
+
+def test_a_save_over_its_own_base_keeps_the_base(reference):
+    """A LoRA checkpoint that holds its base (saved before any base was known), resumed and
+    saved in place: the save replaces the base, so it writes the base again instead of
+    naming itself."""
+    from megatron.core import dist_checkpointing
+
+    root, init, _ = reference
+    here = root / "in_place"
+    shutil.copytree(init, here)
+    out = spawn(lora_rank, 1, _layout(1, 1), random_batches(1), str(here), "", str(here))[0]
+    assert "base" not in dist_checkpointing.load_common_state_dict(str(here))["lora"]
+    back = spawn(lora_rank, 1, _layout(1, 1), [], str(here))[0]
+    torch.testing.assert_close(back["logprobs"][0], out["logprobs"][-1], atol=TOL, rtol=RTOL)

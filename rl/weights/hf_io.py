@@ -144,6 +144,18 @@ def plan_shards(sizes: dict[str, int], max_shard_bytes: int) -> list[list[str]]:
     return shards
 
 
+def _new_file_mode() -> int:
+    """The mode ``open`` gives a new file here: 0o666 less this process's umask (read
+    from /proc: ``os.umask`` can only be read by setting it, which races other threads)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return 0o666 & ~int(line.split()[1], 8)
+    except OSError:
+        pass
+    return 0o644
+
+
 def write_safetensors(
     out: Path, tensors: Iterable[tuple[str, torch.Tensor]], shards: list[list[str]]
 ) -> None:
@@ -168,6 +180,9 @@ def write_safetensors(
                 str(out / files[shard_idx]),
                 metadata={"format": "pt"},
             )
+            # safetensors writes its file owner-only (0600); an export is read by others
+            # (a server started as another user, a colleague), as config.json beside it is.
+            os.chmod(out / files[shard_idx], _new_file_mode())
             shard_idx += 1
     if shard_idx != len(shards):
         missing = [n for s in shards[shard_idx:] for n in s if n not in pending]

@@ -93,6 +93,9 @@ def test_shard_plan_and_index(tmp_path):
     assert index["weight_map"]["t4"] == "model-00003-of-00003.safetensors"
     assert index["metadata"]["total_size"] == 200
     (tmp_path / "config.json").write_text("{}")
+    # Readable as config.json is (safetensors alone writes 0600).
+    mode = (tmp_path / "config.json").stat().st_mode & 0o777
+    assert (tmp_path / "model-00001-of-00003.safetensors").stat().st_mode & 0o777 == mode
     ck = HFCheckpoint(tmp_path)  # read back through the same reader
     assert torch.equal(ck.get("t3"), tensors["t3"])
     assert ck.get_rows("t2", 2, 5).tolist() == [2.0, 2.0, 2.0]

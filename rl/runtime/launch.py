@@ -48,7 +48,6 @@ from rl.runtime.supervise import MARK_ENV, RankFailed, Supervisor
 
 if TYPE_CHECKING:
     from multiprocessing.connection import Connection
-    from multiprocessing.queues import Queue
     from types import FrameType, TracebackType
 
 R = TypeVar("R")
@@ -171,7 +170,7 @@ def _child(
     threads: int,
     fn: Callable[..., Any],
     args: tuple,
-    results: Queue[tuple[int, bool, bytes | str]],  # (rank, ok, its result or traceback)
+    results: Connection,  # this rank's result pipe: (ok, its result or traceback), once
     setup: bool = True,
     parent: int = 0,
     out_w: Connection | None = None,
@@ -188,12 +187,8 @@ def _child(
     if out_w is not None and err_w is not None:
         redirect_into(out_w, err_w)
 
-    def report(text: str) -> None:
-        results.put((rank, False, text))
-        results.close()
-        results.join_thread()  # delivered before the rank ends
-
-    install_thread_hook(report)
+    result = _Result(results)
+    install_thread_hook(lambda text: result.send(False, text))
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -211,11 +206,11 @@ def _child(
         out = fn(*args)
         buf = io.BytesIO()
         torch.save(out, buf)
-        results.put((rank, True, buf.getvalue()))
+        result.send(True, buf.getvalue())
         code = 0
     except BaseException as e:
         # The launcher prints this once, under the rank's name: no second copy from here.
-        results.put((rank, False, failure_text(type(e), e, e.__traceback__)))
+        result.send(False, failure_text(type(e), e, e.__traceback__))
         code = 1
     finally:
         if dist.is_initialized():
@@ -223,8 +218,7 @@ def _child(
     # Leave at once: the interpreter's and multiprocessing's exit work (finalizers, a
     # Manager's shutdown, freeing a GB of tensors and modules) took 3-5 s per rank after
     # its result was in, and whatever a rank leaves running the launcher sweeps anyway.
-    results.close()
-    results.join_thread()  # the result is delivered first
+    # The result is in the pipe already: it outlives the rank until the launcher reads it.
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(OSError, ValueError):
             stream.flush()
@@ -254,23 +248,29 @@ def spawn(
     name = names or (lambda r: f"rank {r}")
     _quiet_resource_tracker()
     ctx = mp.get_context("spawn")
-    results = ctx.Queue()
+    # A pipe per rank, not one multiprocessing Queue: a Queue is three named semaphores in
+    # /dev/shm that only the resource tracker unlinks, and a job SIGKILLed as a whole,
+    # tracker included, left them behind. A pipe leaves nothing.
+    pipes = [ctx.Pipe(duplex=False) for _ in range(world_size)]
     port = free_port()
     tree.become_subreaper()
     outputs = [RankOutput(ctx) for _ in range(world_size)]
-    common = (world_size, port, device, threads, fn, args, results, setup, os.getpid())
+    common = (world_size, port, device, threads, fn, args)
     procs: list[Any] = []
-    sup = Supervisor(procs, outputs, results, name)
+    sup = Supervisor(procs, outputs, [r for r, _ in pipes], name)
     procs += [
         ctx.Process(
-            target=_child, args=(r, *common, *outputs[r].write_ends, sup.mark), daemon=False
+            target=_child,
+            args=(r, *common, pipes[r][1], setup, os.getpid(), *outputs[r].write_ends, sup.mark),
+            daemon=False,
         )
         for r in range(world_size)
     ]
     with _stop_signals() as stopping:
         try:
-            for p, o in zip(procs, outputs, strict=True):
+            for p, o, (_, w) in zip(procs, outputs, pipes, strict=True):
                 p.start()
+                w.close()  # the rank holds it now: end-of-file means the rank is gone
                 o.start()
             payloads = sup.gather(timeout_s)
             sup.finish()
@@ -292,6 +292,22 @@ def spawn(
         finally:
             tree.become_subreaper(False)
     return [torch.load(io.BytesIO(payloads[r]), weights_only=False) for r in range(world_size)]
+
+
+class _Result:
+    """A rank's end of its result pipe: one message, the first (a thread that died, or
+    the rank's own result or error), whole before the rank exits."""
+
+    def __init__(self, conn: Connection):
+        self._conn, self._lock, self._sent = conn, threading.Lock(), False
+
+    def send(self, ok: bool, payload: bytes | str) -> None:
+        with self._lock:
+            if self._sent:
+                return
+            self._sent = True
+            with contextlib.suppress(OSError):  # the launcher is gone: nobody to tell
+                self._conn.send((ok, payload))
 
 
 def _quiet_resource_tracker() -> None:

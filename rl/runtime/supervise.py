@@ -11,19 +11,19 @@ another's. Once a failure is seen, what the ranks print is kept but no longer sh
 from __future__ import annotations
 
 import contextlib
-import queue
 import signal
 import time
 import uuid
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from multiprocessing import connection
+from typing import TYPE_CHECKING, Any, cast
 
 import psutil
 
 from rl.runtime import tree
 
 if TYPE_CHECKING:
-    from multiprocessing.queues import Queue
+    from multiprocessing.connection import Connection
 
     from rl.runtime.rank_output import RankOutput
 
@@ -51,7 +51,7 @@ class Supervisor:
         self,
         procs: list[Any],
         outputs: list[RankOutput],
-        results: Queue[tuple[int, bool, bytes | str]],
+        results: list[Connection],
         name: Callable[[int], str],
     ):
         self.procs, self.outputs, self.results, self.name = procs, outputs, results, name
@@ -70,16 +70,23 @@ class Supervisor:
         first_failure: float | None = None
         deadline = time.monotonic() + timeout_s
 
+        pending = {conn: rank for rank, conn in enumerate(self.results)}
+
         def take(timeout: float) -> bool:
-            try:
-                rank, ok, payload = self.results.get(timeout=timeout)
-            except queue.Empty:
-                return False
-            if ok:
-                out[rank] = payload  # type: ignore[assignment]
-            else:
-                failed.setdefault(rank, str(payload))
-            return True
+            """Read what is ready within ``timeout``; False if nothing was."""
+            ready = connection.wait(list(pending), timeout)
+            for conn in self.results:
+                if conn not in ready:
+                    continue
+                rank = pending.pop(conn)  # one message per rank, or end-of-file
+                with contextlib.suppress(EOFError, OSError):
+                    ok, payload = conn.recv()
+                    if ok:
+                        out[rank] = cast("bytes", payload)
+                    else:
+                        failed.setdefault(rank, str(payload))
+                conn.close()
+            return bool(ready)
 
         while len(out) < len(self.procs):
             if not take(0.2):

@@ -3,6 +3,7 @@ stop: within seconds, one error naming the rank, and no process of the job left 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -109,3 +110,37 @@ def test_a_signal_to_the_launcher_stops_every_rank_with_one_line(tmp_path, sig, 
     )
     assert took < 5, took
     _assert_gone([p.pid for p in ranks] + _children(tmp_path))
+
+
+def test_a_job_killed_whole_leaves_nothing_in_dev_shm(tmp_path):
+    """SIGKILL to every process of a job at once (an OOM kill of its cgroup, scancel's
+    last step), resource tracker included: nothing of the launcher's is left in
+    /dev/shm. Its result queue left three named semaphores so."""
+    before = set(os.listdir("/dev/shm"))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tests.helpers.spawn_workers", str(tmp_path)],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    deadline = time.monotonic() + 60
+    while len(list(tmp_path.glob("ready.*"))) < 3:
+        assert proc.poll() is None and time.monotonic() < deadline
+        time.sleep(0.1)
+    job = [p for p in psutil.process_iter() if _session(p) == proc.pid]
+    assert len(job) >= 5  # the launcher, its resource tracker, three ranks (and theirs)
+    for p in job:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.kill()
+    proc.wait(timeout=10)
+    _assert_gone([p.pid for p in job])
+    assert set(os.listdir("/dev/shm")) - before == set()
+
+
+def _session(p: psutil.Process) -> int:
+    try:
+        return os.getsid(p.pid)
+    except OSError:
+        return -1

@@ -8,6 +8,6 @@ generator's policy servers and the reward ranks' LLM judge.
 * ``watchdog``: notice a dead or unresponsive server and restart it, within a budget.
 * ``cpu_shim``: what SGLang needs on a CPU-only machine, loaded into each server by a
   ``sitecustomize``: per-request seeds (``cpu_seeds``), batch-invariant products
-  (``cpu_batch_invariant``), the footprint probe (``server_footprint``), forked children
+  (``cpu_batch_invariant``), no tqdm semaphore (``server_footprint``), forked children
   (``cpu_fork``), each a patch applied after its module imports (``after_import``).
 """

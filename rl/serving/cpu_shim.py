@@ -47,7 +47,7 @@ def rotary_embedding(*args, **kwargs):
 # Run by Python at the start of every process of a CPU server (the shim's directory comes
 # first on its path): per-request sampling seeds (rl/serving/cpu_seeds.py), for a
 # deterministic run batch-invariant products (rl/serving/cpu_batch_invariant.py), no
-# store port on every interface nor semaphore left behind
+# semaphore left behind
 # (rl/serving/server_footprint.py), and child processes forked, not spawned
 # (rl/serving/cpu_fork.py).
 SITE = '''"""Written by rl/serving/cpu_shim.py: runs rl/serving/cpu_seeds.py,

@@ -41,13 +41,14 @@ from rl.runtime.net import free_port
 from rl.serving import server_api
 from rl.serving.cpu_shim import server_env
 from rl.serving.server_api import ServerKeys
-from rl.serving.server_footprint import STORE_ENV
 
 if TYPE_CHECKING:
     from rl.config.schema import RolloutConfig
 
 LOG_TAIL_LINES = 40
 GUARD = Path(__file__).with_name("server_guard.py")
+# Read by SGLang's bootstrap (sglang/srt/distributed/bootstrap.py) in every rank.
+INIT_METHOD_ENV = "SGLANG_DISTRIBUTED_INIT_METHOD_OVERRIDE"
 # How long a stopping server may drain before its process group is SIGKILLed.
 STOP_GRACE_S = 20.0
 # Starts of a server on fresh ports when its port was taken before it could bind.
@@ -205,6 +206,12 @@ class Server:
     def key_file(self) -> Path:
         return self.log_path.with_suffix(".keys.yaml")
 
+    @property
+    def store_file(self) -> Path:
+        """Its scheduler's torch.distributed store (absolute: ``file://runs/x`` names host
+        "runs", and the server would wait for its peers forever)."""
+        return self.log_path.with_suffix(".store").absolute()
+
     def log_tail(self, n: int = LOG_TAIL_LINES) -> str:
         try:
             lines = self.log_path.read_text(errors="replace").splitlines()
@@ -334,15 +341,22 @@ class ServerLauncher:
             raise
         return self
 
-    def _spawn(self, s: Server) -> None:
+    def env(self, s: Server) -> dict[str, str]:
+        """The environment server ``s`` starts with."""
         env = {**os.environ, **self.config.env}
         env = server_env(self.config.device, self._shim, env, self.config.threads,
                          batch_invariant=self.config.batch_invariant)  # fmt: skip
-        # The scheduler's torch.distributed store, fresh for each start (a file, not a
-        # port on every interface: rl/serving/server_footprint.py; CPU servers only).
-        store = s.log_path.with_suffix(".store")
-        store.unlink(missing_ok=True)
-        env[STORE_ENV] = str(store.absolute())
+        # The scheduler's torch.distributed store for the server's own ranks, all on this
+        # node: a file, fresh for each start, through SGLang's override of its init
+        # method. SGLang's default, tcp://127.0.0.1:<port>, made torch's TCPStore listen
+        # on every interface whatever the host (tests/servers/test_generator.py found
+        # it on "::"), on CPU and GPU alike.
+        env[INIT_METHOD_ENV] = f"file://{s.store_file}"
+        return env
+
+    def _spawn(self, s: Server) -> None:
+        env = self.env(s)
+        s.store_file.unlink(missing_ok=True)  # fresh for each start
         # -I: the guard imports nothing from here (its own folder would shadow "types").
         guard = [sys.executable, "-I", str(GUARD), "--owner", str(os.getpid())]
         guard += ["--grace", str(STOP_GRACE_S), "--listen", f"{self.config.host}:{s.port}", "--"]

@@ -31,7 +31,7 @@ from rl.generator.weight_payload import (
 )
 from rl.runtime.net import free_port
 from rl.serving import server_api as api
-from rl.serving.launcher import ServerConfig, ServerError
+from rl.serving.launcher import INIT_METHOD_ENV, ServerConfig, ServerError, ServerLauncher
 
 LIMITS = ModelLimits(vocab_size=99, context_len=128, eos_ids=(2,))
 KEYS = api.ServerKeys.random()
@@ -396,6 +396,19 @@ def test_server_config_needs_a_model_dir_and_builds_sglang_flags(tmp_path):
     assert flags["--port"] == "1234" and flags["--device"] == "cpu"
     assert "--skip-tokenizer-init" in argv and "--weight-version" in argv
     assert "--sleep-on-idle" in argv  # idle schedulers must not spin a core each
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_a_server_store_is_a_file_of_its_own_on_every_device(tmp_path, monkeypatch, device):
+    """SGLang's default store, ``tcp://127.0.0.1:<port>``, listens on every interface:
+    each server gets a file store in its log directory instead, a GPU one included (the
+    CPU shim does not run there). That SGLang honours it: tests/servers/test_generator.py
+    finds no socket of a server beyond loopback."""
+    monkeypatch.setenv(INIT_METHOD_ENV, "tcp://0.0.0.0:1")  # one for every server: not used
+    config = ServerConfig(model_path=_model_dir(tmp_path), device=device)
+    launcher = ServerLauncher(config, n=2, log_dir=tmp_path / "logs")
+    got = [launcher.env(s)[INIT_METHOD_ENV] for s in launcher.servers]
+    assert got == [f"file://{tmp_path}/logs/server{i}.store" for i in range(2)]
 
 
 def test_serialize_retries_a_shared_memory_manager_timeout(monkeypatch):

@@ -9,4 +9,7 @@ root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 venv="$("$root/tools/setup_env.sh")"
 export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}"
 nproc="$("$venv/bin/python" -m rl.world_size "$@")"
-exec "$venv/bin/torchrun" --standalone --nproc-per-node "$nproc" -m rl.train "$@"
+# torchrun through rl/runtime/torchrun.py: its stores listen on loopback (--local-addr:
+# the agent store's address), not on every interface.
+exec "$venv/bin/python" -m rl.runtime.torchrun --standalone --local-addr 127.0.0.1 \
+  --nproc-per-node "$nproc" -m rl.train "$@"

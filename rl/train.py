@@ -5,7 +5,7 @@ Launch from the repo root (the README's ``make run`` runs the first line):
     python -m rl.train                                  # embedded default: tiny_arithmetic
     python -m rl.train rl.mode=sync                     # the synchronous baseline
     python -m rl.train experiment=tiny_sft              # supervised warm-up only
-    torchrun --nproc-per-node 5 -m rl.train ...         # ranks started by torchrun / srun
+    python -m rl.runtime.torchrun --nproc-per-node 5 -m rl.train ...  # torchrun / srun
 
 The config is composed and validated here before any rank starts. One launch starts every
 rank; the role map (rl/config/roles.py) makes rank 0 the controller, then come the

@@ -61,6 +61,21 @@ def live_tagged(key: str, value: str) -> list[str]:
     return out
 
 
+def tagged_listeners(key: str, value: str) -> set[tuple[str, str]]:
+    """(address, process name) of every TCP socket listening in a process started with
+    ``key=value`` in its environment (:func:`live_tagged`'s processes)."""
+    out = set()
+    for p in psutil.process_iter(["pid", "name"]):
+        try:
+            if p.environ().get(key) != value:
+                continue
+            conns = p.net_connections(kind="tcp")
+        except psutil.Error:
+            continue
+        out |= {(c.laddr.ip, p.info["name"]) for c in conns if c.status == psutil.CONN_LISTEN}
+    return out
+
+
 def assert_tagged_gone(key: str, value: str, timeout: float = 5.0) -> None:
     deadline = time.monotonic() + timeout
     while alive := live_tagged(key, value):

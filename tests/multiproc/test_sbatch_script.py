@@ -92,6 +92,7 @@ def test_each_node_starts_the_planned_ranks_and_each_rank_finds_its_role(
     for node, node_ranks, argv in agents:
         assert node_ranks == "0,1,2;3,4"
         args = argv.split()
+        assert args[:2] == ["-m", "rl.runtime.torchrun"]  # its stores bound to one address
         started = int(args[args.index("--nproc-per-node") + 1])
         assert args[-3:] == [
             "rl.train",

@@ -7,7 +7,10 @@ import os
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
+
+from tests.helpers.procs import tagged_listeners
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -67,30 +70,29 @@ def test_hydra_typo_fails_before_any_rank_starts():
     assert "starting" not in res.stdout
 
 
-def test_torchrun_launch_runs_the_same_job(tmp_path):
-    """launch/local.sh: the rank count comes from the config, torchrun starts the ranks."""
-    out = tmp_path / "run"
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    res = subprocess.run(
-        [
-            str(ROOT / "launch" / "local.sh"),
-            "experiment=tiny_sft",
-            "trainer.tp=1",
-            "trainer.dp=2",
-            "sft.steps=3",
-            "task.eval_size=64",
-            f"run.output_dir={out}",
-        ],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert res.returncode == 0, res.stderr[-3000:]
-    assert "[warmup] step 3/3" in res.stdout
-    assert "starting" not in res.stdout  # ranks came from torchrun, not our spawner
+def test_torchrun_launch_runs_the_same_job_listening_on_loopback_only(tmp_path):
+    """launch/local.sh: the rank count comes from the config, torchrun starts the ranks,
+    and no process of the job listens beyond loopback. torchrun's own stores, the
+    rendezvous store and the agent store the ranks share, listened on every interface
+    before rl/runtime/torchrun.py bound them."""
+    out, tag = tmp_path / "run", uuid.uuid4().hex
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "MSRL_TEST_TAG": tag}
+    cmd = [str(ROOT / "launch" / "local.sh"), "experiment=tiny_sft", "trainer.tp=1",
+           "trainer.dp=2", "sft.steps=3", "task.eval_size=64", f"run.output_dir={out}"]  # fmt: skip
+    with subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True) as proc:  # fmt: skip
+        listening: set[tuple[str, str]] = set()
+        deadline = time.monotonic() + 600
+        while proc.poll() is None and time.monotonic() < deadline:
+            listening |= tagged_listeners("MSRL_TEST_TAG", tag)
+            time.sleep(0.2)
+        stdout, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 0, stderr[-3000:]
+    assert "[warmup] step 3/3" in stdout
+    assert "starting" not in stdout  # ranks came from torchrun, not our spawner
     assert (out / "checkpoint" / "metadata.json").exists()
+    assert {name for _, name in listening} >= {"python"}, listening  # torchrun's stores
+    assert {ip for ip, _ in listening} == {"127.0.0.1"}, listening
 
 
 def test_world_size_helper_rejects_bad_config():

@@ -4,8 +4,11 @@
 Examples (from the repo root, with the project venv):
 
     python tools/convert_hf_to_mcore.py --hf-dir ./llama --out ./llama-mcore --tp 2 --pp 2
-    torchrun --nproc-per-node 4 tools/convert_hf_to_mcore.py --hf-dir ... --tp 2 --pp 2
-    srun torchrun ... tools/convert_hf_to_mcore.py ...          # on SLURM, one rank per task
+    python -m rl.runtime.torchrun --nproc-per-node 4 tools/convert_hf_to_mcore.py --tp 2 ...
+    srun python -m rl.runtime.torchrun ... tools/convert_hf_to_mcore.py ...   # on SLURM
+
+(``rl.runtime.torchrun`` is torchrun with its stores on one address, not every interface;
+plain ``torchrun`` works as well.)
 
 Without a launcher it starts tp*pp local ranks itself. The output loads into the trainer
 at any TP/PP (``trainer.load_dir=...``) and carries the model config and the original

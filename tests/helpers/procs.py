@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import subprocess
 import time
+from collections.abc import Mapping, Sequence
 
 import psutil
 
@@ -61,19 +63,43 @@ def live_tagged(key: str, value: str) -> list[str]:
     return out
 
 
-def tagged_listeners(key: str, value: str) -> set[tuple[str, str]]:
-    """(address, process name) of every TCP socket listening in a process started with
-    ``key=value`` in its environment (:func:`live_tagged`'s processes)."""
+def tree_listeners(pid: int) -> set[tuple[str, str]]:
+    """(address, process name) of every TCP socket listening in process ``pid`` or one of
+    its descendants (by parent links: SGLang's processes rewrite their environment with
+    their titles, so a tag there does not find them)."""
     out = set()
-    for p in psutil.process_iter(["pid", "name"]):
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.Error:
+        return out
+    for p in procs:
         try:
-            if p.environ().get(key) != value:
-                continue
             conns = p.net_connections(kind="tcp")
+            name = p.name()
         except psutil.Error:
             continue
-        out |= {(c.laddr.ip, p.info["name"]) for c in conns if c.status == psutil.CONN_LISTEN}
+        out |= {(c.laddr.ip, name) for c in conns if c.status == psutil.CONN_LISTEN}
     return out
+
+
+def run_listening(
+    cmd: Sequence[str], cwd: str | os.PathLike[str], env: Mapping[str, str], timeout: float
+) -> tuple[subprocess.CompletedProcess, set[tuple[str, str]]]:
+    """Run ``cmd`` to the end, as ``subprocess.run(capture_output=True, text=True)``, and
+    sample every TCP listener of it and of its descendants every 0.2 s meanwhile."""
+    listening: set[tuple[str, str]] = set()
+    with subprocess.Popen(list(cmd), cwd=cwd, env=dict(env), stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True) as proc:  # fmt: skip
+        deadline = time.monotonic() + timeout
+        while proc.poll() is None:
+            if time.monotonic() > deadline:
+                proc.kill()
+                raise subprocess.TimeoutExpired(list(cmd), timeout)
+            listening |= tree_listeners(proc.pid)
+            time.sleep(0.2)
+        out, err = proc.communicate()
+    return subprocess.CompletedProcess(list(cmd), proc.returncode, out, err), listening
 
 
 def assert_tagged_gone(key: str, value: str, timeout: float = 5.0) -> None:

@@ -7,10 +7,9 @@ import os
 import subprocess
 import sys
 import time
-import uuid
 from pathlib import Path
 
-from tests.helpers.procs import tagged_listeners
+from tests.helpers.procs import run_listening
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -75,21 +74,14 @@ def test_torchrun_launch_runs_the_same_job_listening_on_loopback_only(tmp_path):
     and no process of the job listens beyond loopback. torchrun's own stores, the
     rendezvous store and the agent store the ranks share, listened on every interface
     before rl/runtime/torchrun.py bound them."""
-    out, tag = tmp_path / "run", uuid.uuid4().hex
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "MSRL_TEST_TAG": tag}
+    out = tmp_path / "run"
     cmd = [str(ROOT / "launch" / "local.sh"), "experiment=tiny_sft", "trainer.tp=1",
            "trainer.dp=2", "sft.steps=3", "task.eval_size=64", f"run.output_dir={out}"]  # fmt: skip
-    with subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                          stderr=subprocess.PIPE, text=True) as proc:  # fmt: skip
-        listening: set[tuple[str, str]] = set()
-        deadline = time.monotonic() + 600
-        while proc.poll() is None and time.monotonic() < deadline:
-            listening |= tagged_listeners("MSRL_TEST_TAG", tag)
-            time.sleep(0.2)
-        stdout, stderr = proc.communicate(timeout=60)
-    assert proc.returncode == 0, stderr[-3000:]
-    assert "[warmup] step 3/3" in stdout
-    assert "starting" not in stdout  # ranks came from torchrun, not our spawner
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    res, listening = run_listening(cmd, ROOT, env, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "[warmup] step 3/3" in res.stdout
+    assert "starting" not in res.stdout  # ranks came from torchrun, not our spawner
     assert (out / "checkpoint" / "metadata.json").exists()
     assert {name for _, name in listening} >= {"python"}, listening  # torchrun's stores
     assert {ip for ip, _ in listening} == {"127.0.0.1"}, listening

@@ -22,6 +22,8 @@ from pathlib import Path
 
 import psutil
 
+from tests.helpers.procs import run_listening
+
 ROOT = Path(__file__).resolve().parents[2]
 SHORT = ["sft.steps=5", "sft.eval_every=5", "task.eval_size=32", "rl.prompts_per_step=8"]
 PER_STEP = (
@@ -84,13 +86,18 @@ def _semaphores() -> set[str]:
 
 def test_async_job_streams_rollouts_within_the_lag_bound(tmp_path):
     """With two minibatches per batch (algorithm.minibatches), as a user turns sample
-    reuse on. The run leaves no named semaphore behind."""
+    reuse on. No process of the job listens beyond loopback (the job's store, the SGLang
+    server's HTTP port and its scheduler's store: each was once on every interface), and
+    the run leaves no named semaphore behind."""
     out = tmp_path / "run"
     semaphores = _semaphores()
-    res = _run(*SHORT, "rl.steps=6", "rl.eval_every=3", "rollout.segment_tokens=2",
-               "algorithm.minibatches=2", "trainer.micro_batch_size=32",
-               f"run.output_dir={out}")  # fmt: skip
+    cmd = [sys.executable, "-m", "rl.train", *SHORT, "rl.steps=6", "rl.eval_every=3",
+           "rollout.segment_tokens=2", "algorithm.minibatches=2",
+           "trainer.micro_batch_size=32", f"run.output_dir={out}"]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    res, listening = run_listening(cmd, ROOT, env, timeout=900)
     assert res.returncode == 0, res.stderr[-4000:]
+    assert {ip for ip, _ in listening} == {"127.0.0.1"}, listening  # the store and HTTP
     assert "controller 1 + trainer 2 + generator 1 + reward 1 = 5 ranks" in res.stdout
     lines = [ln for ln in res.stdout.splitlines() if ln.startswith("[rl] step")]
     assert [ln.split()[2] for ln in lines] == [f"{i}/6" for i in range(1, 7)], res.stdout

@@ -20,6 +20,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from rl.runtime.net import listening_socket
+
 HOST_BACKEND = "gloo"
 CUDA_BACKEND = "cpu:gloo,cuda:nccl"
 
@@ -63,14 +65,14 @@ def join(
         PrefixStore,
         _new_process_group_helper,
         _world,
-        rendezvous,
     )
 
     timeout = timedelta(seconds=timeout_s)
-    store, rank, world_size = next(
-        rendezvous(f"tcp://{address}:{port}", rank, world_size, timeout=timeout)
-    )
-    store.set_timeout(timeout)
+    # SGLang's ranks join through torch's tcp:// rendezvous; rank 0 hosts its store on a
+    # socket of its own, bound to ``address``: torch's would listen on every interface.
+    fd = listening_socket(address, port)[0] if rank == 0 else None
+    store = dist.TCPStore(address, port, world_size, rank == 0, timeout, multi_tenant=True,
+                          master_listen_fd=fd)  # fmt: skip
     pg, _ = _new_process_group_helper(
         world_size,
         rank,

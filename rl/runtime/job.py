@@ -12,7 +12,6 @@ controller only through :class:`~rl.runtime.channel.Channel` queues.
 from __future__ import annotations
 
 import os
-import socket
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -21,6 +20,7 @@ from typing import TYPE_CHECKING
 
 from rl.config.roles import NODE_RANKS_ENV, RoleError, RoleMap, parse_node_ranks
 from rl.runtime.channel import Channel
+from rl.runtime.net import listening_socket
 
 if TYPE_CHECKING:
     from torch.distributed import Store
@@ -95,9 +95,8 @@ def job_store(rank: int, world: int, timeout: timedelta) -> Store:
     if rank != 0 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
         return next(dist.rendezvous("env://", timeout=timeout))[0]
     host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
-    sock = socket.create_server((host, port), backlog=1024)
-    # The store owns the descriptor from here: detached, Python never closes it.
-    return dist.TCPStore(host, port, world, True, timeout, master_listen_fd=sock.detach())
+    fd, port = listening_socket(host, port)
+    return dist.TCPStore(host, port, world, True, timeout, master_listen_fd=fd)
 
 
 def join(cfg: RootConfig, device: str = "cpu") -> Job:

@@ -50,6 +50,17 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def listening_socket(host: str, port: int) -> tuple[int, int]:
+    """A socket listening at ``port`` (0: one the kernel picks) on the first address
+    ``host`` resolves to, detached for a torch TCPStore to own (``master_listen_fd``):
+    (its descriptor, its port). Why: given only a host, torch's TCPStore server listens
+    on every interface. Raises OSError when the port is taken."""
+    family, _, _, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.create_server((addr[0], port), family=family, backlog=1024)
+    port = sock.getsockname()[1]
+    return sock.detach(), port
+
+
 def host_address() -> str:
     """This host's address as other nodes reach it (MSRL_HOST_ADDRESS overrides it, e.g.
     for a node whose hostname resolves to the wrong interface)."""

@@ -27,20 +27,21 @@ import sys
 from datetime import timedelta
 from typing import Any
 
+from rl.runtime.net import listening_socket
+
 HOST_ENV = "MSRL_HOST_ADDRESS"
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
 _job = {"nodes": 1}  # --nnodes' maximum, from main()
 _warned: set[str] = set()
 
 
-def bind_address(host: str) -> tuple[socket.AddressFamily, str]:
+def bind_address(host: str) -> str:
     """Where a store named by ``host`` listens: ``MSRL_HOST_ADDRESS`` for this node's own
     name, else the first address ``host`` resolves to."""
     override = os.environ.get(HOST_ENV)
     if override and host not in LOOPBACK_NAMES:
         host = override
-    family, _, _, _, addr = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)[0]
-    return family, str(addr[0])
+    return str(socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)[0][4][0])
 
 
 def bound_store(
@@ -55,14 +56,12 @@ def bound_store(
     import torch.distributed as dist
 
     if is_master and kw.get("master_listen_fd") is None:
-        family, addr = bind_address(host_name)
+        addr = bind_address(host_name)
         try:
-            sock = socket.create_server((addr, port), family=family, backlog=1024)
+            kw["master_listen_fd"], port = listening_socket(addr, port)
         except OSError:
             pass  # taken: torch says so in its own words, which its callers expect
         else:
-            port = sock.getsockname()[1]  # port 0: the one the kernel chose
-            kw["master_listen_fd"] = sock.detach()  # the store owns it from here
             _warn_if_unreachable(host_name, addr)
     return dist.TCPStore(host_name, port, world_size, is_master, timeout, **kw)
 

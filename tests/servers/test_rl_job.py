@@ -59,6 +59,12 @@ def _run(*args: str, env: dict | None = None, timeout: float = 900) -> subproces
     )
 
 
+def _run_listening(*args: str) -> tuple[subprocess.CompletedProcess, set[tuple[str, str]]]:
+    """:func:`_run`, and every TCP listener of the job's processes while it ran."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return run_listening([sys.executable, "-m", "rl.train", *args], ROOT, env, timeout=900)
+
+
 def _records(out: Path, phase: str) -> list[dict]:
     recs = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     return [r for r in recs if r["phase"] == phase]
@@ -91,11 +97,10 @@ def test_async_job_streams_rollouts_within_the_lag_bound(tmp_path):
     the run leaves no named semaphore behind."""
     out = tmp_path / "run"
     semaphores = _semaphores()
-    cmd = [sys.executable, "-m", "rl.train", *SHORT, "rl.steps=6", "rl.eval_every=3",
-           "rollout.segment_tokens=2", "algorithm.minibatches=2",
-           "trainer.micro_batch_size=32", f"run.output_dir={out}"]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    res, listening = run_listening(cmd, ROOT, env, timeout=900)
+    res, listening = _run_listening(
+        *SHORT, "rl.steps=6", "rl.eval_every=3", "rollout.segment_tokens=2",
+        "algorithm.minibatches=2", "trainer.micro_batch_size=32", f"run.output_dir={out}",
+    )  # fmt: skip
     assert res.returncode == 0, res.stderr[-4000:]
     assert {ip for ip, _ in listening} == {"127.0.0.1"}, listening  # the store and HTTP
     assert "controller 1 + trainer 2 + generator 1 + reward 1 = 5 ranks" in res.stdout
@@ -130,9 +135,11 @@ def test_sync_job_trains_on_exactly_the_sampled_distribution(tmp_path):
     SGLang's behaviour log-prob, so the train/rollout mismatch is numerical noise. With a
     KL penalty the reference is the policy RL started from: KL 0 at the first step only.
     The weights go point to point with the bytes through shared memory (transport p2p_shm; the
-    other jobs here use ipc)."""
+    other jobs here use ipc), through a DDMA group whose store trainer rank 0 binds to
+    loopback: no listener of the job beyond it (torch's tcp:// rendezvous listened on
+    every interface)."""
     out = tmp_path / "run"
-    res = _run(
+    res, listening = _run_listening(
         *SHORT,
         "rollout.weight_sync.transport=p2p_shm",
         "sft.steps=150",  # some answers right (~6%), so most batches have a gradient
@@ -147,6 +154,7 @@ def test_sync_job_trains_on_exactly_the_sampled_distribution(tmp_path):
         f"run.output_dir={out}",
     )
     assert res.returncode == 0, res.stderr[-4000:]
+    assert {ip for ip, _ in listening} == {"127.0.0.1"}, listening
     steps = _records(out, "rl")
     assert len(steps) == 3
     for r in steps:

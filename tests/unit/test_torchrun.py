@@ -40,9 +40,9 @@ def test_a_taken_port_fails_as_torchs_store_fails():
 
 
 def test_the_host_address_override_names_where_this_nodes_stores_listen(monkeypatch):
-    assert torchrun.bind_address("localhost")[1] == "127.0.0.1"
+    assert torchrun.bind_address("localhost") == "127.0.0.1"
     monkeypatch.setenv(torchrun.HOST_ENV, "127.0.0.1")
-    assert torchrun.bind_address("node7.example")[1] == "127.0.0.1"
+    assert torchrun.bind_address("node7.example") == "127.0.0.1"
 
 
 def test_a_store_other_hosts_cannot_reach_is_named_once(monkeypatch, capsys):

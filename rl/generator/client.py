@@ -71,6 +71,10 @@ class ServerLost(ServerError):
 # The requests a lost server held fail together, within milliseconds: their re-queues are
 # counted for this long, then reported in one line per lost server.
 REQUEUE_REPORT_S = 0.5
+# A server marked unreachable by a failed request is asked this often whether it answers
+# again (each ask waits this long for the answer).
+PROBE_S = 5.0
+PROBE_TIMEOUT_S = 5.0
 
 
 class GeneratorClient:
@@ -100,6 +104,13 @@ class GeneratorClient:
         self._max_in_flight = max_in_flight
         self._in_flight = [0] * len(urls)
         self._dead: set[int] = set()
+        # Dead on the word of the server's generator rank (being restarted): only revive()
+        # routes to it again. The others in _dead are probed (_probe_lost).
+        self._held: set[int] = set()
+        self._probe: asyncio.Future | None = None
+        self._dead_at: dict[int, int] = {}  # the client's version when a request failed
+        self._updating = False  # update_weights is under way: no server comes back now
+        self.revived = 0  # unreachable servers that answered again
         # Live but behind: restarted with its checkpoint's weights. Not given rollouts until
         # update_weights brings it to the client's version.
         self._stale: set[int] = set()
@@ -352,14 +363,18 @@ class GeneratorClient:
         return set(self._dead)
 
     def mark_dead(self, server: int) -> None:
-        """Route nothing to ``server`` (its rank reported a restart: its weights are old)."""
+        """Route nothing to ``server`` until :meth:`revive` (its rank reported it lost or
+        restarted: its weights are old)."""
+        self._held.add(server)
         self._dead.add(server)
 
     def revive(self, server: int) -> None:
         """Route to ``server`` again once it reports the current version (a restarted
         server that was given the current weights)."""
         got = self._call(self._version_of(server))
+        self._held.discard(server)
         self._dead.discard(server)
+        self._dead_at.pop(server, None)
         if got == self.version:
             self._stale.discard(server)
         else:
@@ -377,7 +392,8 @@ class GeneratorClient:
         """Fault counters since the client started."""
         waiting = time.monotonic() - self._no_server_since if self._no_server_since else 0.0
         return {"requeued_rollouts": float(self.requeued),
-                "no_server_s": self.no_server_s + waiting}  # fmt: skip
+                "no_server_s": self.no_server_s + waiting,
+                "revived_servers": float(self.revived)}  # fmt: skip
 
     def _live(self) -> list[int]:
         return [i for i in range(len(self.urls)) if i not in self._dead]
@@ -390,7 +406,40 @@ class GeneratorClient:
             if e.answered:
                 raise ServerError(str(e)) from e
             self._dead.add(server)
+            self._dead_at.setdefault(server, self.version)
+            if self._probe is None or self._probe.done():
+                self._probe = asyncio.ensure_future(self._probe_lost())
             raise self._failure(server, e) from e
+
+    async def _probe_lost(self) -> None:
+        """Every :data:`PROBE_S`, ask each server a failed request marked dead (not one its
+        rank is restarting) for its version; one that answers gets rollouts again once a
+        weight update reaches it (it is behind until then, whatever it reports: the
+        version may move while it answers). Why: a request fails without its server being
+        down (its ``request_timeout`` under load, a reset connection), and the server's
+        watchdog restarts only a server that fails its health checks; such a server was
+        left out for the rest of the run. One that reports an older version than the
+        client had when it failed was restarted: its rank reports that, and the recovery
+        brings it back."""
+        while self._dead - self._held:
+            await asyncio.sleep(PROBE_S)
+            for i in sorted(self._dead - self._held):
+                call = api.acall(self._session, self.urls[i], api.model_info(), self.keys)
+                try:
+                    got = api.weight_version(await asyncio.wait_for(call, PROBE_TIMEOUT_S))
+                except (api.CallError, TimeoutError, ValueError, KeyError):
+                    continue
+                if self._updating or i in self._held or i not in self._dead:
+                    continue
+                if got < self._dead_at.get(i, got):
+                    continue
+                self._stale.add(i)  # first: never neither dead nor behind
+                self._dead.discard(i)
+                self._dead_at.pop(i, None)
+                self.revived += 1
+                print(f"[generator] generator server {i} ({self.urls[i]}) answers again at "
+                      f"weight version {got}: rollouts once the next weight update reaches "
+                      f"it", flush=True)  # fmt: skip
 
     def _failure(self, server: int, err: api.CallError) -> ServerLost:
         if self.launcher is not None:
@@ -489,6 +538,13 @@ class GeneratorClient:
             pair = cast("tuple[str, torch.Tensor]", first)
             pairs = itertools.chain([pair], cast("Iterator[tuple[str, torch.Tensor]]", items))
             packs = map(FlatBucket.pack, buckets(pairs, bucket_bytes))
+        self._updating = True  # the servers it starts with are the ones it checks at the end
+        try:
+            self._update(packs, version)
+        finally:
+            self._updating = False
+
+    def _update(self, packs: Iterator[FlatBucket], version: int) -> None:
         self.pause("retract")
         ok = False
         try:
@@ -525,11 +581,12 @@ class GeneratorClient:
         ``serving``: the servers the caller knows serve ``version`` (a commit each of them
         confirmed); the others are behind. Saves asking every server on the step's
         critical path."""
+        # Every server not known to serve ``version`` is behind, dead ones included: one
+        # that comes back meanwhile (_probe_lost) must not become routable here.
         if serving is None:
             got = self._versions()
-            behind = {i for i, v in got.items() if v != version}
-        else:
-            behind = {i for i in range(len(self.urls)) if i not in serving}
+            serving = [i for i, v in got.items() if v == version]
+        behind = {i for i in range(len(self.urls)) if i not in serving}
         self.version = version
         self._stale = behind
         self._routable()

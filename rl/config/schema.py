@@ -150,6 +150,14 @@ class TrainerConfig:
     # longest sequence) instead of micro_batch_size rows; null: micro_batch_size rows.
     max_tokens_per_microbatch: int | None = None
     lora: LoraConfig = field(default_factory=LoraConfig)
+    # Megatron's sequence parallelism with tp > 1: the norms' inputs and the residual
+    # stream split over the TP ranks too, each holding 1/tp of the sequence (a
+    # Mixture-of-Experts model has it with tp > 1 either way: Megatron-Core requires it).
+    sequence_parallel: bool = False
+    # Activation recomputation: none keeps each layer's activations for the backward;
+    # full keeps only each layer's input and runs the layer's forward again in the
+    # backward (Megatron's recompute_granularity=full, uniform, one layer per checkpoint).
+    recompute: str = "none"
 
 
 @dataclass

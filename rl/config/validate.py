@@ -35,6 +35,7 @@ DEVICES = ("cpu", "cuda")
 # trainer.lora.targets: attention's fused QKV and output, the MLP's fused gate/up and down
 LORA_TARGETS = ("qkv", "proj", "fc1", "fc2")
 DECAY_STYLES = ("constant", "linear", "cosine")
+RECOMPUTE = ("none", "full")  # trainer.recompute
 
 
 def validate_optim(where: str, o: OptimConfig) -> None:
@@ -72,6 +73,13 @@ def validate_trainer_fields(t: TrainerConfig) -> None:
         f"exchange one fixed micro-batch shape), not trainer.pp={t.pp}",
     )
     require(t.save_interval >= 0, f"trainer.save_interval={t.save_interval} must be >= 0")
+    require(
+        t.recompute in RECOMPUTE, f"trainer.recompute={t.recompute!r} must be one of {RECOMPUTE}"
+    )
+    require(
+        isinstance(t.sequence_parallel, bool),
+        f"trainer.sequence_parallel={t.sequence_parallel!r} must be true or false",
+    )
     validate_lora(t.lora)
 
 

@@ -14,7 +14,7 @@ from rl.config.schema import SIZE_FIELDS
 from rl.config.validate import validate_batch, validate_trainer_fields
 from rl.models import registry
 from rl.models.arch import kv_channels
-from rl.models.shapes import padded_vocab_size
+from rl.models.shapes import padded_vocab_size, sequence_parallel
 
 if TYPE_CHECKING:
     from rl.config.schema import ModelConfig, TrainerConfig
@@ -114,9 +114,10 @@ def validate_trainer(t: TrainerConfig, m: ModelConfig) -> None:
         "with model.num_experts target qkv and proj only",
     )
     require(
-        not (t.lora.rank and m.num_experts and t.tp > 1),
-        f"trainer.lora.rank={t.lora.rank} with trainer.tp={t.tp} on a Mixture-of-Experts "
-        "model: adapters under sequence parallelism are not built (use trainer.tp=1)",
+        not (t.lora.rank and sequence_parallel(m, t.tp, t.sequence_parallel)),
+        f"trainer.lora.rank={t.lora.rank} with trainer.tp={t.tp} under sequence parallelism "
+        f"({'a Mixture-of-Experts model' if m.num_experts else 'trainer.sequence_parallel'}"
+        "): adapters there are not built (use trainer.tp=1)",
     )
     require(
         t.ep == 1 or m.num_experts > 0,

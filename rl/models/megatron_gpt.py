@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from megatron_patches import cuda_to_cpu
 from rl.config.dtypes import torch_dtype
-from rl.models.shapes import kv_channels, padded_vocab_size
+from rl.models.shapes import kv_channels, padded_vocab_size, sequence_parallel
 
 if TYPE_CHECKING:  # Megatron is imported only after megatron_patches.apply_all
     from megatron.core.models.gpt import GPTModel
@@ -62,8 +62,8 @@ def transformer_config(
         init_method_std=m.init_method_std,
         tensor_model_parallel_size=t.tp,
         pipeline_model_parallel_size=t.pp,
-        # Megatron-Core refuses to train MoE with TP but without sequence parallelism.
-        sequence_parallel=bool(m.num_experts) and t.tp > 1,
+        sequence_parallel=sequence_parallel(m, t.tp, t.sequence_parallel),
+        **recompute_options(t.recompute),
         params_dtype=dtype,
         pipeline_dtype=dtype,
         bf16=dtype == torch.bfloat16,
@@ -81,6 +81,14 @@ def transformer_config(
         gradient_accumulation_fusion=False,
         cross_entropy_loss_fusion=False,
     )
+
+
+def recompute_options(recompute: str) -> dict[str, object]:
+    """TransformerConfig fields of ``trainer.recompute``: ``full`` checkpoints every layer
+    on its own (the layer's input is kept; its forward runs again in the backward)."""
+    if recompute == "none":
+        return {}
+    return dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
 
 
 def moe_options(m: ModelConfig, t: TrainerConfig) -> dict[str, object]:

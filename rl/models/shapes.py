@@ -15,6 +15,7 @@ __all__ = [
     "lora_layer_params",
     "padded_vocab_size",
     "param_count",
+    "sequence_parallel",
 ]
 
 # trainer.lora target -> (input width, output width, column-parallel): rl/models/lora.py
@@ -50,3 +51,10 @@ def lora_layer_params(m: ModelShape, rank: int, targets: list[str], tp: int = 1)
         n_in, n_out, column = LORA_SHAPES[target](m.hidden_size, q, kv, m.ffn_hidden_size)
         total += rank * ((n_in + n_out // tp) if column else (n_in // tp + n_out))
     return total
+
+
+def sequence_parallel(m: ModelShape, tp: int, asked: bool) -> bool:
+    """Whether the trainer runs Megatron's sequence parallelism: with ``tp`` > 1 when
+    ``trainer.sequence_parallel`` asks for it, and always for a Mixture-of-Experts model
+    (Megatron-Core refuses to train one with TP but without it)."""
+    return tp > 1 and (asked or bool(m.num_experts))

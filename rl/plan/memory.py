@@ -15,9 +15,9 @@ Trainer GPU of pipeline stage p (P = its parameters, on this TP rank):
 * activations ``b * s * layers_per_stage * min(pp - p, microbatches) * a`` with b the
   micro-batch, s the sequence (``rollout.context_length``, else the model's maximum) and
   1F1B keeping ``pp - p`` micro-batches in flight on stage p. Per token and layer,
-  ``a = w * (4h + (2q + 2kv + 3f) / tp)`` bytes: without sequence parallelism or
-  recomputation (a dense model enables neither) the two norm inputs and the two
-  column-parallel inputs (4h) are replicated across TP; the q/k/v tensors and the
+  ``a = w * (4h + (2q + 2kv + 3f) / tp)`` bytes: without sequence parallelism
+  (``trainer.sequence_parallel``) the two norm inputs and the two column-parallel inputs
+  (4h) are replicated across TP, with it they are split too; the q/k/v tensors and the
   attention output kept by fused (flash) attention (2q + 2kv) and SwiGLU's gate, up and
   output (3f) are split. No s^2 term: Transformer Engine's fused attention keeps no score
   matrix. An MoE layer (rl/models/megatron_gpt.py) differs in three ways: f is what one
@@ -25,7 +25,10 @@ Trainer GPU of pipeline stage p (P = its parameters, on this TP rank):
   their input, on average (even routing) k copies of each token the all-to-all brings
   them (``k * h``, whole: with TP the dispatcher gathers the sequence, as the experts are
   split over TP too); and with TP > 1 sequence parallelism is on (Megatron-Core requires
-  it for MoE), which splits the 4h too: ``a = w * (k * h + (4h + 2q + 2kv + 3f) / tp)``;
+  it for MoE), which splits the 4h too: ``a = w * (k * h + (4h + 2q + 2kv + 3f) / tp)``.
+  With ``trainer.recompute=full`` a layer keeps only its input, ``w * h`` (``/ tp`` under
+  sequence parallelism), in place of ``a``, and the backward brings one layer's ``a``
+  back at a time: ``tokens * a`` once per stage;
 * with LoRA (``trainer.lora.rank``) the adapters' parameters A join the weights, and the
   grads and Adam hold A alone (the base is frozen); a push merges one targeted shard at a
   time into a temporary (the largest, ``w`` bytes an element), counted with the buffers;
@@ -57,6 +60,7 @@ from rl.models.shapes import (
     layer_param_count,
     lora_layer_params,
     padded_vocab_size,
+    sequence_parallel,
 )
 
 if TYPE_CHECKING:
@@ -141,18 +145,38 @@ def stage_expert_params(m: ModelConfig, tp: int, pp: int, ep: int = 1) -> int:
     return (m.num_layers // pp) * (expert_count(Dims.of(m)) // (tp * ep))
 
 
-def activation_bytes_per_token_layer(m: ModelConfig, tp: int, itemsize: int) -> int:
-    """``w * (4h + (2q + 2kv + 3f) / tp)``: see the module docstring. For an MoE layer f is
-    what one token goes through (top-k experts plus the shared expert), the routed experts
-    keep their k copies of the token (``k * h``, not split), and with TP > 1 sequence
-    parallelism splits the 4h."""
+def activation_bytes_per_token_layer(
+    m: ModelConfig, tp: int, itemsize: int, sp: bool = False
+) -> int:
+    """``w * (4h + (2q + 2kv + 3f) / tp)``: see the module docstring; with sequence
+    parallelism (``sp``) the 4h is split too. For an MoE layer f is what one token goes
+    through (top-k experts plus the shared expert), and the routed experts keep their k
+    copies of the token (``k * h``, not split)."""
     h, q = m.hidden_size, m.num_attention_heads * kv_channels(m)
     kv = m.num_query_groups * kv_channels(m)
+    replicated = 0 if sp else 4 * h
+    split = 2 * q + 2 * kv + (4 * h if sp else 0)
     if not m.num_experts:
-        return itemsize * (4 * h + (2 * q + 2 * kv + 3 * m.ffn_hidden_size) // tp)
+        return itemsize * (replicated + (split + 3 * m.ffn_hidden_size) // tp)
     k, d = m.moe_router_topk, Dims.of(m)  # Dims: the expert widths as ints
     f = k * d.moe_ffn + d.shared_ffn
-    return itemsize * (k * h + (4 * h + 2 * q + 2 * kv + 3 * f) // tp)
+    return itemsize * (k * h + replicated + (split + 3 * f) // tp)
+
+
+def activation_bytes(cfg: RootConfig, stage: int) -> int:
+    """Stage ``stage``'s activations: ``tokens * layers * in_flight * a`` (see the module
+    docstring); with ``trainer.recompute=full`` each layer keeps its input alone
+    (``w * h``, over TP with sequence parallelism) and one layer's whole ``a`` is back
+    while the backward recomputes it."""
+    m, t = cfg.model, cfg.trainer
+    w = dtypes.itemsize(t.params_dtype)
+    sp = sequence_parallel(m, t.tp, t.sequence_parallel)
+    tokens = t.micro_batch_size * sequence_length(cfg)
+    kept = tokens * (m.num_layers // t.pp) * min(t.pp - stage, microbatches(cfg))
+    a = activation_bytes_per_token_layer(m, t.tp, w, sp)
+    if t.recompute == "none":
+        return kept * a
+    return kept * w * m.hidden_size // (t.tp if sp else 1) + tokens * a
 
 
 def microbatches(cfg: RootConfig) -> int:
@@ -182,9 +206,7 @@ def trainer_gpu(cfg: RootConfig, stage: int, dp: int | None = None) -> TrainerGP
     shards = dp if t.use_distributed_optimizer else 1
     expert_shards = max(1, shards // t.ep)
     tokens = t.micro_batch_size * sequence_length(cfg)
-    in_flight = min(t.pp - stage, microbatches(cfg))
-    layers = m.num_layers // t.pp
-    acts = tokens * layers * in_flight * activation_bytes_per_token_layer(m, t.tp, w)
+    acts = activation_bytes(cfg, stage)
     logits = tokens * (padded_vocab_size(m) // t.tp) * (w + 8) if stage == t.pp - 1 else 0
     syncing = cfg.rl.steps > 0
     merged = max(_merged_shards(m, t)) if adapters else 0

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
+from rl.models.shapes import sequence_parallel
 from rl.plan.cluster import ClusterPlan
 from rl.plan.memory import GIB, microbatches, stage_expert_params
 
@@ -147,7 +148,8 @@ def render(plan: ClusterPlan, cfg: RootConfig) -> str:
         f"  weights {fmt_bytes(g.weights)} + grads {fmt_bytes(g.grads)} + Adam "
         f"{fmt_bytes(g.optimizer)}{dist} + activations {fmt_bytes(g.activations)} "
         f"({t.micro_batch_size}x{plan.sequence} tokens x {cfg.model.num_layers // t.pp} layers x "
-        f"{in_flight} in flight) + logits {fmt_bytes(g.logits)} + reference "
+        f"{in_flight} in flight{_activation_options(cfg)}) + logits {fmt_bytes(g.logits)} "
+        "+ reference "
         f"{fmt_bytes(g.reference)} + DDMA buckets {fmt_bytes(g.buffers)} + overhead "
         f"{fmt_bytes(g.overhead)} = {fmt_bytes(g.total)}",
     ]
@@ -236,3 +238,12 @@ def to_json(plan: ClusterPlan) -> dict[str, Any]:
         "fits": plan.fits,
         "problems": plan.problems,
     }
+
+
+def _activation_options(cfg: RootConfig) -> str:
+    """What shrinks the activations: recomputation, sequence parallelism."""
+    t = cfg.trainer
+    out = ", layer inputs kept, recomputed" if t.recompute == "full" else ""
+    if sequence_parallel(cfg.model, t.tp, t.sequence_parallel):
+        out += ", sequence parallel"
+    return out

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from rl.models.shapes import sequence_parallel
 from rl.plan.memory import sequence_length
 
 if TYPE_CHECKING:
@@ -39,6 +40,13 @@ def can_raise_tp(cfg: RootConfig) -> bool:
     return 2 * tp <= cfg.cluster.gpus_per_node and m.num_query_groups % (2 * tp) == 0
 
 
+def can_split_sequence(cfg: RootConfig) -> bool:
+    """Sequence parallelism is off and could be on: TP > 1, and no adapters (LoRA under
+    sequence parallelism is not built)."""
+    m, t = cfg.model, cfg.trainer
+    return t.tp > 1 and not t.lora.rank and not sequence_parallel(m, t.tp, t.sequence_parallel)
+
+
 def _join(verb: str, items: list[str]) -> str:
     return f"{verb} {' or '.join(items)}" if items else ""
 
@@ -47,10 +55,15 @@ def trainer_hint(cfg: RootConfig, activations_dominate: bool) -> str:
     """How to shrink a trainer GPU: its activations when they dominate, else its static
     memory (weights, gradients, Adam)."""
     t, r = cfg.trainer, cfg.rollout
+    set_: list[str] = []  # what costs compute or nothing, before what changes the run
     lower: list[str] = []
     raise_: list[str] = []
     extra = ""
     if activations_dominate:
+        if t.recompute == "none":
+            set_.append("trainer.recompute=full")
+        if can_split_sequence(cfg):
+            set_.append("trainer.sequence_parallel=true")
         if can_lower_context(cfg):
             lower.append(
                 f"rollout.context_length={r.context_length}"
@@ -72,10 +85,11 @@ def trainer_hint(cfg: RootConfig, activations_dominate: bool) -> str:
             if t.use_distributed_optimizer
             else " (or set trainer.use_distributed_optimizer=true: it shards Adam over DP)"
         )
-    parts = [p for p in (_join("lower", lower), _join("raise", raise_)) if p]
+    parts = [p for p in (_join("set", set_), _join("lower", lower), _join("raise", raise_)) if p]
     if not parts:
         return (
-            "every setting that would shrink it is at its limit (context, micro-batch, TP "
-            f"within a node): use GPUs with more memory than cluster.gpu_memory_gb{extra}"
+            "every setting that would shrink it is at its limit (recomputation, context, "
+            "micro-batch, TP within a node): use GPUs with more memory than "
+            f"cluster.gpu_memory_gb{extra}"
         )
     return ", or ".join(parts) + extra

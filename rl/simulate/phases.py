@@ -135,9 +135,11 @@ class Workload:
 def train_s(cfg: RootConfig, w: Workload, gpus: int, dp: int) -> float:
     t, hw = cfg.trainer, cfg.cluster.hardware
     a = cfg.algorithm
-    # 6 per token per pass over the batch (forward and backward), 2 per forward-only
-    # scoring: the KL reference's and, with several updates, pi_old's.
-    passes = 6 * a.epochs + 2 * (a.kl_coef > 0) + 2 * (a.epochs * a.minibatches > 1)
+    # 6 per token per pass over the batch (forward and backward; 2 more when the backward
+    # recomputes each layer's forward), 2 per forward-only scoring: the KL reference's
+    # and, with several updates, pi_old's.
+    train = 6 + 2 * (t.recompute == "full")
+    passes = train * a.epochs + 2 * (a.kl_coef > 0) + 2 * (a.epochs * a.minibatches > 1)
     micro = max(1, w.samples // (a.minibatches * dp * t.micro_batch_size))
     bubble = 1 + (t.pp - 1) / micro
     return passes * w.active_params * w.tokens / (gpus * tflops(hw, False) * hw.train_mfu) * bubble

@@ -46,8 +46,15 @@ def run_layout(
     if probe is None:
         probe = batches[0] if batches else random_batches(1)[0]
     res: dict = {"losses": [], "grad_norms": [], "logprobs": [tr.logprobs(probe)]}
+    # Forwards of this rank's first layer's MLP in training: once per micro-batch, twice
+    # when the backward recomputes the layer.
+    training, calls = [False], [0]
+    mlp = tr.model.module.decoder.layers[0].mlp
+    mlp.register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + training[0]))
     for b in batches:
+        training[0] = True
         m = tr.train_step(b, nll_loss)
+        training[0] = False
         res["losses"].append(m["loss"])
         res["grad_norms"].append(m["grad_norm"])
         for k in ("moe_aux_loss", "moe_max_expert_load"):
@@ -58,6 +65,8 @@ def run_layout(
         tr.save(save_final)
     res["local_params"] = sum(p.numel() for p in tr.model.module.parameters())
     res["layout"] = (tr.layout.tp, tr.layout.pp, tr.layout.dp)
+    res["mlp_forwards"] = calls[0]
+    res["sequence_parallel"] = tr.model.module.config.sequence_parallel
     res["step"] = tr.step
     return res
 

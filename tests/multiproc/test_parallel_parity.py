@@ -44,14 +44,26 @@ def test_reference_learns(reference):
     assert after > before + 0.02, (before, after)
 
 
+RECOMPUTE_SP = ["trainer.recompute=full", "trainer.sequence_parallel=true"]
+
+
 @pytest.mark.parametrize(
-    ("tp", "pp", "dp"), [(2, 1, 1), (1, 2, 1), (2, 1, 2)], ids=["tp2", "pp2", "tp2xdp2"]
+    ("tp", "pp", "dp", "extra"),
+    [(2, 1, 1, []), (1, 2, 1, []), (2, 1, 2, []), (2, 1, 1, RECOMPUTE_SP)],
+    ids=["tp2", "pp2", "tp2xdp2", "tp2-sp-recompute"],
 )
-def test_layout_matches_tp1(reference, tp: int, pp: int, dp: int):
+def test_layout_matches_tp1(reference, tp: int, pp: int, dp: int, extra: list[str]):
+    """With sequence parallelism and full recomputation as well: every layer's forward
+    runs twice per micro-batch, and the numbers do not move."""
     init, ref = reference
-    out = spawn(run_layout, tp * pp * dp, _layout(tp, pp, dp), random_batches(STEPS), None, init)
+    overrides = [*_layout(tp, pp, dp), *extra]
+    out = spawn(run_layout, tp * pp * dp, overrides, random_batches(STEPS), None, init)
+    micro = 8 // (2 * dp)  # global batch 8 in micro-batches of 2 rows
     for r in out:  # every rank reports the same numbers
         assert r["layout"] == (tp, pp, dp)
+        assert r["sequence_parallel"] == bool(extra)
+        assert r["mlp_forwards"] == STEPS * micro * (2 if extra else 1)
+        assert ref["mlp_forwards"] == STEPS * 4
         torch.testing.assert_close(r["losses"], ref["losses"], atol=TOL, rtol=0)
         torch.testing.assert_close(r["grad_norms"], ref["grad_norms"], atol=1e-4, rtol=1e-5)
         assert len(r["logprobs"]) == STEPS + 1

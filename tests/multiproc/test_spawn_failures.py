@@ -80,10 +80,10 @@ def test_a_finished_job_returns_at_once_and_leaves_nothing(tmp_path):
     _assert_gone(_children(tmp_path))
 
 
-@pytest.mark.parametrize(("sig", "code"), [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
-def test_a_signal_to_the_launcher_stops_every_rank_with_one_line(tmp_path, sig, code):
+def _waiting_job(run_dir: Path) -> subprocess.Popen:
+    """A launcher in a session of its own whose three ranks wait, once they all do."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tests.helpers.spawn_workers", str(tmp_path)],
+        [sys.executable, "-m", "tests.helpers.spawn_workers", str(run_dir)],
         cwd=ROOT,
         env={**os.environ, "PYTHONPATH": str(ROOT)},
         stdout=subprocess.PIPE,
@@ -92,9 +92,15 @@ def test_a_signal_to_the_launcher_stops_every_rank_with_one_line(tmp_path, sig, 
         start_new_session=True,
     )
     deadline = time.monotonic() + 60
-    while len(list(tmp_path.glob("ready.*"))) < 3:
+    while len(list(run_dir.glob("ready.*"))) < 3:
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
         time.sleep(0.1)
+    return proc
+
+
+@pytest.mark.parametrize(("sig", "code"), [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+def test_a_signal_to_the_launcher_stops_every_rank_with_one_line(tmp_path, sig, code):
+    proc = _waiting_job(tmp_path)
     ranks = psutil.Process(proc.pid).children(recursive=True)
     t0 = time.monotonic()
     proc.send_signal(sig)
@@ -117,24 +123,13 @@ def test_a_job_killed_whole_leaves_nothing_in_dev_shm(tmp_path):
     last step), resource tracker included: nothing of the launcher's is left in
     /dev/shm. Its result queue left three named semaphores so."""
     before = set(os.listdir("/dev/shm"))
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "tests.helpers.spawn_workers", str(tmp_path)],
-        cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
-    deadline = time.monotonic() + 60
-    while len(list(tmp_path.glob("ready.*"))) < 3:
-        assert proc.poll() is None and time.monotonic() < deadline
-        time.sleep(0.1)
+    proc = _waiting_job(tmp_path)
     job = [p for p in psutil.process_iter() if _session(p) == proc.pid]
     assert len(job) >= 5  # the launcher, its resource tracker, three ranks (and theirs)
     for p in job:
         with contextlib.suppress(psutil.NoSuchProcess):
             p.kill()
-    proc.wait(timeout=10)
+    proc.communicate(timeout=10)
     _assert_gone([p.pid for p in job])
     assert set(os.listdir("/dev/shm")) - before == set()
 

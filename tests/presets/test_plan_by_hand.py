@@ -60,6 +60,28 @@ def test_8b_bf16_numbers_by_hand() -> None:
     assert g.logits == 8192 * (128256 // 2) * (2 + 8)
 
 
+@pytest.mark.parametrize(
+    ("overrides", "activations"),
+    [
+        # Sequence parallelism splits the 4h over TP2 as well.
+        (["trainer.sequence_parallel=true"], 8192 * 32 * 2 * (69632 // 2)),
+        # Full recomputation: each layer keeps its bf16 input, one layer's a comes back.
+        (["trainer.recompute=full"], 8192 * 32 * 2 * 4096 + 8192 * 86016),
+        # Both: the inputs are split over TP2 too.
+        (["trainer.recompute=full", "trainer.sequence_parallel=true"],
+         8192 * 32 * 2 * 4096 // 2 + 8192 * 2 * (69632 // 2)),
+    ],
+    ids=["sp", "recompute", "both"],
+)  # fmt: skip
+def test_8b_activations_with_sequence_parallelism_and_recomputation_by_hand(
+    overrides: list[str], activations: int
+) -> None:
+    """The 8B preset (TP2, one 8192-token row, 32 layers, one micro-batch in flight):
+    ``a = 2 * (4h + (2q + 2kv + 3f) / 2)`` is 86016 bytes, 69632 with the 4h split."""
+    g = plan_cluster(_cfg("experiment=llama3_8b_256gpu", *overrides)).trainer[0]
+    assert g.activations == activations
+
+
 def test_8b_lora_numbers_by_hand() -> None:
     """LoRA rank 16 on the 8B preset (TP2): the adapters join the weights, and the grads
     and Adam hold only them; a push merges one fc1 shard at a time."""

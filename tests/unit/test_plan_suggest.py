@@ -15,9 +15,10 @@ SMALL_GPU = "cluster.gpu_memory_gb=20"
 
 
 def _clauses(hint: str) -> tuple[str, str]:
-    """The lower and the raise clauses of a hint."""
-    lower = hint.split(", or raise ")[0] if hint.startswith("lower ") else ""
-    raise_ = hint[hint.index("raise ") :] if "raise " in hint else ""
+    """The lower and the raise clauses of a hint ("set ..., or lower ..., or raise ...")."""
+    clauses = hint.split(", or ")
+    lower = next((c for c in clauses if c.startswith("lower ")), "")
+    raise_ = next((c for c in clauses if c.startswith("raise ")), "")
     return lower, raise_
 
 
@@ -30,7 +31,10 @@ def test_the_planner_does_not_suggest_lowering_micro_batch_size_1() -> None:
     cfg = composed(["experiment=llama3_70b_512gpu", "rollout.context_length=16384"])
     assert cfg.trainer.micro_batch_size == 1
     (problem,) = [p for p in plan_cluster(cfg, strict=False).problems if "trainer GPU" in p]
-    assert problem.endswith(": lower rollout.context_length=16384")
+    assert problem.endswith(
+        ": set trainer.recompute=full or trainer.sequence_parallel=true, "
+        "or lower rollout.context_length=16384"
+    )
 
 
 @pytest.mark.parametrize(
@@ -69,6 +73,11 @@ def test_micro_batch_and_context_are_suggested_only_above_their_minimum() -> Non
     cfg = composed(["experiment=qwen3_0_6b_16gpu", "task=dataset", "task.max_prompt_tokens=1024",
                     "rollout.context_length=8192"])  # fmt: skip
     assert context_floor(cfg) == 8192
+    assert trainer_hint(cfg, activations_dominate=True) == (
+        "set trainer.recompute=full, or raise trainer.tp=1"
+    )
+    cfg = composed(["experiment=qwen3_0_6b_16gpu", "task=dataset", "task.max_prompt_tokens=1024",
+                    "rollout.context_length=8192", "trainer.recompute=full"])  # fmt: skip
     assert trainer_hint(cfg, activations_dominate=True) == "raise trainer.tp=1"
 
 
@@ -77,8 +86,11 @@ def test_raising_stops_at_the_node_and_the_layers() -> None:
     cfg = composed(["experiment=llama3_70b_512gpu", "trainer.tp=8", "trainer.pp=80"])
     assert "trainer.tp" not in trainer_hint(cfg, activations_dominate=False)
     assert "trainer.pp" not in trainer_hint(cfg, activations_dominate=False)
-    cfg = composed(["experiment=llama3_70b_512gpu", "trainer.tp=8", "trainer.micro_batch_size=1",
-                    f"rollout.context_length={context_floor(cfg)}"])  # fmt: skip
+    limit = ["experiment=llama3_70b_512gpu", "trainer.tp=8", "trainer.micro_batch_size=1",
+             f"rollout.context_length={context_floor(cfg)}"]  # fmt: skip
+    hint = trainer_hint(composed(limit), activations_dominate=True)
+    assert hint == "set trainer.recompute=full or trainer.sequence_parallel=true"
+    cfg = composed([*limit, "trainer.recompute=full", "trainer.sequence_parallel=true"])
     hint = trainer_hint(cfg, activations_dominate=True)
     assert hint.startswith("every setting that would shrink it is at its limit")
     assert "lower" not in hint and "raise" not in hint

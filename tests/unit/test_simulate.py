@@ -85,3 +85,6 @@ def test_sample_reuse_costs_a_pass_per_epoch_and_a_scoring_forward() -> None:
     assert train_s(cfg, w, 8, 8) == pytest.approx(one * (6 * 2 + 2) / 6)
     cfg.algorithm.epochs = 1
     assert train_s(cfg, w, 8, 8) == pytest.approx(one * (6 + 2) / 6)
+    # Full recomputation: each layer's forward again in the backward, 2 more per pass.
+    cfg.algorithm.minibatches, cfg.trainer.recompute = 1, "full"
+    assert train_s(cfg, w, 8, 8) == pytest.approx(one * (6 + 2) / 6)

@@ -10,6 +10,12 @@ the model config). Streams one layer at a time into safetensors shards with an i
 writes config.json and generation_config.json (the original ones when the checkpoint came
 from Hugging Face), and copies tokenizer files when given. The result loads with
 ``transformers.AutoModelForCausalLM.from_pretrained``. The output appears only when complete.
+
+A LoRA checkpoint is written merged (``W + s B A``), or with ``--peft`` as its adapters
+alone in PEFT's format, for ``peft.PeftModel.from_pretrained`` on the base model:
+
+    python tools/convert_mcore_to_hf.py --ckpt outputs/run/checkpoint --out ./adapter \\
+        --peft --base-model ./SmolLM2-135M-Instruct
 """
 
 from __future__ import annotations
@@ -49,6 +55,17 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--tokenizer-dir", default=None, help="copy tokenizer files from here")
     p.add_argument(
+        "--peft",
+        action="store_true",
+        help="a LoRA checkpoint: write its adapters alone as a PEFT adapter directory\n"
+        "(adapter_config.json, adapter_model.safetensors) instead of the merged model",
+    )
+    p.add_argument(
+        "--base-model",
+        default=None,
+        help="with --peft: the HF model the adapters adapt (its base_model_name_or_path)",
+    )
+    p.add_argument(
         "--force", action="store_true", help="replace --out if it already exists (default: refuse)"
     )
     return p
@@ -74,6 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     from rl.weights.convert import mcore_to_hf
     from rl.weights.dist_ckpt import CheckpointError
     from rl.weights.hf_config import HFConfigError
+    from rl.weights.peft_export import mcore_to_peft
 
     out = Path(args.out)
     try:
@@ -83,11 +101,20 @@ def main(argv: list[str] | None = None) -> int:
         # Written beside its final name, then renamed: the parent must take files, which
         # is checked before any rank starts or any shard is written.
         check_output_dir(str(out.parent), f"--out {str(out)!r}: its parent")
-        s = mcore_to_hf(args.ckpt, str(out), args.arch, args.dtype, max_bytes, args.tokenizer_dir)
+        if args.peft:
+            p = mcore_to_peft(args.ckpt, str(out), args.base_model)
+        else:
+            s = mcore_to_hf(args.ckpt, str(out), args.arch, args.dtype, max_bytes,
+                            args.tokenizer_dir)  # fmt: skip
     except (CheckpointError, ConfigError, HFConfigError, FileExistsError, FileNotFoundError,
             argparse.ArgumentTypeError) as e:  # fmt: skip
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if args.peft:
+        on = ", ".join(p["target_modules"])
+        print(f"wrote {out}: PEFT LoRA adapters of rank {p['rank']} on {on}, "
+              f"{p['tensors']} tensors, {p['seconds']:.1f}s")  # fmt: skip
+        return 0
     print(
         f"wrote {out}: {s['architecture']}, {s['tensors']} tensors in {s['shards']} shard(s), "
         f"tokenizer files {s['tokenizer_files'] or 'none'}, {s['seconds']:.1f}s, "

@@ -167,7 +167,7 @@ def cached_hf_to_mcore(
 
 
 # --------------------------------------------------------------------------- mcore -> HF
-def _stored_model_config(common: dict, path: str) -> ModelConfig:
+def stored_model_config(common: dict, path: str) -> ModelConfig:
     from omegaconf import OmegaConf
 
     stored = common.get("model_config")
@@ -176,6 +176,13 @@ def _stored_model_config(common: dict, path: str) -> ModelConfig:
     merged = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), stored))
     assert isinstance(merged, ModelConfig)
     return merged
+
+
+def adapter_keys(ckpt: str) -> tuple[str, str]:
+    """The checkpoint keys of the LoRA ``A`` and ``B`` on the weight ``ckpt``
+    (rl/models/lora.py)."""
+    stem = ckpt.removesuffix("weight")
+    return f"{stem}adapter.lora_A", f"{stem}adapter.lora_B"
 
 
 def mcore_to_hf(
@@ -193,7 +200,7 @@ def mcore_to_hf(
 
     path = str(check(ckpt_dir))
     common = dist_checkpointing.load_common_state_dict(path)
-    m = _stored_model_config(common, path)
+    m = stored_model_config(common, path)
     d = km.Dims.of(m)
     # A LoRA checkpoint holds the adapters; its base is the checkpoint it names, or itself.
     base = path
@@ -225,22 +232,18 @@ def mcore_to_hf(
     # global tensors of each layer, whose rows B shares in the checkpoint's layout.
     scale = float(common["lora"]["scale"]) if common.get("lora") else 0.0
 
-    def adapters(ckpt: str) -> tuple[str, str]:
-        stem = ckpt.removesuffix("weight")
-        return f"{stem}adapter.lora_A", f"{stem}adapter.lora_B"
-
     def produce():
         def convert(layer: int | None, keys: list[str]):
             want = {ckpt: tensors[ckpt] for ckpt in {checkpoint_key(k, layer)[0] for k in keys}}
             got = read_layer(base, want, layer)
             if scale and layer is not None:
-                pairs = {a: adapter_tensors[a] for c in want for a in adapters(c)
+                pairs = {a: adapter_tensors[a] for c in want for a in adapter_keys(c)
                          if a in adapter_tensors}  # fmt: skip
                 got |= read_layer(path, pairs, layer) if pairs else {}
             for k in keys:
                 ckpt, expert = checkpoint_key(k, layer)
                 t = got[ckpt] if expert is None else got[ckpt][expert]
-                a, b = adapters(ckpt)
+                a, b = adapter_keys(ckpt)
                 if a in got:
                     t = t + (scale * (got[b].double() @ got[a].double())).to(t.dtype)
                 for name, part in zip(km.hf_names(k, d, layer), km.to_hf(k, t, d), strict=True):

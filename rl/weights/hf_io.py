@@ -157,12 +157,16 @@ def _new_file_mode() -> int:
 
 
 def write_safetensors(
-    out: Path, tensors: Iterable[tuple[str, torch.Tensor]], shards: list[list[str]]
+    out: Path,
+    tensors: Iterable[tuple[str, torch.Tensor]],
+    shards: list[list[str]],
+    single: str = SINGLE,
 ) -> None:
-    """Write ``tensors`` (arriving in plan order) into the planned shards plus the index."""
+    """Write ``tensors`` (arriving in plan order) into the planned shards plus the index
+    (one shard: the file ``single``, no index)."""
     names = [n for s in shards for n in s]
     files = (
-        [SINGLE]
+        [single]
         if len(shards) == 1
         else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     )

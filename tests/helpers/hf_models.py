@@ -77,9 +77,15 @@ def make_tokenizer(path: Path) -> Path:
     return path
 
 
-def hf_logits(path: Path, tokens: torch.Tensor) -> torch.Tensor:
+def hf_logits(path: Path, tokens: torch.Tensor, adapter: Path | None = None) -> torch.Tensor:
+    """transformers' logits of the model at ``path``; with ``adapter``, of that PEFT
+    adapter directory on it (peft's own LoRA layers, not merged)."""
     import transformers
 
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    if adapter is not None:
+        import peft
+
+        model = peft.PeftModel.from_pretrained(model, str(adapter)).eval()
     with torch.no_grad():
         return model(tokens).logits

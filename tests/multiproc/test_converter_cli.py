@@ -100,6 +100,13 @@ def test_normal_runs_print_no_warnings_and_a_truncated_shard_is_named(tmp_path, 
     assert res.returncode == 0, res.stderr
     # Transformer Engine / Apex fallbacks, torch's "No CUDA runtime": none of them.
     assert _noise(res.stderr) == []
+    # --peft wants adapters: a checkpoint without them is refused in one line.
+    peft = tmp_path / "adapter"
+    assert convert_mcore_to_hf.main(["--ckpt", str(mcore), "--out", str(peft), "--peft"]) == 2
+    assert capsys.readouterr().err == (
+        f"error: checkpoint {str(mcore)!r} has no LoRA adapters (trainer.lora.rank=0)\n"
+    )
+    assert not peft.exists()
     shard = sorted(mcore.glob("*.distcp"))[-1]
     size = shard.stat().st_size
     with open(shard, "r+b") as f:

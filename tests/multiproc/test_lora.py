@@ -11,7 +11,8 @@
   bytes DDMA sends from that merged dense model;
 - a checkpoint saved at TP=2 (or PP=2) with trained adapters holds them alone and names
   its base by content; it loads at TP=1 with the same log-probs, and exports merged to
-  an HF directory whose transformers logits are the adapted model's.
+  an HF directory whose transformers logits are the adapted model's, and as a PEFT
+  adapter that peft's LoRA layers on the base model turn into the same logits.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import torch
 from rl.batch import TrainBatch
 from rl.runtime.launch import spawn
 from rl.weights.convert import mcore_to_hf
+from rl.weights.peft_export import mcore_to_peft
 from tests.helpers.hf_models import hf_logits
 from tests.helpers.workers import random_batches
 
@@ -154,8 +156,19 @@ def test_sharded_lora_matches_tp1(reference, tp: int, pp: int):
     # the adapted model's logits.
     hf = root / f"hf_tp{tp}_pp{pp}"
     mcore_to_hf(save, str(hf))
-    want = hf_logits(hf, random_batches(1)[0].tokens)
+    tokens = random_batches(1)[0].tokens
+    want = hf_logits(hf, tokens)
     torch.testing.assert_close(back["logits"][..., : want.shape[-1]], want, atol=1e-4, rtol=0)
+    # Exported as a PEFT adapter (tools/convert_mcore_to_hf.py --peft): peft's LoRA layers
+    # on the base, exported from init (its adapters start at B = 0), give the same logits.
+    base, adapter = root / "hf_base", root / f"peft_tp{tp}_pp{pp}"
+    if not base.exists():
+        mcore_to_hf(init, str(base))
+    got = mcore_to_peft(save, str(adapter), base_model=str(base))
+    assert got["target_modules"] == ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj",
+                                     "up_proj", "v_proj"]  # fmt: skip
+    torch.testing.assert_close(hf_logits(base, tokens, adapter), want, atol=1e-4, rtol=0)
+    assert (hf_logits(base, tokens) - want).abs().max() > 1e-2  # the adapters matter
 
 
 def test_a_save_over_its_own_base_keeps_the_base(reference):

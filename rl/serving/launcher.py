@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING
 from rl.config.sglang import layout_problem
 from rl.runtime.net import free_port
 from rl.serving import server_api
+from rl.serving import server_guard as guard
 from rl.serving.cpu_shim import server_env
 from rl.serving.server_api import ServerKeys
 
@@ -411,10 +412,14 @@ class ServerLauncher:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=max(deadline - time.monotonic(), 0.1))
         for proc in procs:
+            # What SGLang left in /dev/shm: its guard unlinks that when it outlives
+            # SGLang, and the SIGKILL below ends the guard too (at once with grace=0).
+            shm = guard.shm_names(guard.group_members(proc.pid))
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(proc.pid, signal.SIGKILL)
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=5.0)
+            guard.unlink(shm)
         for s in servers:  # a server that never came up leaves its key file behind
             s.key_file.unlink(missing_ok=True)
 

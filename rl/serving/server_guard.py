@@ -53,7 +53,7 @@ def _pdeathsig(sig: int) -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, sig)
 
 
-def _group_members(pgid: int) -> list[int]:
+def group_members(pgid: int) -> list[int]:
     """Pids in process group ``pgid`` other than this one (from /proc, stdlib only)."""
     out = []
     for entry in os.listdir("/proc"):
@@ -71,7 +71,7 @@ def _group_members(pgid: int) -> list[int]:
     return out
 
 
-def _shm_names(pids: list[int]) -> set[str]:
+def shm_names(pids: list[int]) -> set[str]:
     """The ``/dev/shm`` names of :data:`OWNED` kinds that ``pids`` have mapped."""
     out = set()
     for pid in pids:
@@ -87,14 +87,14 @@ def _shm_names(pids: list[int]) -> set[str]:
     return out
 
 
-def _unlink(paths: set[str]) -> None:
+def unlink(paths: set[str]) -> None:
     for path in paths:
         with contextlib.suppress(OSError):
             os.unlink(path)
 
 
 def _sweep() -> None:
-    for pid in _group_members(os.getpgid(0)):
+    for pid in group_members(os.getpgid(0)):
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.kill(pid, signal.SIGKILL)
 
@@ -152,14 +152,14 @@ def main(argv: list[str]) -> int:
         if stop_at and time.monotonic() > stop_at[0]:
             break
         if time.monotonic() - scanned > SHM_SCAN_S:
-            shm |= _shm_names(_group_members(os.getpgid(0)))
+            shm |= shm_names(group_members(os.getpgid(0)))
             scanned = time.monotonic()
         with contextlib.suppress(subprocess.TimeoutExpired):
             child.wait(timeout=0.2)
-    shm |= _shm_names(_group_members(os.getpgid(0)))
+    shm |= shm_names(group_members(os.getpgid(0)))
     _sweep()
     code = child.wait()
-    _unlink(shm)
+    unlink(shm)
     if code < 0:  # died of a signal: die of the same one, so our parent sees it too
         with contextlib.suppress(OSError, ValueError):  # SIGKILL/SIGSTOP have no handler
             signal.signal(-code, signal.SIG_DFL)

@@ -94,7 +94,7 @@ def test_server_whose_port_was_taken_starts_on_another(model_dir, tmp_path):
     after the model is loaded), and the launcher moves the server to a new port: the path
     it takes when SGLang itself reports the clash, from the same words in the log."""
     launcher = ServerLauncher(ServerConfig(model_path=str(model_dir)), n=1, log_dir=tmp_path)
-    taken = launcher.servers[0].port
+    taken, before = launcher.servers[0].port, _shm_loads()
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as squatter:
         squatter.bind(("127.0.0.1", taken))
         squatter.listen()
@@ -104,5 +104,8 @@ def test_server_whose_port_was_taken_starts_on_another(model_dir, tmp_path):
             listening = group_listeners(os.getpgid(s.proc.pid))
             assert [ip for ip, port, _ in listening if port == s.port] == ["127.0.0.1"]
             launcher.stop(grace=0)  # nothing in flight: no drain
+    # SIGKILLed with its guard, the server's load snapshot is unlinked by the launcher: a
+    # stop at the end of every run left one in /dev/shm.
+    assert _shm_loads() - before == set()
     log = (tmp_path / "server0.log").read_text()
     assert f"server_guard: cannot bind 127.0.0.1:{taken}: address already in use" in log

@@ -84,19 +84,21 @@ def _no_server_left(out: Path) -> None:
         time.sleep(0.5)
 
 
-def _semaphores() -> set[str]:
-    """multiprocessing's named semaphores in /dev/shm: a server's tqdm made one that its
-    stop left behind, every run (rl/serving/server_footprint.py)."""
-    return {n for n in os.listdir("/dev/shm") if n.startswith("sem.mp-")}
+def _shm() -> set[str]:
+    """What a run could leave in /dev/shm: multiprocessing's named semaphores (a server's
+    tqdm made one that its stop left behind: rl/serving/server_footprint.py) and SGLang's
+    load snapshots (the end of a run SIGKILLs each server with its guard, which would
+    have unlinked it: rl/serving/launcher.py)."""
+    return {n for n in os.listdir("/dev/shm") if n.startswith(("sem.mp-", "sglang_loads_"))}
 
 
 def test_async_job_streams_rollouts_within_the_lag_bound(tmp_path):
     """With two minibatches per batch (algorithm.minibatches), as a user turns sample
     reuse on. No process of the job listens beyond loopback (the job's store, the SGLang
     server's HTTP port and its scheduler's store: each was once on every interface), and
-    the run leaves no named semaphore behind."""
+    the run leaves nothing in /dev/shm."""
     out = tmp_path / "run"
-    semaphores = _semaphores()
+    left = _shm()
     res, listening = _run_listening(
         *SHORT, "rl.steps=6", "rl.eval_every=3", "rollout.segment_tokens=2",
         "algorithm.minibatches=2", "trainer.micro_batch_size=32", f"run.output_dir={out}",
@@ -126,7 +128,7 @@ def test_async_job_streams_rollouts_within_the_lag_bound(tmp_path):
     assert (out / "warmup" / "metadata.json").exists()  # the warm-up checkpoint
     assert "done: held-out accuracy" in res.stdout
     _no_server_left(out)
-    assert _semaphores() - semaphores == set()
+    assert _shm() - left == set()
 
 
 def test_sync_job_trains_on_exactly_the_sampled_distribution(tmp_path):

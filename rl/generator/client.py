@@ -333,7 +333,7 @@ class GeneratorClient:
                 return min(ready, key=lambda i: self._in_flight[i])
             why = (
                 f"no generator server is alive at weight version {self.version} "
-                f"(dead: {sorted(self._dead)}, behind: {sorted(self._stale)})"
+                f"(dead: {sorted(self._dead)}, behind: {sorted(self._stale - self._dead)})"
             )
             left = deadline - time.monotonic()
             if left <= 0:
@@ -347,7 +347,8 @@ class GeneratorClient:
 
     def _routable(self) -> None:
         """Routing changed (a server revived, a version adopted): wake waiting requests."""
-        if self._no_server_since is not None and len(self._live()) > len(self._stale):
+        ready = any(i not in self._stale for i in self._live())  # _stale may hold dead ones
+        if self._no_server_since is not None and ready:
             self.no_server_s += time.monotonic() - self._no_server_since
             self._no_server_since = None
         self._loop.call_soon_threadsafe(self._ready_event.set)

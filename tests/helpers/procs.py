@@ -63,11 +63,11 @@ def live_tagged(key: str, value: str) -> list[str]:
     return out
 
 
-def tree_listeners(pid: int) -> set[tuple[str, str]]:
-    """(address, process name) of every TCP socket listening in process ``pid`` or one of
-    its descendants (by parent links: SGLang's processes rewrite their environment with
+def tree_listeners(pid: int) -> set[tuple[str, int, str]]:
+    """(address, port, process name) of every TCP socket listening in process ``pid`` or
+    one of its descendants (by parent links: SGLang's processes rewrite their environment with
     their titles, so a tag there does not find them)."""
-    out = set()
+    out: set[tuple[str, int, str]] = set()
     try:
         root = psutil.Process(pid)
         procs = [root, *root.children(recursive=True)]
@@ -79,16 +79,17 @@ def tree_listeners(pid: int) -> set[tuple[str, str]]:
             name = p.name()
         except psutil.Error:
             continue
-        out |= {(c.laddr.ip, name) for c in conns if c.status == psutil.CONN_LISTEN}
+        out |= {(c.laddr.ip, c.laddr.port, name) for c in conns if c.status == psutil.CONN_LISTEN}
     return out
 
 
 def run_listening(
     cmd: Sequence[str], cwd: str | os.PathLike[str], env: Mapping[str, str], timeout: float
-) -> tuple[subprocess.CompletedProcess, set[tuple[str, str]]]:
+) -> tuple[subprocess.CompletedProcess, set[tuple[str, int, str]]]:
     """Run ``cmd`` to the end, as ``subprocess.run(capture_output=True, text=True)``, and
-    sample every TCP listener of it and of its descendants every 0.2 s meanwhile."""
-    listening: set[tuple[str, str]] = set()
+    sample every TCP listener of it and of its descendants every 0.5 s meanwhile (a store
+    lives as long as its job; reading every process's sockets costs CPU the job needs)."""
+    listening: set[tuple[str, int, str]] = set()
     with subprocess.Popen(list(cmd), cwd=cwd, env=dict(env), stdout=subprocess.PIPE,
                           stderr=subprocess.PIPE, text=True) as proc:  # fmt: skip
         deadline = time.monotonic() + timeout
@@ -97,7 +98,7 @@ def run_listening(
                 proc.kill()
                 raise subprocess.TimeoutExpired(list(cmd), timeout)
             listening |= tree_listeners(proc.pid)
-            time.sleep(0.2)
+            time.sleep(0.5)
         out, err = proc.communicate()
     return subprocess.CompletedProcess(list(cmd), proc.returncode, out, err), listening
 

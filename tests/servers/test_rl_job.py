@@ -59,7 +59,7 @@ def _run(*args: str, env: dict | None = None, timeout: float = 900) -> subproces
     )
 
 
-def _run_listening(*args: str) -> tuple[subprocess.CompletedProcess, set[tuple[str, str]]]:
+def _run_listening(*args: str) -> tuple[subprocess.CompletedProcess, set[tuple[str, int, str]]]:
     """:func:`_run`, and every TCP listener of the job's processes while it ran."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     return run_listening([sys.executable, "-m", "rl.train", *args], ROOT, env, timeout=900)
@@ -104,7 +104,7 @@ def test_async_job_streams_rollouts_within_the_lag_bound(tmp_path):
         "algorithm.minibatches=2", "trainer.micro_batch_size=32", f"run.output_dir={out}",
     )  # fmt: skip
     assert res.returncode == 0, res.stderr[-4000:]
-    assert {ip for ip, _ in listening} == {"127.0.0.1"}, listening  # the store and HTTP
+    assert {ip for ip, _, _ in listening} == {"127.0.0.1"}, listening  # the store and HTTP
     assert "controller 1 + trainer 2 + generator 1 + reward 1 = 5 ranks" in res.stdout
     lines = [ln for ln in res.stdout.splitlines() if ln.startswith("[rl] step")]
     assert [ln.split()[2] for ln in lines] == [f"{i}/6" for i in range(1, 7)], res.stdout
@@ -156,7 +156,7 @@ def test_sync_job_trains_on_exactly_the_sampled_distribution(tmp_path):
         f"run.output_dir={out}",
     )
     assert res.returncode == 0, res.stderr[-4000:]
-    assert {ip for ip, _ in listening} == {"127.0.0.1"}, listening
+    assert {ip for ip, _, _ in listening} == {"127.0.0.1"}, listening
     steps = _records(out, "rl")
     assert len(steps) == 3
     for r in steps:

@@ -25,9 +25,12 @@ import os
 import socket
 import sys
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING
 
 from rl.runtime.net import listening_socket
+
+if TYPE_CHECKING:
+    from torch.distributed import TCPStore
 
 HOST_ENV = "MSRL_HOST_ADDRESS"
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
@@ -50,20 +53,26 @@ def bound_store(
     world_size: int | None = None,
     is_master: bool = False,
     timeout: timedelta = timedelta(seconds=300),
-    **kw: Any,
-) -> Any:  # a torch.distributed.TCPStore
-    """A TCPStore whose server listens on :func:`bind_address`, not on every interface."""
+    wait_for_workers: bool = True,
+    multi_tenant: bool = False,
+    master_listen_fd: int | None = None,
+    use_libuv: bool = True,
+) -> TCPStore:
+    """A TCPStore whose server listens on :func:`bind_address`, not on every interface
+    (torch's TCPStore's own arguments)."""
     import torch.distributed as dist
 
-    if is_master and kw.get("master_listen_fd") is None:
+    if is_master and master_listen_fd is None:
         addr = bind_address(host_name)
         try:
-            kw["master_listen_fd"], port = listening_socket(addr, port)
+            master_listen_fd, port = listening_socket(addr, port)
         except OSError:
             pass  # taken: torch says so in its own words, which its callers expect
         else:
             _warn_if_unreachable(host_name, addr)
-    return dist.TCPStore(host_name, port, world_size, is_master, timeout, **kw)
+    return dist.TCPStore(host_name, port, world_size, is_master, timeout,
+                         wait_for_workers=wait_for_workers, multi_tenant=multi_tenant,
+                         master_listen_fd=master_listen_fd, use_libuv=use_libuv)  # fmt: skip
 
 
 def _warn_if_unreachable(host: str, addr: str) -> None:
@@ -93,7 +102,7 @@ def install() -> None:
     c10d_rendezvous_backend.TCPStore = bound_store  # type: ignore[misc,assignment]
     static_tcp_rendezvous.TCPStore = bound_store  # type: ignore[misc,assignment]
 
-    def _create_tcp_store_server(self: object, master_addr: str, master_port: int) -> Any:
+    def _create_tcp_store_server(self: object, master_addr: str, master_port: int) -> TCPStore:
         return bound_store(master_addr, master_port, is_master=True, multi_tenant=True)
 
     handler = dynamic_rendezvous.DynamicRendezvousHandler

@@ -29,7 +29,13 @@ from rl.models.checks import validate_model, validate_trainer
 from rl.weights import keymap as km
 from rl.weights.dist_ckpt import CheckpointError, check, model_state, write
 from rl.weights.hf_config import hf_config_from_model, model_config_from_hf
-from rl.weights.hf_io import TOKENIZER_FILES, HFCheckpoint, plan_shards, write_safetensors
+from rl.weights.hf_io import (
+    TOKENIZER_FILES,
+    HFCheckpoint,
+    atomic_dir,
+    plan_shards,
+    write_safetensors,
+)
 from rl.weights.megatron_io import Provider, checkpoint_key, stored_keys
 
 
@@ -257,20 +263,12 @@ def mcore_to_hf(
         yield from convert(None, rest)
 
     out = Path(out_dir)
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    try:
+    with atomic_dir(out) as tmp:
         write_safetensors(tmp, produce(), shards)
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         gen = common.get("hf_generation_config") or _generation_config(config)
         (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
         copied = _copy_tokenizer(tokenizer_dir, tmp) if tokenizer_dir else []
-        shutil.rmtree(out, ignore_errors=True)
-        tmp.rename(out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return {
         "architecture": arch,
         "tensors": len(shapes),

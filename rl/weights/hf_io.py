@@ -8,10 +8,12 @@ never holds more than it needs. Writing buffers one output shard at a time.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import shutil
 import struct
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -194,3 +196,19 @@ def write_safetensors(
     if len(shards) > 1:
         index = {"metadata": {"total_size": total}, "weight_map": {n: where[n] for n in names}}
         (out / INDEX).write_text(json.dumps(index, indent=2) + "\n")
+
+
+@contextlib.contextmanager
+def atomic_dir(out: Path) -> Iterator[Path]:
+    """A directory that appears whole or not at all: filled at ``<out>.tmp`` (yielded),
+    then renamed over ``out``; removed if the filling fails."""
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        yield tmp
+        shutil.rmtree(out, ignore_errors=True)
+        tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise

@@ -16,7 +16,6 @@ merged weight. PEFT's own scaling is ``lora_alpha / r``, so ``lora_alpha = s * r
 from __future__ import annotations
 
 import json
-import shutil
 import time
 from pathlib import Path
 
@@ -25,7 +24,7 @@ import torch
 from rl.weights import keymap as km
 from rl.weights.convert import adapter_keys, stored_model_config
 from rl.weights.dist_ckpt import CheckpointError, check
-from rl.weights.hf_io import write_safetensors
+from rl.weights.hf_io import atomic_dir, write_safetensors
 from rl.weights.megatron_io import checkpoint_key, checkpoint_tensors, read_layer
 
 PREFIX = "base_model.model."  # PeftModel's prefix before the HF model's own names
@@ -77,17 +76,9 @@ def mcore_to_peft(ckpt_dir: str, out_dir: str, base_model: str | None = None) ->
         "inference_mode": True,
     }
     dst = Path(out_dir)
-    tmp = dst.with_name(dst.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    try:
+    with atomic_dir(dst) as tmp:
         write_safetensors(tmp, out.items(), [list(out)], single=WEIGHTS)
         (tmp / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
-        shutil.rmtree(dst, ignore_errors=True)
-        tmp.rename(dst)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return {
         "rank": rank,
         "target_modules": sorted(targets),

@@ -35,6 +35,7 @@ JSONL, TENSORBOARD = "metrics.jsonl", "tensorboard"
 # wandb's directory and the id of the run dir's wandb run, both in the run dir.
 WANDB, WANDB_ID = "wandb", "wandb_run_id"
 RESUMED_PHASES = ("rl", "rl_eval")  # what a resumed run logs again
+WARMUP_PHASES = ("warmup", "warmup_eval")  # and a run that starts over, besides
 
 
 @dataclass(frozen=True)
@@ -115,11 +116,13 @@ class MetricsLogger:
         totals: dict[str, int] | None = None,
         resume_step: int | None = None,
         wandb_run: WandbRun | None = None,
+        redo_phases: tuple[str, ...] = RESUMED_PHASES,
     ):
         """``totals``: steps of each stage by phase prefix (``{"warmup": 200}`` shows
         "step 20/200" for the phases warmup and warmup_eval). ``resume_step``: the run
-        resumes after this RL step; records of later RL steps already on disk go.
-        ``wandb_run``: also log to this wandb run (see :func:`open_wandb`)."""
+        resumes after this step of ``redo_phases`` (RL's by default); their records of
+        later steps already on disk go (-1: every record of them, for a job that starts
+        over). ``wandb_run``: also log to this wandb run (see :func:`open_wandb`)."""
         self.enabled = enabled
         self.totals = totals or {}
         self.out_dir = Path(out_dir)
@@ -131,8 +134,8 @@ class MetricsLogger:
         if enabled:
             self.out_dir.mkdir(parents=True, exist_ok=True)
             if resume_step is not None:
-                drop_jsonl_after(self.out_dir / JSONL, resume_step)
-                drop_tensorboard_after(self.out_dir / TENSORBOARD, resume_step)
+                drop_jsonl_after(self.out_dir / JSONL, resume_step, redo_phases)
+                drop_tensorboard_after(self.out_dir / TENSORBOARD, resume_step, redo_phases)
             if wandb_run is not None:  # first: a wandb that cannot start opens nothing
                 self._wandb = open_wandb(self.out_dir, wandb_run)
             self._jsonl = open(self.out_dir / JSONL, "a", buffering=1)  # noqa: SIM115
@@ -276,6 +279,17 @@ def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
         return [json.loads(line) for line in f if line.strip()]
 
 
+def last_attempts(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each (phase, step)'s last record, in the order of those: what a run dir written
+    before its jobs dropped a lost attempt's records (a restart from nothing) says."""
+    last: dict[tuple[Any, Any], dict[str, Any]] = {}
+    for r in records:
+        key = (r.get("phase"), r.get("step"))
+        last.pop(key, None)  # a later attempt's record goes where that attempt wrote it
+        last[key] = r
+    return list(last.values())
+
+
 def plot_curves(jsonl: str | Path, png: str | Path, keys: tuple[str, ...]) -> Path:
     """One panel per key, x = step, a line per phase; saved as a PNG a person can open."""
     import matplotlib
@@ -283,7 +297,7 @@ def plot_curves(jsonl: str | Path, png: str | Path, keys: tuple[str, ...]) -> Pa
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    recs = read_jsonl(jsonl)
+    recs = last_attempts(read_jsonl(jsonl))
     fig, axes = plt.subplots(len(keys), 1, figsize=(7, 2.6 * len(keys)), squeeze=False)
     for ax, key in zip(axes[:, 0], keys, strict=True):
         for phase in sorted({r["phase"] for r in recs}):
@@ -309,7 +323,7 @@ def plot_rl(jsonl: str | Path, png: str | Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    recs = read_jsonl(jsonl)
+    recs = last_attempts(read_jsonl(jsonl))
     rl = [r for r in recs if r["phase"] == "rl"]
     ev = [r for r in recs if r["phase"] == "rl_eval"]
     fig, (a1, a2, a3) = plt.subplots(3, 1, figsize=(7.5, 9), sharex=True)

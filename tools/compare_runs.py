@@ -12,26 +12,34 @@ Three comparisons, each with the first place the runs differ:
 * the final policy: the tensor files of each run's ``checkpoint/`` (Megatron torch_dist),
   byte for byte.
 
+A step logged by more than one attempt (a run dir written before jobs dropped the records
+of an attempt killed before its first checkpoint) counts as its last attempt's.
+
 Prints one line per comparison and exits 0 when all three agree, 1 otherwise.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-# Step metrics that time things, or count what a resumed attempt counts afresh.
-TIMED = ("gen_idle_frac", "trainer_idle_frac", "resumed_segments", "uniform_skipped_total")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: the repo
+
+from rl.metrics import last_attempts, read_jsonl
+
+# Step metrics that time things, count what a resumed attempt counts afresh, or count what
+# the stream held when a save cut it (replacement groups drawn just before or just after).
+TIMED = ("gen_idle_frac", "trainer_idle_frac", "resumed_segments", "uniform_skipped_total",
+         "leftover_groups", "leftover_rollouts")  # fmt: skip
 
 
 def _jsonl(path: Path) -> list[dict]:
     if not path.exists():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return last_attempts(read_jsonl(path))
 
 
 def untimed(rec: dict) -> dict:

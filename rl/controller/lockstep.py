@@ -117,8 +117,7 @@ class LockstepStream(RolloutStream):
             kept = []
             for g in sorted(groups, key=lambda g: g.gid):
                 if self.drop_uniform is not None and self.drop_uniform(g):
-                    self.gate.skip()
-                    self._uniform_in_a_row(g)
+                    self._skip(g)
                 else:
                     self._uniform_run = 0
                     kept.append(g)

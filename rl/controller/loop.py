@@ -9,7 +9,15 @@ from typing import TYPE_CHECKING
 from rl.checkpoints import resume
 from rl.controller import rollout_state
 from rl.controller.run import RLRun
-from rl.metrics import MetricsLogger, WandbRun, drop_jsonl_after, plot_curves, plot_rl
+from rl.metrics import (
+    RESUMED_PHASES,
+    WARMUP_PHASES,
+    MetricsLogger,
+    WandbRun,
+    drop_jsonl_after,
+    plot_curves,
+    plot_rl,
+)
 from rl.tasks import build_task
 
 if TYPE_CHECKING:
@@ -27,12 +35,19 @@ def controller(cfg: RootConfig, job: Job) -> dict[str, float | None]:
 
     out = Path(cfg.run.output_dir)
     point = resume.read(out) if cfg.rl.steps > 0 else None  # a restarted (requeued) job
-    if point is not None:  # what the lost attempt logged after its checkpoint goes
-        drop_jsonl_after(out / rollout_state.TRAINED, point.step)  # metrics: the logger's
+    # What a lost attempt logged that this one logs again goes: after the checkpoint it
+    # resumes from, or all of it for a job that starts over (killed before any RL
+    # checkpoint, it runs its warm-up again too). So each step is in the files once.
+    redo: tuple[str, ...] = RESUMED_PHASES
+    after = point.step if point is not None else -1
+    if point is None and cfg.sft.steps:
+        redo = (*WARMUP_PHASES, *RESUMED_PHASES)
+    drop_jsonl_after(out / rollout_state.TRAINED, after)  # metrics: the logger's
+    if point is not None:
         print(f"resuming from RL step {point.step} ({point.checkpoint})", flush=True)
     log = MetricsLogger(out, totals={"warmup": cfg.sft.steps, "rl": cfg.rl.steps},
-                        resume_step=point.step if point is not None else None,
-                        wandb_run=WandbRun.from_config(cfg))  # fmt: skip
+                        resume_step=after, wandb_run=WandbRun.from_config(cfg),
+                        redo_phases=redo)  # fmt: skip
     trainer = TrainerHandle(job)
     handles: list[TrainerHandle | GeneratorHandle | RewardHandle] = [trainer]
     try:

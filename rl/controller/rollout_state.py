@@ -209,8 +209,17 @@ def digest(g: Group) -> str:
     return h.hexdigest()
 
 
+def _brief(g: Group) -> dict[str, Any]:
+    return {"index": g.index, "uid": g.item.uid, "rids": [r.rid for r in g.rollouts]}
+
+
 def log_trained(
-    out_dir: str | os.PathLike, step: int, groups: Sequence[Group], requeued: Sequence[str] = ()
+    out_dir: str | os.PathLike,
+    step: int,
+    groups: Sequence[Group],
+    requeued: Sequence[str] = (),
+    aside: Sequence[tuple[str, Group]] = (),
+    leftover: Sequence[Group] | None = None,
 ) -> None:
     """One line per RL step: each trained group's prompt (stream index and uid), its
     samples' ids and a digest of their tokens, log-probs and versions (two runs that
@@ -219,17 +228,27 @@ def log_trained(
     since the last step (their server was lost); so a run's prompts, resumed and
     re-queued samples can be checked across attempts and server restarts. The records are
     phase ``rl``: a resumed job drops the lost attempt's lines after its checkpoint as it
-    does its metrics."""
+    does its metrics.
+
+    The rest of the ledger: the groups set aside since the last step (``dropped``: too
+    old for the trainer; ``skipped``: no signal), and at a save and at the run's end the
+    groups drawn and not trained on (``leftover``: queued, being scored, generating,
+    parked). Every group the stream drew is then in exactly one place: trained, dropped
+    or skipped at some step, or left over at the last record."""
     recs = []
     for g in groups:
-        rec: dict[str, Any] = {"index": g.index, "uid": g.item.uid, "digest": digest(g),
-                               "rids": [r.rid for r in g.rollouts]}  # fmt: skip
+        rec: dict[str, Any] = {**_brief(g), "digest": digest(g)}
         if g.restored_at is not None:
             rec["restored_at"] = g.restored_at
             rec["rollouts"] = [{"rid": r.rid, "output_ids": r.output_ids,
                                 "logprobs": r.logprobs, "versions": r.versions}
                                for r in g.rollouts]  # fmt: skip
         recs.append(rec)
-    line = json.dumps({"phase": "rl", "step": step, "groups": recs, "requeued": list(requeued)})
+    line: dict[str, Any] = {"phase": "rl", "step": step, "groups": recs,
+                            "requeued": list(requeued)}  # fmt: skip
+    for why in ("dropped", "skipped"):
+        line[why] = [_brief(g) for w, g in aside if w == why]
+    if leftover is not None:
+        line["leftover"] = [_brief(g) for g in leftover]
     with open(Path(out_dir) / TRAINED, "a") as f:
-        f.write(line + "\n")
+        f.write(json.dumps(line) + "\n")

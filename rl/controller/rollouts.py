@@ -144,6 +144,9 @@ class RolloutStream:
         self._env: dict[cf.Future, tuple[Group, Rollout]] = {}  # turns the env answers
         self._parked: list[tuple[Group, Rollout]] = []
         self._ready: deque[Group] = deque()
+        # Groups finished and never to be trained on, with why ("dropped": too old for the
+        # trainer; "skipped": no signal), until the run's ledger takes them.
+        self._aside: list[tuple[str, Group]] = []
         self._cv = threading.Condition()
         self._wake: cf.Future = cf.Future()
         self._error: BaseException | None = None
@@ -185,6 +188,8 @@ class RolloutStream:
                 self.consumed += 1
                 if self.gate.admit(group.versions, trainer_version):
                     batch.append(group)
+                else:
+                    self._aside.append(("dropped", group))
                 self._poke()  # room for more groups
             return batch, self._window(batch, trainer_version, t0, dropped)
 
@@ -227,6 +232,13 @@ class RolloutStream:
         if since is not None:
             self._idle_since = now
         return stats
+
+    def take_set_aside(self) -> list[tuple[str, Group]]:
+        """The groups dropped or skipped since the last call, with why: with the groups
+        trained on and those :meth:`snapshot` still holds, every group the stream drew."""
+        with self._cv:
+            taken, self._aside = self._aside, []
+            return taken
 
     @property
     def parked(self) -> int:
@@ -283,6 +295,7 @@ class RolloutStream:
                 v = g.versions
                 if v and self.committed - min(v) > self.gate.max_lag:
                     dropped += 1
+                    self._aside.append(("dropped", g))
                     continue
                 carried += 1
                 g.restored_at = state.step
@@ -308,6 +321,12 @@ class RolloutStream:
             self._restored = {"resume_groups": float(carried), "resume_rollouts": float(resumed),
                               "resume_dropped_groups": float(dropped)}  # fmt: skip
         return dict(self._restored)
+
+    def _skip(self, group: Group) -> None:
+        """Set a scored group without signal aside (dynamic sampling)."""
+        self.gate.skip()
+        self._aside.append(("skipped", group))
+        self._uniform_in_a_row(group)
 
     def _uniform_in_a_row(self, group: Group) -> None:
         self._uniform_run += 1
@@ -366,8 +385,7 @@ class RolloutStream:
     def _on_scored(self, group: Group) -> None:
         if self.drop_uniform is not None and self.drop_uniform(group):
             self.consumed += 1
-            self.gate.skip()
-            self._uniform_in_a_row(group)
+            self._skip(group)
             return
         self._uniform_run = 0
         self._ready.append(group)

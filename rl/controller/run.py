@@ -16,7 +16,7 @@ from __future__ import annotations
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from rl.batch import TrainBatch
 from rl.checkpoints import resume
@@ -57,6 +57,16 @@ SHOW = (
 )
 
 
+class Ledger(NamedTuple):
+    """A step's record of the rollouts not trained on (rollout_state.log_trained): ids
+    re-queued from a lost server, groups set aside (dropped, skipped), and at a save or the
+    run's end the groups still held."""
+
+    requeued: list[str]
+    aside: list[tuple[str, Group]]
+    held: StreamState | None
+
+
 def rollout_sampling(cfg: RootConfig, task: Task) -> SamplingParams:
     """The rollouts' sampling: ``group_size`` samples, ending on every EOS id of the task's
     tokenizer as well as the model's."""
@@ -93,6 +103,7 @@ class RLRun:
         self.recovery: ServerRecovery | None = None
         self.stream: RolloutStream | None = None
         self.books: Background | None = None
+        self.left: StreamState | None = None  # the stream's last snapshot (a save's, the end's)
         self.episodes = EpisodeDriver.from_setup(task.episodes) if task.episodes else None
 
     def run(self) -> dict[str, float]:
@@ -104,7 +115,9 @@ class RLRun:
         finally:
             self.close()
         if self.first <= self.steps:  # else the lost attempt finished and saved them all
-            self.save(self.steps, self.cfg.trainer.save_dir or str(self.out / "checkpoint"))
+            self.save(
+                self.steps, self.cfg.trainer.save_dir or str(self.out / "checkpoint"), self.left
+            )
         return {"start_accuracy": self.start_accuracy, "final_accuracy": self.final_accuracy}
 
     # ------------------------------------------------------------------ setup
@@ -195,15 +208,29 @@ class RLRun:
         m["train_call_s"], m["push_call_s"] = t_push - t_train, time.perf_counter() - t_push
         m.update(self.recovery.stats(), channel_rejected=float(rejected_total()))
         m.update(reward_failures=self.reward.failures, reward_timeouts=self.reward.timeouts)
-        requeued, ev = self.client.take_requeued(), None
+        ledger = self._ledger(step, m)
+        ev = None
         if step % (self.cfg.rl.eval_every or self.steps) == 0 or step == self.steps:
             ev = self.evaluator.run(step)
             m["eval_accuracy"] = self.final_accuracy = ev["eval_accuracy"]
         self._times(m)
-        self.books.submit(self._record, step, groups, batch, m, ev, requeued)
+        self.books.submit(self._record, step, groups, batch, m, ev, ledger)
         if self._saves(step):  # a resume point follows every record up to its step
             self.books.drain()
-            self.save(step, str(self.out / "checkpoint"))
+            self.save(step, str(self.out / "checkpoint"), ledger.held)
+
+    def _ledger(self, step: int, m: dict[str, float]) -> Ledger:
+        """What the step leaves untrained: re-queued ids, groups set aside and, at a save
+        or the last step (after which the stream stops), the groups the stream holds."""
+        assert self.client and self.stream, "step before setup"
+        if step == self.steps:
+            self.stream.close()
+        held = None
+        if step == self.steps or self._saves(step):
+            self.left = held = self.stream.snapshot()
+            m["leftover_groups"] = float(len(held.groups))
+            m["leftover_rollouts"] = float(sum(len(g.rollouts) for g in held.groups))
+        return Ledger(self.client.take_requeued(), self.stream.take_set_aside(), held)
 
     def push(self) -> SyncResult:
         """DDMA the trainer's weights into every server as the next version (a server
@@ -228,9 +255,10 @@ class RLRun:
 
     def _record(
         self, step: int, groups: list[Group], batch: TrainBatch,
-        m: dict[str, float], ev: dict[str, float] | None, requeued: list[str],
+        m: dict[str, float], ev: dict[str, float] | None, ledger: Ledger,
     ) -> None:  # fmt: skip
-        rollout_state.log_trained(self.out, step, groups, requeued)
+        left = ledger.held.groups if ledger.held is not None else None
+        rollout_state.log_trained(self.out, step, groups, ledger.requeued, ledger.aside, left)
         if ev is not None:
             self.log.log(step, ev, phase="rl_eval", echo=False)
         echo = step % self.cfg.rl.log_every == 0 or step == self.steps
@@ -242,11 +270,12 @@ class RLRun:
         every = self.cfg.rl.save_interval
         return bool(every) and step % every == 0 and step < self.steps
 
-    def save(self, step: int, path: str) -> None:
-        """The trainer's checkpoint, the stream's state, then the resume point naming both."""
+    def save(self, step: int, path: str, held: StreamState | None = None) -> None:
+        """The trainer's checkpoint, the stream's state (``held``: as snapshot already),
+        then the resume point naming both."""
         assert self.stream is not None, "save before setup"
         self.trainer.save(path, export_hf=self.cfg.rl.save_hf, step=step)
-        state = rollout_state.save(self.out, step, self.stream.snapshot())
+        state = rollout_state.save(self.out, step, held or self.stream.snapshot())
         point = resume.ResumePoint(step, path, self.start_accuracy, self.warmup_accuracy, state)
         resume.write(self.out, point)
         rollout_state.prune(self.out, keep=state)

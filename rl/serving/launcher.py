@@ -60,6 +60,21 @@ class ServerError(RuntimeError):
     """A server that failed to start, died, or stopped answering."""
 
 
+# A deterministic run's CPU server computes every request's whole prefix itself. A prefix
+# found in the radix cache was computed by another forward (a longer sibling's prefill, the
+# decode steps of the request's own earlier segment), and that changed the request's
+# log-probs by 4.8e-7 against its own prefill (measured on the tiny model, batch-invariant
+# products on); so did whether a group's samples met the cache, which is timing. A prompt
+# split into chunked-prefill chunks is the same case, split where its batch's other
+# requests put the boundary. The cost: every segment prefills its prompt and the tokens so
+# far again (tools/bench/determinism.py measures the step time). Unchunked, SGLang sizes
+# its activation reserve by --max-prefill-tokens (16384 by default, which leaves a CPU
+# server no KV cache): 4096 reserves what its default 4096-token chunks did. It only
+# limits how many prompt tokens one prefill batch takes; a longer prompt runs alone.
+CPU_DETERMINISTIC_ARGS = ("--disable-radix-cache", "--chunked-prefill-size", "-1",
+                          "--max-prefill-tokens", "4096")  # fmt: skip
+
+
 @dataclass(frozen=True)
 class ServerConfig:
     """How to start one SGLang server. Field names follow SGLang's flags where they exist."""
@@ -90,7 +105,8 @@ class ServerConfig:
     load_format: str | None = None
     # A request's tokens and log-probs the same whatever it is batched with (a
     # deterministic run): on CPU our padded products (rl/serving/cpu_batch_invariant.py,
-    # measured bit-equal); on CUDA SGLang's own --enable-deterministic-inference.
+    # measured bit-equal) and no prefix computed by another forward
+    # (CPU_DETERMINISTIC_ARGS); on CUDA SGLang's own --enable-deterministic-inference.
     batch_invariant: bool = False
 
     def validate(self) -> None:
@@ -163,6 +179,8 @@ class ServerConfig:
         if self.device == "cpu":
             # Warmup sends a text request, which needs the tokenizer we skip.
             args.append("--skip-server-warmup")
+            if self.batch_invariant:
+                args += list(CPU_DETERMINISTIC_ARGS)
         elif self.batch_invariant:
             args.append("--enable-deterministic-inference")
         return args + list(self.extra_args)

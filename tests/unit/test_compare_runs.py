@@ -44,3 +44,16 @@ def test_each_difference_is_reported_where_it_first_appears(tmp_path):
     assert found["metrics"] == "rl step 2: loss 0.5 vs 0.25"
     assert found["checkpoint"] == "1 of 1 tensor files differ"
     assert main([str(a), str(b)]) == 1
+
+
+def test_a_step_logged_by_a_lost_attempt_counts_as_its_last_attempts(tmp_path):
+    """A run dir where an attempt killed before its first checkpoint logged steps 1-2 and
+    the next attempt started over: each step is compared as the last attempt logged it."""
+    a, b = _run(tmp_path / "a"), _run(tmp_path / "b")
+    lost_trained = [{"phase": "rl", "step": s, "groups": [{"uid": "p9", "digest": "x"}]}
+                    for s in (1, 2)]  # fmt: skip
+    lost_metrics = [{"phase": "rl", "step": s, "loss": 9.0} for s in (1, 2)]
+    for name, lost in (("trained_prompts.jsonl", lost_trained), ("metrics.jsonl", lost_metrics)):
+        path = b / name
+        path.write_text("".join(json.dumps(r) + "\n" for r in lost) + path.read_text())
+    assert compare(a, b) == {"samples": None, "metrics": None, "checkpoint": None}

@@ -360,3 +360,58 @@ def test_a_group_is_uniform_after_the_overlong_rule():
     assert no_signal(cut, raw, "mask", 0.0)
     assert not no_signal(mixed, raw, "penalise", 0.0) and not no_signal(mixed, raw, "mask", 0.0)
     assert no_signal(mixed, [0.5, 0.5, 0.5], "keep", 0.0)
+
+
+def test_the_ledger_places_every_drawn_group_once_wherever_the_run_ends(tmp_path):
+    """Groups trained on, skipped (no signal), dropped (too old) and, when the run ends,
+    those still generating or queued: each drawn group is in exactly one place of the
+    records (rollout_state.log_trained), whatever was in flight at the end."""
+    import time
+    from concurrent.futures import Future
+
+    from rl.config.sampling import SamplingParams
+    from rl.controller import rollout_state
+    from rl.controller.rollouts import RolloutStream
+    from rl.tasks.common import Example
+    from rl.tasks.scoring import ScoreResult
+    from tests.helpers.ledger import ledger, where_each_group_went
+
+    class _Client(InstantClient):  # prompts 5, 10, ...: still on a server when the run ends
+        version = 1
+
+        def started(self, f, r, segment_tokens):
+            if r.prompt_ids[0] % 5:
+                r.append([r.prompt_ids[0]], [-0.1], [self.version], "stop")
+                f.set_result(r)
+
+    def score(group):  # even prompts: every sample right, no signal
+        f: Future = Future()
+        uniform = group.item.prompt_ids[0] % 2 == 0
+        f.set_result([ScoreResult(1.0 if uniform else float(k)) for k in range(2)])
+        return f
+
+    client = _Client()
+    prompts = (Example(f"p{i}", (i, 7), "") for i in range(1, 1000))
+    gate = StalenessGate(max_lag=1, mode="throttle", per_step=2)
+    stream = RolloutStream(client, score, lambda: next(prompts), SamplingParams(n=2), gate, 1,
+                           drop_uniform=lambda g: len(set(g.rewards)) == 1)  # fmt: skip
+    stream.start()
+    try:
+        groups, _ = stream.next_batch(1)  # p1, p3; p5 never ends, p7 waits under version 1
+        rollout_state.log_trained(tmp_path, 1, groups, (), stream.take_set_aside())
+        deadline = time.monotonic() + 10
+        while stream.started - gate.skipped < 4:  # the throttle's budget at version 1
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        client.version = 3
+        stream.commit(3)  # two pushes later: p7 is too old, newer groups are not
+        groups, _ = stream.next_batch(3)
+        rollout_state.log_trained(tmp_path, 2, groups, (), stream.take_set_aside())
+    finally:
+        stream.close()
+    held = stream.snapshot().groups
+    rollout_state.log_trained(tmp_path, 3, [], (), stream.take_set_aside(), held)
+    places = where_each_group_went(ledger(tmp_path))
+    assert len(places) == stream.drawn
+    assert set(places.values()) == {"groups", "skipped", "dropped", "leftover"}
+    assert gate.dropped == sum(p == "dropped" for p in places.values()) >= 1

@@ -3,6 +3,7 @@ steps the lost attempt had logged after its last checkpoint."""
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 
 from rl.metrics import MetricsLogger, read_jsonl
@@ -55,3 +56,33 @@ def test_a_fresh_run_rewrites_nothing(tmp_path) -> None:
     _attempt(tmp_path, range(0), range(3, 4), resume_step=2)
     after = sorted(p.name for p in (tmp_path / "tensorboard").iterdir())
     assert set(before) <= set(after)
+
+
+def test_a_job_that_starts_over_logs_each_step_once(tmp_path) -> None:
+    """An attempt killed before its first RL checkpoint: the next starts over, warm-up
+    included (rl/controller/loop.py), and what the lost one logged goes from the JSONL
+    and TensorBoard; the plot draws each step once even from a dir written before that."""
+    from rl.metrics import RESUMED_PHASES, WARMUP_PHASES, last_attempts
+
+    _attempt(tmp_path, range(1, 6), range(1, 4), None)  # killed after RL step 3
+    with open(tmp_path / "metrics.jsonl") as f:
+        written_twice = f.read()
+    log = MetricsLogger(tmp_path, resume_step=-1, redo_phases=(*WARMUP_PHASES, *RESUMED_PHASES))
+    for s in range(1, 6):
+        log.log(s, {"loss": 2.0 / s}, phase="warmup", echo=False)
+    for s in range(1, 5):
+        log.log(s, {"reward_mean": s / 5}, phase="rl", echo=False)
+        if s == 3:
+            log.log(s, {"eval_accuracy": 0.5}, phase="rl_eval", echo=False)
+    log.close()
+    recs = read_jsonl(tmp_path / "metrics.jsonl")
+    assert [(r["phase"], r["step"]) for r in recs] == [
+        *(("warmup", s) for s in range(1, 6)), ("rl", 1), ("rl", 2), ("rl", 3),
+        ("rl_eval", 3), ("rl", 4)]  # fmt: skip
+    assert all(r["loss"] == 2.0 / r["step"] for r in recs if r["phase"] == "warmup")
+    seen = _tb_steps(tmp_path)
+    assert max(seen.values()) == 1, [k for k, n in seen.items() if n > 1]
+    # A dir that kept both attempts: readers take each step's last record.
+    both = [json.loads(x) for x in (written_twice + (tmp_path / "metrics.jsonl").read_text())
+            .splitlines()]  # fmt: skip
+    assert last_attempts(both) == recs

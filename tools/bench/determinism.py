@@ -15,6 +15,18 @@ The tiny default job (real SGLang servers, two of them, DDMA, reward ranks), asy
 
 Step time: the mean ``step_s`` of steps 2 to the last (step 1 waits for the first batch).
 Writes tools/bench/results/determinism.json.
+
+    PYTHONPATH=. $(tools/setup_env.sh)/bin/python tools/bench/determinism.py --repeats 5 --steps 20
+
+The repeat test instead (``--repeats N``): one deterministic job with held-out settings
+(:data:`REPEAT`: lag 2, 3-token segments, two servers, dynamic sampling, a checkpoint every
+3 steps) run N times fresh, then twice more with kills: SIGKILLed right after its first RL
+step (before any checkpoint, so it starts over) and SIGKILLed right after the checkpoint of
+step 6 (so it resumes, with saved groups and parked partial rollouts). Every run is
+compared with the first (tools/compare_runs.py); the JSON records ``repeats``,
+``identical_runs`` (of the fresh ones, how many equal the first, the first included) and,
+for any that parted, where; and the step time against the same job free-running. Writes
+tools/bench/results/determinism_repeats.json.
 """
 
 from __future__ import annotations
@@ -27,6 +39,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from bench_util import write_result
@@ -45,6 +58,12 @@ BASE = ["sft.steps=5", "sft.eval_every=5", "task.eval_size=32", "rl.prompts_per_
         "rollout.servers=2", "algorithm.overlong=penalise",
         "algorithm.drop_uniform_groups=true"]  # fmt: skip
 DET = ["rl.deterministic=true"]
+# The repeat test's job: the settings a 20-step run parted with in 1 of 5 runs once (a
+# prefix from SGLang's radix cache), the seeds held out from every other test.
+REPEAT = ["rl.deterministic=true", "trainer.seed=977", "task.seed=31", "sft.steps=40",
+          "task.eval_size=32", "rl.prompts_per_step=8", "rl.eval_every=10",
+          "rl.save_interval=3", "rollout.segment_tokens=3", "rollout.servers=2",
+          "algorithm.max_policy_lag=2", "algorithm.drop_uniform_groups=true"]  # fmt: skip
 
 
 def _start(out: Path, args: list[str]) -> subprocess.Popen:
@@ -90,6 +109,33 @@ def _saved_step(out: Path) -> int:  # the newest checkpoint's step (0: none yet)
         return 0
 
 
+def _rl_steps_logged(out: Path) -> int:
+    try:
+        text = (out / "metrics.jsonl").read_text()
+    except OSError:
+        return 0
+    return sum('"phase": "rl"' in line for line in text.splitlines())
+
+
+def killed_before_checkpoint(out: Path, args: list[str]) -> dict:
+    """The job SIGKILLed as soon as it logged its first RL step (no checkpoint yet), then
+    started again: it starts over, and the files keep each step once."""
+    t0 = time.perf_counter()
+    job = _start(out, args)
+    while _rl_steps_logged(out) < 1:
+        if job.poll() is not None:
+            raise RuntimeError(f"{out.name} ended before its first RL step")
+        time.sleep(0.05)
+    os.killpg(job.pid, signal.SIGKILL)
+    job.wait()
+    _wait_gone(out)
+    logged, saved = _rl_steps_logged(out), _saved_step(out)
+    result = run(out, args)
+    result["wall_s"] = time.perf_counter() - t0
+    result["kills"] = [{"rl_steps_logged": logged, "checkpoint_step": saved}]
+    return result
+
+
 def killed_and_resumed(out: Path, args: list[str], kill_after: list[int]) -> dict:
     """The job SIGKILLed right after each checkpoint in ``kill_after`` and started again."""
     t0, kills = time.perf_counter(), []
@@ -113,10 +159,52 @@ def killed_and_resumed(out: Path, args: list[str], kill_after: list[int]) -> dic
     return result
 
 
+def repeats(n: int, steps: int, d: Path) -> dict:
+    """The repeat test (see the module docstring)."""
+    args = [*REPEAT, f"rl.steps={steps}"]
+    result: dict = {"job": "tiny default, " + " ".join(args), "steps": steps, "repeats": n}
+    runs, parted = [], {}
+    for i in range(n):
+        runs.append(run(d / f"run{i}", args))
+        found = compare(d / "run0", d / f"run{i}") if i else {}
+        if any(v is not None for v in found.values()):
+            parted[f"run{i}"] = found
+        print(f"[bench] run {i}: {runs[-1]['wall_s']:.0f} s, {found or 'the first'}", flush=True)
+    result.update(runs=runs, identical_runs=n - len(parted), parted=parted)
+    # What determinism costs here: the same job free-running, its mean step time beside.
+    free = run(d / "free", [a for a in args if a != "rl.deterministic=true"])
+    result["free"] = {**free, "deterministic_step_time_ratio": runs[0]["step_s_mean"]
+                      / free["step_s_mean"]}  # fmt: skip
+    kills: dict[str, Callable[[Path], dict]] = {
+        "killed_before_checkpoint": lambda out: killed_before_checkpoint(out, args),
+        "killed_after_checkpoint": lambda out: killed_and_resumed(out, args, [6]),
+    }
+    for name, how in kills.items():
+        r = how(d / name)
+        found = compare(d / "run0", d / name)
+        result[name] = {**r, "differences": found,
+                        "identical": all(v is None for v in found.values())}  # fmt: skip
+        print(f"[bench] {name}: {result[name]}", flush=True)
+    return result
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", default=str(ROOT / "tools/bench/results/determinism.json"))
+    ap.add_argument("--out", default=None)
+    ap.add_argument(
+        "--repeats",
+        type=int,
+        default=0,
+        help="run the repeat test (REPEAT) this many times fresh, then killed",
+    )
+    ap.add_argument("--steps", type=int, default=None, help="RL steps of the repeat test")
     args = ap.parse_args(argv)
+    if args.repeats:
+        with tempfile.TemporaryDirectory() as tmp:
+            result = repeats(args.repeats, args.steps or 20, Path(tmp))
+        default = ROOT / "tools/bench/results/determinism_repeats.json"
+        write_result(result, args.out or default)
+        return result
     result: dict = {"job": "tiny default, " + " ".join(BASE), "steps": STEPS}
     with tempfile.TemporaryDirectory() as tmp:
         d = Path(tmp)
@@ -136,7 +224,7 @@ def main(argv: list[str] | None = None) -> dict:
         result["resumed"] = {**resumed, "differences": found,
                              "identical": all(v is None for v in found.values())}  # fmt: skip
         print(f"[bench] resumed: {result['resumed']}", flush=True)
-    write_result(result, args.out)
+    write_result(result, args.out or ROOT / "tools/bench/results/determinism.json")
     return result
 
 

@@ -158,6 +158,12 @@ class TrainerConfig:
     # full keeps only each layer's input and runs the layer's forward again in the
     # backward (Megatron's recompute_granularity=full, uniform, one layer per checkpoint).
     recompute: str = "none"
+    # Core attention of Megatron's local layer spec (without Transformer Engine, whose own
+    # fused attention is used when it imports): sdpa runs torch's fused
+    # scaled_dot_product_attention kernels, which never hold the [s, s] score matrix;
+    # dot_product is Megatron's DotProductAttention, which does (the same logits in fp32
+    # to rounding: tests/multiproc/test_sdpa_attention.py).
+    attention: str = "sdpa"
 
 
 @dataclass

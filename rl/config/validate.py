@@ -36,6 +36,7 @@ DEVICES = ("cpu", "cuda")
 LORA_TARGETS = ("qkv", "proj", "fc1", "fc2")
 DECAY_STYLES = ("constant", "linear", "cosine")
 RECOMPUTE = ("none", "full")  # trainer.recompute
+ATTENTION = ("sdpa", "dot_product")  # trainer.attention
 
 
 def validate_optim(where: str, o: OptimConfig) -> None:
@@ -75,6 +76,9 @@ def validate_trainer_fields(t: TrainerConfig) -> None:
     require(t.save_interval >= 0, f"trainer.save_interval={t.save_interval} must be >= 0")
     require(
         t.recompute in RECOMPUTE, f"trainer.recompute={t.recompute!r} must be one of {RECOMPUTE}"
+    )
+    require(
+        t.attention in ATTENTION, f"trainer.attention={t.attention!r} must be one of {ATTENTION}"
     )
     require(
         isinstance(t.sequence_parallel, bool),

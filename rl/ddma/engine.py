@@ -58,13 +58,37 @@ class TransferStats:
         self.wire_bytes += copies * b.nbytes
 
 
+class Staged:
+    """Destination tensors that are a staging copy, swapped in only once the whole version
+    has been verified (rl/ddma/sglang_receiver.py, staging device or host): a bucket may
+    be written before its checks, so on a device :func:`receive` checks them all at the
+    end with one host sync (:class:`wire.Deferred`) instead of one sync per bucket."""
+
+    def __init__(self, get: wire.DstGetter) -> None:
+        self.get = get
+
+    def __call__(self, name: str) -> torch.Tensor:
+        return self.get(name)
+
+
+def _deferrable(tensors: wire.DstGetter, device: str | torch.device) -> bool:
+    """Checks may wait for the end of the sync: the bytes go to a staging copy, from
+    buckets on a device (in host memory checking a bucket costs no sync)."""
+    return isinstance(tensors, Staged) and torch.device(device).type != "cpu"
+
+
 def apply(
     msg: torch.Tensor, plan: Plan, b: Bucket, version: int, tensors: wire.DstGetter,
     dtype: torch.dtype, stats: TransferStats, checksum: bool = True,
+    deferred: wire.Deferred | None = None,
 ) -> None:  # fmt: skip
     """Verify ``msg`` as bucket ``b`` of ``version`` and scatter it into ``tensors``;
-    raises :class:`wire.BucketError` having written nothing."""
-    wire.verify(msg, plan, b, version, payload=checksum)
+    raises :class:`wire.BucketError` having written nothing. With ``deferred`` the checks
+    are queued there and the bytes written at once."""
+    if deferred is None:
+        wire.verify(msg, plan, b, version, payload=checksum)
+    else:
+        deferred.add(msg, plan, b, version, payload=checksum)
     wire.unpack(msg, plan, b, tensors, dtype)
     stats.count(plan, b)
 
@@ -193,9 +217,10 @@ def receive(
     (``dst_ranks`` as for :func:`send`).
 
     Raises :class:`wire.BucketError` for the first message that fails verification (none
-    of its bytes, nor any later bucket's, is written; the rest is still drained and
-    forwarded so the senders and the replicas below finish, and those replicas refuse the
-    same message themselves), :class:`TransferError` if a sender disappears, and
+    of its bytes, nor any later bucket's, is written, unless ``tensors`` is :class:`Staged`
+    and the buckets on a device, whose checks all run at the end; the rest is still
+    drained and forwarded so the senders and the replicas below finish, and those replicas
+    refuse the same message themselves), :class:`TransferError` if a sender disappears, and
     :class:`UpstreamLost` if that sender was a relaying server or one above it was lost.
     The replicas below a lost sender get stand-ins (:func:`wire.write_lost`) for what it
     did not send, so they fail the version at once; a child that disappears is left out
@@ -210,6 +235,7 @@ def receive(
     children = _Peers(stats, "generator rank")
     dead: dict[int, TransferError] = {}  # senders lost, by group rank
     spare: torch.Tensor | None = None  # stand-ins are stamped here, not in a posted buffer
+    deferred = wire.Deferred() if _deferrable(tensors, device) else None
 
     def peer_of(i: int) -> tuple[int, str]:
         b, sender, _ = mine[i]
@@ -249,7 +275,7 @@ def receive(
         stats.forwarded_bytes += b.nbytes * len(sends)
         if failed is None and upstream is None:  # after a bad bucket keep draining
             try:
-                apply(msg, plan, b, version, tensors, dtype, stats)
+                apply(msg, plan, b, version, tensors, dtype, stats, deferred=deferred)
             except wire.LostUpstream as e:
                 upstream = UpstreamLost(str(e))
             except wire.BucketError as e:
@@ -261,6 +287,11 @@ def receive(
         raise upstream
     if failed is not None:
         raise failed
+    if deferred is not None:
+        try:
+            deferred.finish()
+        except wire.LostUpstream as e:
+            raise UpstreamLost(str(e)) from e
     wire.zero_fill(plan, dst_rank, tensors)
     stats.seconds = time.perf_counter() - t0
     return stats

@@ -181,6 +181,13 @@ class Stage:
     received: set[int] = field(default_factory=set)
     error: str | None = None
     failure: Exception | None = None  # what failed a background receive, re-raised later
+    # Checks of the buckets staged from device memory, run before the version is prepared.
+    deferred: wire.Deferred = field(default_factory=wire.Deferred)
+
+    def destination(self) -> wire.DstGetter:
+        """Where the version's buckets go: into a staging copy before they are verified."""
+        get = self.staged.__getitem__
+        return get if self.staging == "none" else engine.Staged(get)
 
 
 def _tp_rank() -> int:
@@ -307,7 +314,7 @@ class Receiver:
                                                   name="ddma-receive")  # fmt: skip
                 self.receiving.start()
                 return {"ok": True, "background": True}
-            _recv(plan, ctl, rank, st.staged.__getitem__, version, dtype)
+            _recv(plan, ctl, rank, st.destination(), version, dtype)
             st.received.update(expected)
             return {"ok": True, "received": len(st.received)}
         if op == "stage":
@@ -324,12 +331,21 @@ class Receiver:
                     f"bucket {head['index']} is not addressed to generator rank {rank}"
                 )
             tensor = tensor[: b.nbytes]
-            wire.verify(tensor, plan, b, version)
+            dst = st.destination()
+            if tensor.is_cuda and isinstance(dst, engine.Staged):  # checked before prepare
+                st.deferred.add(tensor, plan, b, version)
+            else:
+                wire.verify(tensor, plan, b, version)
             self._writing(st)
-            wire.unpack(tensor, plan, b, st.staged.__getitem__, dtype)
-            staged.release(tensor)
+            wire.unpack(tensor, plan, b, dst, dtype)
+            staged.release(tensor)  # (cuda_ipc: once the device has read it)
             st.received.add(b.index)
             return {"ok": True, "received": len(st.received)}
+        try:
+            st.deferred.finish()
+        except wire.BucketError as e:
+            st.error = f"generator rank {rank}: {type(e).__name__}: {e}"
+            raise
         missing = sorted(set(expected) - st.received)
         if missing:
             raise ValueError(
@@ -392,7 +408,7 @@ def _receive(
     """A background ``recv`` (its own thread, beside SGLang's scheduler, which keeps
     generating on the live weights while the buckets land in the staging copy)."""
     try:
-        _recv(plan, ctl, rank, st.staged.__getitem__, version, dtype)
+        _recv(plan, ctl, rank, st.destination(), version, dtype)
         st.received.update(expected)
     except Exception as e:
         st.error, st.failure = f"generator rank {rank}: {type(e).__name__}: {e}", e

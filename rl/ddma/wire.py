@@ -8,9 +8,17 @@ buffer lies (:mod:`rl.ddma.checksum`: xxh3 in host memory, a weighted sum on the
 of a CUDA buffer), and the magic says which kind, so a receiver on either device verifies
 a sender on either.
 
-The gather-copy (pack) and scatter-copy (unpack) are torch ``narrow().copy_()`` per
-piece: one memcpy-speed pass over the bytes, no intermediate tensors. Casting to the
-destination dtype happens inside the same copy.
+The gather-copy (pack) and scatter-copy (unpack) are torch copies per piece
+(rl/ddma/pieces.py): one memcpy-speed pass over the bytes, no intermediate tensors.
+Casting to the destination dtype happens inside the same copy.
+
+On a CUDA buffer nothing waits for the device, so the host runs ahead and a small bucket
+costs what its bytes cost: the header comes from pinned memory, small pieces are copied
+in batches, FP8 pieces are quantized by one Triton kernel each (rl/ddma/fp8_triton.py,
+the same bytes as rl/ddma/fp8.py), and :func:`verify` reads header and checksum back in
+one transfer. :class:`Deferred` goes further where a caller may write a bucket before it
+is verified (into a staging copy swapped in only once the whole version has been
+verified): the checks of a whole sync then cost one host sync.
 
 Pure logic: torch tensors only, no torch.distributed.
 """
@@ -22,8 +30,8 @@ from collections.abc import Callable
 import torch
 
 from rl.ddma import checksum as cks
-from rl.ddma import fp8
-from rl.ddma.plan import ALIGN, HEADER_BYTES, Bucket, Piece, Plan, is_scale, round_up, scale_name
+from rl.ddma import fp8, pieces
+from rl.ddma.plan import HEADER_BYTES, Bucket, Plan, is_scale, scale_name
 
 MAGIC = 0x44444D41  # "DDMA": payload checksum xxh3
 MAGIC_WSUM = 0x44444D57  # "DDMW": payload checksum wsum
@@ -61,7 +69,10 @@ def write_header(
     values = (MAGICS[kind.name], plan.digest, version, bucket.index, bucket.nbytes, 0,
               bucket.src, bucket.dst)  # fmt: skip
     head = buf[:HEADER_BYTES].view(torch.int64)
-    head.copy_(torch.tensor(values, dtype=torch.int64))
+    if buf.is_cuda:  # a pageable host tensor would make the copy wait for the device
+        head.copy_(torch.tensor(values, dtype=torch.int64, pin_memory=True), non_blocking=True)
+    else:
+        head.copy_(torch.tensor(values, dtype=torch.int64))
     if payload:  # on a device the sum stays there: no host sync to stamp it
         head[5] = kind.tensor(buf[HEADER_BYTES : bucket.nbytes])
 
@@ -74,11 +85,32 @@ def verify(
     buf: torch.Tensor, plan: Plan, bucket: Bucket, version: int, payload: bool = True
 ) -> None:
     """Raise :class:`BucketError` unless ``buf`` is exactly ``bucket`` of ``plan`` at
-    ``version`` with an intact payload (``payload=False``: the header only). Checks are
-    ordered so the message names the most likely cause (a different plan means different
-    architectures or layouts)."""
-    h = read_header(buf)
-    where = f"bucket {bucket.index} (trainer rank {bucket.src} -> generator rank {bucket.dst})"
+    ``version`` with an intact payload (``payload=False``: the header only)."""
+    kind = cks.for_device(buf.device)
+    head = buf[:HEADER_BYTES].view(torch.int64)
+    got = None
+    if payload and buf.is_cuda:  # header and checksum come back in one transfer
+        got = kind.tensor(buf[HEADER_BYTES : bucket.nbytes])
+        head = torch.cat([head, got.view(1)])
+    row = head.tolist()
+    h = dict(zip(_FIELDS, row[:8], strict=True))
+    _check_header(h, plan, bucket, version)
+    if not payload:
+        return
+    sent = _KIND_OF[h["magic"]]  # the sender's kind, whatever device it ran on
+    if got is None or sent is not kind:
+        row = [*row[:8], sent(buf[HEADER_BYTES : bucket.nbytes])]
+    _check_sum(h, row[8], sent, bucket)
+
+
+def _where(bucket: Bucket) -> str:
+    return f"bucket {bucket.index} (trainer rank {bucket.src} -> generator rank {bucket.dst})"
+
+
+def _check_header(h: dict[str, int], plan: Plan, bucket: Bucket, version: int) -> None:
+    """Checks are ordered so the message names the most likely cause (a different plan
+    means different architectures or layouts)."""
+    where = _where(bucket)
     if h["magic"] == LOST:
         raise LostUpstream(f"{where}: a relaying server upstream was lost before it")
     if h["magic"] not in _KIND_OF:
@@ -93,28 +125,61 @@ def verify(
         raise BucketError(f"{where}: carries version {h['version']}, expected {version}")
     if (h["index"], h["nbytes"]) != (bucket.index, bucket.nbytes):
         raise BucketError(f"{where}: got bucket {h['index']} of {h['nbytes']} bytes")
-    if not payload:
-        return
-    kind = _KIND_OF[h["magic"]]
-    got = kind(buf[HEADER_BYTES : bucket.nbytes])
+
+
+def _check_sum(h: dict[str, int], got: int, kind: cks.Kind, bucket: Bucket) -> None:
     if got != h["checksum"]:
         raise BucketError(
-            f"{where}: {kind.name} checksum mismatch ({got:#x} != {h['checksum']:#x})"
+            f"{_where(bucket)}: {kind.name} checksum mismatch ({got:#x} != {h['checksum']:#x})"
         )
 
 
-def _views(buf: torch.Tensor, offset: int, p: Piece, plan: Plan, dtype: torch.dtype):
-    """The piece's data (and, for FP8 pieces, its block scales) inside a message."""
-    data, scale = plan.piece_layout(p)
-    shape = list(plan.dst_shapes[p.dst_name])
-    shape[p.dim] = p.length
-    if not scale:
-        return buf[offset : offset + data].view(dtype).view(shape), None
-    b = plan.fp8_block
-    q = buf[offset : offset + data].view(torch.float8_e4m3fn).view(shape)
-    at = offset + round_up(data, ALIGN)
-    sshape = [-(-n // b) for n in shape]  # type: ignore[operator]
-    return q, buf[at : at + scale].view(torch.float32).view(sshape)
+class Deferred:
+    """:func:`verify` of many buckets with one host sync, at :meth:`finish`.
+
+    Each :meth:`add` queues the bucket's checksum on its device and keeps a copy of its
+    header and that checksum (72 bytes), so the buffer can take the next bucket at once;
+    :meth:`finish` reads them all back and raises what :func:`verify` would have raised
+    for the first bad bucket, in the order added. Only for a caller whose writes of an
+    unverified bucket are harmless: they must land in a staging copy that is swapped in
+    only after :meth:`finish` returned. The receiver checks the checksum kind of its own
+    device (the sender's bytes are gone by then): buckets land on a device only when both
+    ends are on one.
+    """
+
+    def __init__(self) -> None:
+        self._rows: list[torch.Tensor] = []
+        self._of: list[tuple[Plan, Bucket, int, cks.Kind | None]] = []
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def add(
+        self, buf: torch.Tensor, plan: Plan, bucket: Bucket, version: int, payload: bool = True
+    ) -> None:
+        head = buf[:HEADER_BYTES].view(torch.int64)
+        kind = cks.for_device(buf.device) if payload else None
+        got = kind.tensor(buf[HEADER_BYTES : bucket.nbytes]) if kind else head.new_zeros(())
+        self._rows.append(torch.cat([head, got.to(head.device).view(1)]))
+        self._of.append((plan, bucket, version, kind))
+
+    def finish(self) -> None:
+        """Raise :class:`BucketError` for the first bad bucket added since the last call."""
+        rows, of = self._rows, self._of
+        self._rows, self._of = [], []
+        if not rows:
+            return
+        for row, (plan, bucket, version, kind) in zip(torch.stack(rows).tolist(), of, strict=True):
+            h = dict(zip(_FIELDS, row[:8], strict=True))
+            _check_header(h, plan, bucket, version)
+            if kind is None:
+                continue
+            if _KIND_OF[h["magic"]] is not kind:
+                raise BucketError(
+                    f"{_where(bucket)}: the sender checksummed it with "
+                    f"{_KIND_OF[h['magic']].name}, a receiver on its device verifies {kind.name}"
+                )
+            _check_sum(h, row[8], kind, bucket)
 
 
 def dst_dtype(plan: Plan, name: str, dtype: torch.dtype) -> torch.dtype:
@@ -143,33 +208,48 @@ def pack(
     return buf[: bucket.nbytes]
 
 
+@torch.no_grad()  # the sources are live parameters: a weight sync is no autograd op
 def copy_pieces(
     buf: torch.Tensor, plan: Plan, bucket: Bucket, src: SrcGetter, dtype: torch.dtype
 ) -> None:
     """The payload half of :func:`pack` (no header)."""
-    for p, off in zip(bucket.pieces, bucket.offsets, strict=True):
+    block = plan.fp8_block
+    kernel = pieces.quantizer(buf) if block else None
+    typed = pieces.Typed(buf)
+    plain = []
+    for pl in pieces.places(plan, bucket, dtype):
+        p = pl.piece
         part = src(p.key, p.layer).narrow(p.dim, p.src_start, p.length)  # type: ignore[arg-type]
-        data, scale = _views(buf, off, p, plan, dtype)
+        data, scale = typed.views(pl, dtype)
         if scale is None:
-            data.copy_(part)
-        else:  # block-aligned (checked by the planner): these are the destination's blocks
-            q, s = fp8.quantize_blockwise(part, plan.fp8_block)  # type: ignore[arg-type]
+            plain.append((data, part))
+        # Block-aligned (checked by the planner): these are the destination's blocks.
+        elif kernel is not None and part.device == buf.device and kernel.supports(part, block):
+            kernel.quantize_into(part, data, scale, block)
+        else:
+            q, s = fp8.quantize_blockwise(part, block)  # type: ignore[arg-type]
             data.copy_(q)
             scale.copy_(s)
+    pieces.copy(plain, buf.is_cuda)
 
 
+@torch.no_grad()  # the destinations may be parameters too (a server's, a test's)
 def unpack(
     buf: torch.Tensor, plan: Plan, bucket: Bucket, dst: DstGetter, dtype: torch.dtype
 ) -> None:
     """Scatter-copy a verified message (of ``dtype`` elements) into the destination."""
-    for p, off in zip(bucket.pieces, bucket.offsets, strict=True):
-        data, scale = _views(buf, off, p, plan, dtype)
-        dst(p.dst_name).narrow(p.dim, p.dst_start, p.length).copy_(data)
+    typed = pieces.Typed(buf)
+    pairs = []
+    for pl in pieces.places(plan, bucket, dtype):
+        p = pl.piece
+        data, scale = typed.views(pl, dtype)
+        pairs.append((dst(p.dst_name).narrow(p.dim, p.dst_start, p.length), data))
         if scale is not None:
             b = plan.fp8_block
             assert b is not None  # only an FP8 plan sends scales
             rows = dst(scale_name(p.dst_name)).narrow(p.dim, p.dst_start // b, scale.shape[p.dim])
-            rows.copy_(scale)
+            pairs.append((rows, scale))
+    pieces.copy(pairs, buf.is_cuda)
 
 
 def zero_fill(plan: Plan, rank: int, dst: DstGetter) -> None:

@@ -2,6 +2,8 @@
 
 Uses the local (Megatron-Core only) layer spec with RMSNorm, SwiGLU, GQA and RoPE, so it
 runs on CPU; with Transformer Engine present on a GPU machine the TE spec is used instead.
+The local spec's core attention is torch's fused scaled-dot-product attention unless
+``trainer.attention=dot_product``, and its norms train in the parameters' dtype.
 The family's options are model data (``qkv_bias``, ``qk_norm``, ``head_dim``, experts),
 mapped here one to one onto Megatron's spec and TransformerConfig: no family names.
 Weights are initialised on CPU from one master tensor per weight and then split, which
@@ -121,7 +123,11 @@ def moe_options(m: ModelConfig, t: TrainerConfig) -> dict[str, object]:
     )
 
 
-def layer_spec(m: ModelConfig) -> ModuleSpec:
+def layer_spec(m: ModelConfig, attention: str = "sdpa") -> ModuleSpec:
+    """Transformer Engine's spec when TE imports on a GPU (its own fused attention and
+    norms); otherwise Megatron's local spec, whose core attention is ``attention``:
+    ``sdpa`` (torch's fused scaled-dot-product kernels, rl/models/sdpa_attention.py) or
+    ``dot_product`` (Megatron's ``DotProductAttention``, which holds the score matrix)."""
     from megatron.core.models.gpt import gpt_layer_specs as specs
 
     options = dict(
@@ -129,7 +135,31 @@ def layer_spec(m: ModelConfig) -> ModuleSpec:
     )
     if have_transformer_engine():
         return specs.get_gpt_layer_with_transformer_engine_spec(**options)
-    return specs.get_gpt_layer_local_spec(normalization="RMSNorm", **options)
+    spec = specs.get_gpt_layer_local_spec(normalization="RMSNorm", **options)
+    if attention == "sdpa":
+        from rl.models.sdpa_attention import SDPAttention
+
+        spec.submodules.self_attention.submodules.core_attention = SDPAttention
+    elif attention != "dot_product":
+        raise ValueError(f"trainer.attention={attention!r} must be 'sdpa' or 'dot_product'")
+    return spec
+
+
+def norms_in_compute_dtype(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Put the local spec's torch norms (``torch.nn.RMSNorm``/``LayerNorm``) in ``dtype``.
+
+    Why: Megatron builds them in torch's default dtype, float32, and casts them to bf16 only
+    through its ``Float16Module`` wrapper, which this trainer does not use. A bf16 input
+    with a float32 weight makes torch skip its fused norm kernel (it warns "Cannot
+    dispatch to fused implementation") for the slower composite one. In ``dtype`` they
+    become like every other parameter: Megatron's mixed-precision optimizer keeps their
+    float32 master copy and writes the rounded value back after each step, as for the
+    linear weights. In float32 training this changes nothing, bit for bit. TE's norms
+    are built in ``params_dtype`` already and are not torch norms.
+    """
+    for mod in model.modules():
+        if isinstance(mod, torch.nn.RMSNorm | torch.nn.LayerNorm):
+            mod.to(dtype)  # in place: the Parameter objects (and their attributes) stay
 
 
 def build_gpt(
@@ -148,11 +178,12 @@ def build_gpt(
     from megatron.core.models.gpt import GPTModel
 
     rs = m.rope_scaling  # validate_model checked it against Megatron's fixed constants
+    config = transformer_config(m, t, initialize)
     # Tied embeddings under PP move the shared weight with .cuda() while building.
     with cuda_to_cpu():
-        return GPTModel(
-            config=transformer_config(m, t, initialize),
-            transformer_layer_spec=layer_spec(m),
+        model = GPTModel(
+            config=config,
+            transformer_layer_spec=layer_spec(m, t.attention),
             vocab_size=padded_vocab_size(m),
             max_sequence_length=m.max_position_embeddings,
             pre_process=pre_process,
@@ -165,3 +196,5 @@ def build_gpt(
             rope_scaling_factor=rs.factor if rs is not None else 8.0,
             pg_collection=pg_collection,
         )
+    norms_in_compute_dtype(model, config.params_dtype)
+    return model

@@ -91,8 +91,13 @@ class MegatronTrainer:
         layout: Layout,
         total_steps: int,
         frozen: bool = False,
+        initialize: bool = True,
     ):
-        """``frozen``: forward passes only (a reference policy), no optimizer state."""
+        """``frozen``: forward passes only (a reference policy), no optimizer state.
+        ``initialize=False``: the weights are left unset, for a caller that fills them at
+        once (a checkpoint load, or a benchmark filling them on the device; then
+        ``optimizer.reload_model_params()``): a random init on the host takes minutes at
+        billions of parameters."""
         self.mcfg, self.tcfg, self.layout = model_cfg, trainer_cfg, layout
         self.step = 0
         self.carried: dict[str, Any] = {}  # the loaded checkpoint's HF fields (dist_ckpt)
@@ -122,7 +127,9 @@ class MegatronTrainer:
         t = trainer_cfg
         # Same seed on every rank: CPU init builds each full weight and splits it.
         torch.manual_seed(t.seed)
-        model = build_gpt(model_cfg, t, layout.first_stage, layout.last_stage, layout.pg_collection)
+        model = build_gpt(
+            model_cfg, t, layout.first_stage, layout.last_stage, layout.pg_collection, initialize
+        )
         # LoRA: the base frozen, adapters on the targeted linears. A frozen trainer has them
         # too, so it loads an adapted checkpoint (a base one leaves them at B = 0).
         self.adapter_params = 0
@@ -495,13 +502,17 @@ class MegatronTrainer:
 
 
 def build_trainer(
-    model_cfg: ModelConfig, trainer_cfg: TrainerConfig, total_steps: int, frozen: bool = False
+    model_cfg: ModelConfig,
+    trainer_cfg: TrainerConfig,
+    total_steps: int,
+    frozen: bool = False,
+    initialize: bool = True,
 ) -> MegatronTrainer:
     """Initialise model parallelism on this rank's world and build the trainer."""
     layout = init_model_parallel(
         trainer_cfg.tp, trainer_cfg.pp, trainer_cfg.seed, ep=trainer_cfg.ep
     )
-    return MegatronTrainer(model_cfg, trainer_cfg, layout, total_steps, frozen)
+    return MegatronTrainer(model_cfg, trainer_cfg, layout, total_steps, frozen, initialize)
 
 
 def _rows(

@@ -3,6 +3,8 @@ quantization and the scatter all run where the shards lie, give bit-for-bit what
 path gives (the CPU path is checked against SGLang's own weight loaders in
 tests/servers/test_ddma_sglang_loaders.py), move no bucket through host memory, and a
 bucket handed to another process as a CUDA IPC handle is verified and scattered there.
+The Triton FP8 quantizer gives the torch quantizer's bytes, and packing and deferred
+verification never wait for the device.
 
 One GPU: NCCL refuses two ranks on one device, so the p2p group path needs two GPUs and is
 not here; tools/gpu_check.sh says so when it finds one GPU."""
@@ -11,12 +13,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 import torch.multiprocessing as mp
 
 from rl.ddma import checksum as cks
 from rl.ddma import wire
-from rl.ddma.plan import DstLayout, Plan, SrcLayout, make_plan
+from rl.ddma.plan import HEADER_BYTES, DstLayout, Plan, SrcLayout, make_plan
 from tests.helpers.ddma_util import hf_state, megatron_globals, megatron_shards, model_dims
 from tests.helpers.hf_models import make_model
 
@@ -158,3 +161,74 @@ def test_a_bucket_shared_as_a_cuda_ipc_handle_is_scattered_in_another_process(tm
     assert seen == sent == len(plan.buckets)
     for name, t in want.items():
         assert got[name] == t.view(torch.uint8).numpy().tobytes(), name
+
+
+def test_triton_fp8_quantizer_is_bit_identical_to_the_torch_one_on_cuda():
+    """rl/ddma/fp8_triton.py against rl/ddma/fp8.py on CUDA and on CPU: partial edge blocks,
+    a TP column slice, a transposed view, bf16 and fp32, every e4m3 value and the ties
+    between them at a scale of 1 and scaled (here ``div_rn`` is the hardware's, not numpy's
+    as in tests/unit/test_ddma_triton.py)."""
+    from rl.ddma import fp8, fp8_triton, pieces
+
+    assert pieces.quantizer(torch.empty(1, device=CUDA)) is fp8_triton
+    g = torch.Generator().manual_seed(0)
+    grid = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    grid = grid[~grid.isnan()].unique()
+    edges = torch.cat([grid, (grid[1:] + grid[:-1]) / 2, torch.tensor([1e-40, -0.0])])
+    e = torch.zeros(-(-edges.numel() // 128) * 128)
+    e[: edges.numel()] = edges
+    e = e.view(-1, 128)
+    e[:, 0] = 448.0
+    cases = [torch.randn(1536, 4096, generator=g) * 0.02, torch.randn(300, 2 * 130, generator=g)]
+    cases += [cases[1][:, 3:133], cases[1].t()[5:200], e, e * 1e-6, e * 3.0, torch.zeros(130, 7)]
+    for w in cases:
+        for dtype in (torch.bfloat16, torch.float32):
+            x = w.to(dtype)
+            want_q, want_s = fp8.quantize_blockwise(x, 128)  # CPU
+            cuda_q, cuda_s = fp8.quantize_blockwise(x.to(CUDA), 128)
+            q = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=CUDA)
+            s = torch.empty(fp8.scale_shape(tuple(x.shape)), dtype=torch.float32, device=CUDA)
+            fp8_triton.quantize_into(x.to(CUDA), q, s, 128)
+            for got in (q, cuda_q):
+                assert torch.equal(got.cpu().view(torch.uint8), want_q.view(torch.uint8))
+            for got in (s, cuda_s):
+                assert torch.equal(got.cpu().view(torch.int32), want_s.view(torch.int32))
+
+
+def test_pack_and_deferred_receive_never_wait_for_the_device_and_catch_a_flipped_byte(tmp_path):
+    """Every bucket packed, checked (deferred) and scattered with no host sync (torch's
+    sync debug mode raises on one), then one sync at the end names the flipped byte's
+    bucket exactly as an immediate verify does."""
+    for plan, glob in _plans(tmp_path):
+        want = _transfer(plan, glob, torch.device("cpu"))
+        out = {n: torch.zeros(s, device=CUDA, dtype=wire.dst_dtype(plan, n, torch.float32))
+               for n, s in plan.dst_shapes.items()}  # fmt: skip
+        shards = [{k: v.to(CUDA) for k, v in megatron_shards(glob, plan, r).items()}
+                  for r in range(plan.src.world)]  # fmt: skip
+        msgs = [torch.zeros(plan.bucket_bytes, dtype=torch.uint8, device=CUDA)
+                for _ in plan.buckets]  # fmt: skip
+        _transfer(plan, glob, CUDA)  # warm-up: tables cached, kernels compiled
+        torch.cuda.synchronize()
+        check = wire.Deferred()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            for b, msg in zip(plan.buckets, msgs, strict=True):
+                wire.pack(msg, plan, b, _getter(shards[b.src]), torch.float32, 5)
+            for b, msg in zip(plan.buckets, msgs, strict=True):
+                check.add(msg[: b.nbytes], plan, b, 5)
+                wire.unpack(msg[: b.nbytes], plan, b, out.__getitem__, torch.float32)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        check.finish()
+        wire.zero_fill(plan, 0, out.__getitem__)
+        for name, t in want.items():
+            assert torch.equal(out[name].cpu().view(torch.uint8), t.view(torch.uint8)), name
+        bad = plan.buckets[len(plan.buckets) // 2]
+        msgs[bad.index][HEADER_BYTES + 3] ^= 0x04
+        with pytest.raises(wire.BucketError, match="wsum checksum mismatch") as now:
+            wire.verify(msgs[bad.index][: bad.nbytes], plan, bad, 5)
+        for b, msg in zip(plan.buckets, msgs, strict=True):
+            check.add(msg[: b.nbytes], plan, b, 5)
+        with pytest.raises(wire.BucketError) as later:
+            check.finish()
+        assert str(later.value) == str(now.value)

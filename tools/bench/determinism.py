@@ -117,18 +117,23 @@ def _rl_steps_logged(out: Path) -> int:
     return sum('"phase": "rl"' in line for line in text.splitlines())
 
 
-def killed_before_checkpoint(out: Path, args: list[str]) -> dict:
-    """The job SIGKILLed as soon as it logged its first RL step (no checkpoint yet), then
-    started again: it starts over, and the files keep each step once."""
-    t0 = time.perf_counter()
+def _kill_when(out: Path, args: list[str], ready: Callable[[], bool], what: str) -> None:
+    """Start the job, SIGKILL its whole process group once ``ready()``, wait it gone."""
     job = _start(out, args)
-    while _rl_steps_logged(out) < 1:
+    while not ready():
         if job.poll() is not None:
-            raise RuntimeError(f"{out.name} ended before its first RL step")
+            raise RuntimeError(f"{out.name} ended before {what}")
         time.sleep(0.05)
     os.killpg(job.pid, signal.SIGKILL)
     job.wait()
     _wait_gone(out)
+
+
+def killed_before_checkpoint(out: Path, args: list[str]) -> dict:
+    """The job SIGKILLed as soon as it logged its first RL step (no checkpoint yet), then
+    started again: it starts over, and the files keep each step once."""
+    t0 = time.perf_counter()
+    _kill_when(out, args, lambda: _rl_steps_logged(out) >= 1, "its first RL step")
     logged, saved = _rl_steps_logged(out), _saved_step(out)
     result = run(out, args)
     result["wall_s"] = time.perf_counter() - t0
@@ -140,14 +145,9 @@ def killed_and_resumed(out: Path, args: list[str], kill_after: list[int]) -> dic
     """The job SIGKILLed right after each checkpoint in ``kill_after`` and started again."""
     t0, kills = time.perf_counter(), []
     for step in kill_after:
-        job = _start(out, args)
-        while _saved_step(out) < step:
-            if job.poll() is not None:
-                raise RuntimeError(f"{out.name} ended before its checkpoint of step {step}")
-            time.sleep(0.05)
-        os.killpg(job.pid, signal.SIGKILL)
-        job.wait()
-        _wait_gone(out)
+        _kill_when(
+            out, args, lambda s=step: _saved_step(out) >= s, f"its checkpoint of step {step}"
+        )
         point = json.loads((out / "rl_state.json").read_text())
         state = json.loads((out / point["rollouts"]).read_text())
         partial = sum(r["finish_reason"] is None and bool(r["output_ids"])

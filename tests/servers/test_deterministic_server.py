@@ -1,7 +1,7 @@
 """A deterministic run's CPU server (``ServerConfig.batch_invariant``): a request's tokens and
 log-probs, bit for bit, do not depend on what the server computed before it.
 
-A resumed segment's prefix (prompt and tokens so far) was seen by the server before: its
+A resumed segment's prefix (its prompt and the tokens it has) was seen by the server before: its
 prompt in a sibling sample's prefill, its tokens in its own earlier decoding. Taken from
 SGLang's radix cache, that KV came from another forward than the request's own prefill
 and moved its log-probs by 4.8e-7 (a deterministic 20-step run parted at one group so);

@@ -28,12 +28,12 @@ Pure logic: torch and xxhash only, no torch.distributed.
 
 from __future__ import annotations
 
-from functools import cache
-from types import ModuleType
 from typing import Protocol
 
 import torch
 import xxhash
+
+from rl.ddma import kernels
 
 # int32 words per reduction: 4 MiB of weights cached per device. It and the number of chunk
 # factors are powers of two (rl/ddma/checksum_triton.py masks and shifts by them).
@@ -117,7 +117,7 @@ class WeightedSum:
             words = payload[:whole].view(torch.int32)
         else:  # an unaligned view cannot be reinterpreted in place
             words = payload[:whole].clone().view(torch.int32)
-        kernel = _kernel() if self.fused and payload.is_cuda else None
+        kernel = kernels.load("checksum_triton") if self.fused and payload.is_cuda else None
         if kernel is not None:
             f = self._factors.get(payload.device)
             if f is None:
@@ -138,16 +138,6 @@ class WeightedSum:
 
     def __call__(self, payload: torch.Tensor) -> int:
         return int(self.tensor(payload).item())
-
-
-@cache
-def _kernel() -> ModuleType | None:
-    """rl/ddma/checksum_triton.py, or None where Triton does not import."""
-    try:
-        from rl.ddma import checksum_triton
-    except Exception:  # no Triton, or one that cannot find a GPU toolchain
-        return None
-    return checksum_triton
 
 
 XXH3 = Xxh3()

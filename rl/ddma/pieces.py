@@ -11,12 +11,12 @@ Pure logic: torch tensors only, no torch.distributed.
 
 from __future__ import annotations
 
-from functools import cache
 from types import ModuleType
 from typing import NamedTuple
 
 import torch
 
+from rl.ddma import kernels
 from rl.ddma.plan import ALIGN, Bucket, Piece, Plan, round_up
 
 # On a device, pieces below this are copied in batches: a launch per piece costs the host
@@ -123,13 +123,4 @@ def copy(pairs: list[tuple[torch.Tensor, torch.Tensor]], device: bool) -> None:
 def quantizer(buf: torch.Tensor) -> ModuleType | None:
     """The Triton quantizer (rl/ddma/fp8_triton.py) for FP8 pieces packed into ``buf``: on
     a CUDA buffer where Triton imports; None: the torch ops of rl/ddma/fp8.py."""
-    return _fp8_triton() if buf.is_cuda else None
-
-
-@cache
-def _fp8_triton() -> ModuleType | None:
-    try:
-        from rl.ddma import fp8_triton
-    except Exception:  # no Triton, or one that cannot find a GPU toolchain
-        return None
-    return fp8_triton
+    return kernels.load("fp8_triton") if buf.is_cuda else None

@@ -31,6 +31,7 @@ class TrainBatch:
     # [B, S] log pi_old: the trainer's own, before a batch's first update (sample reuse:
     # rl/algorithms/reuse.py); None with one update per batch, where pi_old is pi.
     old_logprobs: torch.Tensor | None = None
+    values: torch.Tensor | None = None  # [B, S] a critic's value of each token (GAE)
 
     @property
     def rows(self) -> int:

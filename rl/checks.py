@@ -45,7 +45,7 @@ def check(cfg: RootConfig, world_size: int | None = None) -> None:
     validate_trainer(cfg.trainer, cfg.model)
     validate(cfg, world_size)
     task_checks.check(cfg)
-    algorithms.check_config(cfg.algorithm)
+    algorithms.check_config(cfg.algorithm, cfg.rollout.sampling.max_new_tokens)
     plan.check_config(cfg)
     transport.check(cfg)
 

@@ -73,16 +73,17 @@ def _mix(*parts: int) -> int:
 
 
 def combine(updates: list[dict[str, float]], epochs: int = 1) -> dict[str, float]:
-    """One RL step's metrics from its updates' (each a MegatronTrainer.train_step result):
-    the loss statistics averaged over every trained token of every update, time and
-    skipped updates summed, the last learning rate, the rest (grad norm, MoE load)
-    averaged over updates; plus ``updates``. ``num_tokens`` is what one of the ``epochs``
-    passes over the batch trains on, ``tokens_per_s`` counts every pass."""
+    """One RL step's metrics from its updates' (each a MegatronTrainer.train_step result): the
+    loss statistics averaged over every trained token (``seq_`` ones: sequence) of every update,
+    time and skipped updates summed, the last learning rate, the rest (grad norm, MoE load)
+    averaged over updates; plus ``updates``. ``num_tokens`` is what one of the ``epochs`` passes
+    over the batch trains on, ``tokens_per_s`` counts every pass."""
     if not updates:
         raise ValueError("no updates to combine")
     if len(updates) == 1:
         return {**updates[0], "updates": 1.0}
     ntok = [u["num_tokens"] for u in updates]
+    nseq = [u.get("num_seqs", 1.0) for u in updates]
     total = sum(ntok)
     out: dict[str, float] = {}
     per_token = _per_token_keys(updates[0])
@@ -92,6 +93,8 @@ def combine(updates: list[dict[str, float]], epochs: int = 1) -> dict[str, float
             out[k] = sum(vals)
         elif k in _LAST:
             out[k] = vals[-1]
+        elif k in per_token and k.startswith("seq_"):  # a per-sequence mean
+            out[k] = sum(v * n for v, n in zip(vals, nseq, strict=True)) / sum(nseq)
         elif k in per_token:
             out[k] = sum(v * n for v, n in zip(vals, ntok, strict=True)) / total
         else:
@@ -99,6 +102,8 @@ def combine(updates: list[dict[str, float]], epochs: int = 1) -> dict[str, float
     seconds = max(out["step_seconds"], 1e-9)
     out["tokens_per_s"] = sum(u["tokens_per_s"] * u["step_seconds"] for u in updates) / seconds
     out["num_tokens"] = total / epochs
+    if "num_seqs" in out:
+        out["num_seqs"] = sum(nseq) / epochs
     out["updates"] = float(len(updates))
     return out
 
@@ -106,5 +111,6 @@ def combine(updates: list[dict[str, float]], epochs: int = 1) -> dict[str, float
 def _per_token_keys(first: dict[str, float]) -> set[str]:
     """The loss statistics: everything train_step reports that is not its own bookkeeping
     (these are means over the update's tokens)."""
-    own = {"grad_norm", "lr", "num_tokens", "step_seconds", "skipped", "tokens_per_s"}
+    own = {"grad_norm", "lr", "num_tokens", "num_seqs", "step_seconds", "skipped",
+           "tokens_per_s"}  # fmt: skip
     return {k for k in first if k not in own and not k.startswith("moe_")}

@@ -298,12 +298,29 @@ class CorrectionConfig:
 
 
 @dataclass
+class AdvantageConfig:
+    """How each sampled token's advantage is estimated from the rewards (and, for some
+    estimators, the reference log-probs or a critic's values). Each estimator's module in
+    rl/algorithms/advantages/ subclasses this, and ``algorithm/advantage=<name>`` picks
+    it."""
+
+    name: str = MISSING
+
+
+@dataclass
 class AlgorithmConfig:
     """The RL objective and how stale a rollout may be (rl/algorithms). The presets:
-    algorithm=aipo (pg with the aipo correction) and algorithm=grpo (ppo_clip)."""
+    algorithm=aipo (pg with the aipo correction) and algorithm=grpo (ppo_clip), both with
+    the grpo advantage."""
 
     objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
     correction: CorrectionConfig = field(default_factory=CorrectionConfig)
+    advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
+    # How the per-token losses become one (rl/algorithms/aggregation.py): token_mean |
+    # seq_mean_token_mean | seq_mean_token_sum_norm; null: the advantage estimator's own
+    # (dr_grpo: seq_mean_token_sum_norm), else the objective's (gspo: seq_mean_token_mean),
+    # else token_mean.
+    loss_agg: str | None = None
     # Sample reuse (rl/algorithms/reuse.py): passes over each RL batch, each cut into this
     # many minibatches, one optimizer step per minibatch. With more than one step the
     # trainer scores pi_old first (a forward pass) to log the policy's move apart from the
@@ -311,8 +328,7 @@ class AlgorithmConfig:
     epochs: int = 1
     minibatches: int = 1
     kl_coef: float = 0.0  # KL(pi || pi_ref) penalty; 0: no reference model
-    group_size: int = 8  # samples per prompt; the group mean is the baseline
-    normalize_std: bool = True  # divide advantages by the group's std
+    group_size: int = 8  # samples per prompt (a group estimator's baseline is their mean)
     # Off-policy bound: train on rollouts at most this many policy versions old (0: fully
     # synchronous). Older ones are dropped, or the generator is throttled at the source.
     max_policy_lag: int = 1

@@ -172,9 +172,12 @@ def validate_algorithm(a: AlgorithmConfig) -> None:
     for name in ("epochs", "minibatches"):
         v = getattr(a, name)
         require(isinstance(v, int) and v >= 1, f"algorithm.{name}={v!r} must be an integer >= 1")
+    # >= 2 where the estimator's baseline is its group's (rl/algorithms/registry.py)
+    require(a.group_size >= 1, f"algorithm.group_size={a.group_size} must be >= 1")
     require(
-        a.group_size >= 2,
-        f"algorithm.group_size={a.group_size} must be >= 2 (the group mean is the baseline)",
+        a.group_size > 1 or not a.drop_uniform_groups,
+        "algorithm.drop_uniform_groups=true with algorithm.group_size=1: a group of one "
+        "sample is always uniform, so every group would be dropped",
     )
     require(
         a.max_policy_lag >= 0,

@@ -1,4 +1,4 @@
-"""Finished rollouts -> the trainer's batch: tokens, masks, behaviour log-probs, advantages.
+"""Finished rollouts -> the trainer's batch: tokens, masks, behaviour log-probs, rewards.
 
 Alignment follows the trainer's contract (rl/algorithms/losses.py): index ``t`` of every
 per-token tensor scores token ``t+1``. A response of R tokens after a prompt of P tokens
@@ -11,7 +11,8 @@ trajectory (``Rollout.observed``) are in the sequence and out of the loss.
 A response cut by ``max_new_tokens`` (finish reason "length") is overlong: ``keep`` trains
 on it like any other, ``mask`` takes its tokens out of the loss (its reward still counts
 in its group's baseline), ``penalise`` replaces its reward with ``overlong_penalty`` before
-the advantages are computed.
+the advantages are computed (by the trainer, which holds the reference's log-probs and a
+critic's values that some estimators need: rl/algorithms/registry.py:with_advantages).
 
 Pure logic: torch tensors only.
 """
@@ -23,7 +24,6 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from rl.algorithms.advantages import group_advantages, token_advantages
 from rl.batch import TrainBatch
 
 if TYPE_CHECKING:
@@ -48,8 +48,10 @@ def trained_rewards(
 def no_signal(
     group: Sequence[Rollout], rewards: Sequence[float], overlong: str, penalty: float
 ) -> bool:
-    """True for a group that cannot move the weights: its rewards, after the overlong rule,
-    are all equal (every advantage is 0), or ``mask`` takes every sample out of the loss."""
+    """True for a group without signal: its rewards, after the overlong rule, are all
+    equal (a group baseline gives every sample advantage 0; a batch-wide one, as
+    reinforce_pp's, does not, and dropping it is then a filter of the user's choosing), or
+    ``mask`` takes every sample out of the loss."""
     if overlong == "mask" and all(r.finish_reason == "length" for r in group):
         return True
     return len(set(trained_rewards(group, rewards, overlong, penalty))) <= 1
@@ -58,7 +60,6 @@ def no_signal(
 def build_batch(
     groups: Sequence[Sequence[Rollout]],
     rewards: Sequence[Sequence[float]],
-    normalize_std: bool = True,
     pad_id: int = 0,
     seq_len: int | None = None,
     overlong: str = "keep",
@@ -67,8 +68,8 @@ def build_batch(
     """``groups[g][k]`` is sample k of prompt g (objects with ``prompt_ids``,
     ``output_ids``, ``logprobs``, ``versions``), ``rewards[g][k]`` its reward.
 
-    Returns ``tokens`` [B, S] (int64), ``loss_mask``, ``behaviour_logprobs`` and
-    ``advantages`` [B, S] (float32), ``versions`` [B, S] (int64, -1 off the response),
+    Returns ``tokens`` [B, S] (int64), ``loss_mask`` and ``behaviour_logprobs`` [B, S]
+    (float32), ``versions`` [B, S] (int64, -1 off the response),
     ``rewards`` [B] (after the overlong rule) and ``overlong`` [B] (1.0: cut by length)."""
     if overlong not in OVERLONG:
         raise ValueError(f"algorithm.overlong={overlong!r} must be one of {OVERLONG}")
@@ -113,6 +114,5 @@ def build_batch(
     )
     if overlong == "mask":
         mask = mask * (1 - cut).unsqueeze(1)
-    adv = group_advantages(reward, normalize_std).reshape(-1)
-    return TrainBatch(tokens, mask, behaviour_logprobs=mu, advantages=token_advantages(adv, mask),
-                      versions=versions, rewards=reward.reshape(-1), overlong=cut)  # fmt: skip
+    return TrainBatch(tokens, mask, behaviour_logprobs=mu, versions=versions,
+                      rewards=reward.reshape(-1), overlong=cut)  # fmt: skip

@@ -187,7 +187,7 @@ class RLRun:
     def _assemble(self, groups: list[Group]) -> TrainBatch:
         a = self.cfg.algorithm
         return build_batch([g.rollouts for g in groups], [g.rewards for g in groups],
-                           a.normalize_std, self.task.codec.pad_id, None, a.overlong,
+                           self.task.codec.pad_id, None, a.overlong,
                            a.overlong_penalty)  # fmt: skip
 
     # ------------------------------------------------------------------ one step

@@ -247,7 +247,7 @@ def serve(cfg: RootConfig, job: Job, make_target: TargetFactory) -> None:
     if cfg.rl.deterministic:
         deterministic_kernels(cfg.trainer.device)
     os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")  # Megatron's advice for TP
-    from rl.algorithms.registry import loss_from_config
+    from rl.algorithms.registry import loss_from_config, with_advantages
     from rl.algorithms.reuse import Reuse
     from rl.config.dtypes import torch_dtype
     from rl.ddma import transport
@@ -264,8 +264,8 @@ def serve(cfg: RootConfig, job: Job, make_target: TargetFactory) -> None:
         log = _ChannelLog(reply) if lead else MetricsLogger("", enabled=False)
         tr, ref, ready = _prepare(cfg, log)
         answer(ready)
-        loss_fn = loss_from_config(cfg.algorithm)
         a = cfg.algorithm
+        loss_fn = loss_from_config(a, cfg.rollout.sampling.max_new_tokens)
         reuse = Reuse(a.epochs, a.minibatches, cfg.trainer.seed)
         dtype = torch_dtype(cfg.trainer.params_dtype)
         sender = None
@@ -274,7 +274,8 @@ def serve(cfg: RootConfig, job: Job, make_target: TargetFactory) -> None:
                 batch = msg.batch
                 if ref is not None:  # log pi_ref of every token, for the KL penalty
                     batch = replace(batch, ref_logprobs=ref.logprobs(batch))
-                answer(Trained(tr.train_batch(batch, loss_fn, reuse, msg.step)))
+                batch, figures = with_advantages(a, batch)  # the whole batch's, then split
+                answer(Trained({**tr.train_batch(batch, loss_fn, reuse, msg.step), **figures}))
             elif isinstance(msg, Connect):
                 plan = plan_for(cfg.model, cfg.trainer, cfg.rollout, dp=tr.layout.dp)
                 w = cfg.rollout.weight_sync

@@ -306,10 +306,17 @@ class MegatronTrainer:
                     one = torch.tensor(1, dtype=torch.int, device=self.device)
                     return output.sum() * 0, one, {collect: value}
                 res = loss_fn(-output.float(), mb)
+                # Megatron divides the gradient by the sum of the denominators over
+                # micro-batches and DP ranks (calculate_per_token_loss).
+                den = res.num_tokens if res.denominator is None else res.denominator
                 stats = {k: v.detach() for k, v in res.stats.items()}
                 stats["loss"] = res.loss_sum.detach()
+                stats["loss_denominator"] = den.detach().float()
                 stats["num_tokens"] = res.num_tokens.detach().float()
-                return res.loss_sum, res.num_tokens, stats
+                mask = mb.loss_mask
+                seqs = (mask.sum(dim=1) > 0).sum() if mask is not None else den * 0
+                stats["num_seqs"] = seqs.detach().float()
+                return res.loss_sum, den, stats
 
             return out, loss_func
 
@@ -398,11 +405,16 @@ class MegatronTrainer:
             self.step += 1
         metrics = self._reduce_stats(per_mb)
         ntok = max(metrics.pop("num_tokens"), 1.0)
-        out = {k: v / ntok for k, v in metrics.items()}
+        nseq = max(metrics.pop("num_seqs"), 1.0)
+        loss = metrics.pop("loss") / max(metrics.pop("loss_denominator"), 1.0)
+        # seq_ statistics are per-sequence sums (rl/algorithms/losses.py), the rest per-token
+        out = {k: v / (nseq if k.startswith("seq_") else ntok) for k, v in metrics.items()}
         out.update(
+            loss=loss,
             grad_norm=float(grad_norm) if grad_norm is not None else math.nan,
             lr=optimizer.param_groups[0]["lr"],
             num_tokens=ntok,
+            num_seqs=nseq,
             step_seconds=time.perf_counter() - t0,
             skipped=float(not ok),
         )

@@ -139,5 +139,6 @@ def reuse_steps(overrides: list[str], batch: TrainBatch, epochs: int, minibatche
     tr = build_trainer(cfg.model, cfg.trainer, total_steps=reuse.updates)
     before = tr.logprobs(batch)
     sampled = replace(batch, behaviour_logprobs=before)
-    m = tr.train_batch(sampled, loss_from_config(cfg.algorithm), reuse, step=3)
+    loss = loss_from_config(cfg.algorithm, cfg.rollout.sampling.max_new_tokens)
+    m = tr.train_batch(sampled, loss, reuse, step=3)
     return {"before": before, "after": tr.logprobs(batch), "metrics": m, "step": tr.step}

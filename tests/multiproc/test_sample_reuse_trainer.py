@@ -1,7 +1,8 @@
 """Sample reuse in the Megatron trainer (MegatronTrainer.train_batch): two epochs of two
 minibatches take four optimizer steps on one RL batch; the train/rollout mismatch is
 measured at pi_old, apart from the policy's own move; and two data-parallel ranks cut the
-same minibatches as one rank, so they end on the same weights."""
+same minibatches as one rank, so they end on the same weights. A sequence-level loss
+aggregation (GSPO's) divides by the batch's sequences, wherever its rows were trained."""
 
 from __future__ import annotations
 
@@ -51,3 +52,34 @@ def test_data_parallel_ranks_cut_the_same_minibatches(one_rank: dict):
         torch.testing.assert_close(r["after"], one_rank["after"], atol=1e-5, rtol=1e-5)
         for k in ("loss", "policy_change_abs_logp", "truncated_frac"):
             assert r["metrics"][k] == pytest.approx(one_rank["metrics"][k], rel=1e-4, abs=1e-6)
+
+
+def _ragged(scaled: bool = False) -> TrainBatch:
+    """Responses of 1 to 12 tokens, advantages +-1; ``scaled``: each row's advantage times
+    T / (N * |y_i|), which makes the token mean's gradient the sequence mean's."""
+    lengths = torch.tensor([1, 12, 3, 9, 5, 2, 11, 7])
+    b = _batch()
+    mask = torch.zeros(ROWS, SEQ)
+    for i, n in enumerate(lengths.tolist()):
+        mask[i, PROMPT - 1 : PROMPT - 1 + n] = 1.0
+    adv = torch.tensor([1.0, -1.0, -1.0, 1.0, 1.0, 1.0, -1.0, -1.0])
+    if scaled:
+        adv = adv * lengths.sum() / (ROWS * lengths)
+    return TrainBatch(b.tokens, mask, advantages=adv[:, None] * mask)
+
+
+def test_a_sequence_mean_is_over_the_whole_batch_at_any_dp():
+    """GSPO on its own policy (ratio 1, its default seq_mean_token_mean): the gradient is
+    (1/N) sum_i (A_i/|y_i|) sum_t grad log pi, at DP=1 and at DP=2, where each rank holds
+    half the sequences (its micro-batches' denominators are summed by Megatron), and the
+    same as the token mean's with each advantage scaled by T / (N |y_i|)."""
+    gspo = [*BASE[:-1], "algorithm/objective=gspo", "algorithm/correction=none"]
+    one = spawn(reuse_steps, 1, gspo, _ragged(), 1, 1)[0]
+    two = spawn(reuse_steps, 2, [*gspo, "trainer.dp=2"], _ragged(), 1, 1)
+    pg = [*BASE[:-1], "algorithm/correction=none", "algorithm.loss_agg=token_mean"]
+    token = spawn(reuse_steps, 1, pg, _ragged(scaled=True), 1, 1)[0]
+    assert one["metrics"]["seq_is_ratio"] == pytest.approx(1.0, abs=1e-5)
+    norm = one["metrics"]["grad_norm"]
+    for r in [*two, token]:
+        assert r["metrics"]["grad_norm"] == pytest.approx(norm, rel=1e-4)
+        torch.testing.assert_close(r["after"], one["after"], atol=1e-5, rtol=1e-5)

@@ -105,7 +105,19 @@ def test_llama_param_counts_match_published(preset: str, published: float) -> No
         (["algorithm.correction.rho=0"], ["algorithm.correction.rho=0", "> 0"]),
         (["algorithm.max_policy_lag=-1"], ["algorithm.max_policy_lag=-1", ">= 0"]),
         (["algorithm.objective.name=dpo"], ["algorithm/objective='dpo'", "pg, ppo_clip"]),
-        (["algorithm.group_size=1"], ["algorithm.group_size=1"]),
+        (
+            ["algorithm.group_size=1", "rl.prompts_per_step=64"],
+            ["algorithm/advantage=grpo needs", "algorithm.group_size=1"],
+        ),
+        (
+            [
+                "algorithm/advantage=reinforce_pp",
+                "algorithm.group_size=1",
+                "rl.prompts_per_step=64",
+                "algorithm.drop_uniform_groups=true",
+            ],
+            ["algorithm.drop_uniform_groups=true with algorithm.group_size=1"],
+        ),
         (["algorithm.stale=wait"], ["algorithm.stale='wait'"]),
         (["reward.fn=regex"], ["reward.fn", "'regex'", "not a built-in"]),
         (["reward.workers=0"], ["reward.workers=0"]),
@@ -201,6 +213,7 @@ def test_llama_param_counts_match_published(preset: str, published: float) -> No
         "alg-lag",
         "alg-name",
         "alg-group",
+        "alg-drop-one-sample",
         "alg-stale",
         "reward-scorer",
         "reward-workers",

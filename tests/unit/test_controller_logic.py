@@ -7,13 +7,24 @@ import itertools
 import pytest
 import torch
 
+from rl.algorithms.advantages.grpo import GrpoConfig
+from rl.algorithms.registry import with_advantages
+from rl.batch import TrainBatch
 from rl.config.roles import RoleError, RoleMap
 from rl.config.sampling import RequestError, SamplingParams
+from rl.config.schema import AlgorithmConfig
 from rl.controller.batch import build_batch
 from rl.controller.staleness import StalenessGate
 from rl.generator.types import Rollout
 from tests.helpers.configs import composed
 from tests.helpers.fake_generator import InstantClient
+
+
+def centred(b: TrainBatch) -> TrainBatch:
+    """``b`` (one group) with its advantages as the trainer computes them for
+    ``algorithm/advantage=grpo advantage.normalize_std=false``: reward minus group mean."""
+    a = AlgorithmConfig(advantage=GrpoConfig(normalize_std=False), group_size=b.rows)
+    return with_advantages(a, b)[0]
 
 
 def _r(prompt, out, logprobs=None, versions=None, finish="stop"):
@@ -30,7 +41,7 @@ def _r(prompt, out, logprobs=None, versions=None, finish="stop"):
 
 def test_batch_alignment_and_padding():
     g = [[_r([1, 5, 6], [7, 2], [-0.1, -0.2], [4, 5]), _r([1, 5, 6], [8], [-0.3], [5])]]
-    b = build_batch(g, [[1.0, 0.0]], normalize_std=False, pad_id=0)
+    b = build_batch(g, [[1.0, 0.0]], pad_id=0)
     assert b.tokens.tolist() == [[1, 5, 6, 7, 2], [1, 5, 6, 8, 0]]
     # index t scores token t+1: the response starts predicting at the prompt's last index
     assert b.loss_mask.tolist() == [[0, 0, 1, 1, 0], [0, 0, 1, 0, 0]]
@@ -39,7 +50,7 @@ def test_batch_alignment_and_padding():
     )
     assert b.versions.tolist() == [[-1, -1, 4, 5, -1], [-1, -1, 5, -1, -1]]
     torch.testing.assert_close(
-        b.advantages, torch.tensor([[0, 0, 0.5, 0.5, 0], [0, 0, -0.5, 0, 0]])
+        centred(b).advantages, torch.tensor([[0, 0, 0.5, 0.5, 0], [0, 0, -0.5, 0, 0]])
     )
     assert b.rewards.tolist() == [1.0, 0.0]
 
@@ -56,12 +67,12 @@ def test_an_environments_tokens_are_in_the_sequence_and_out_of_the_loss():
     r.append([9, 2], [-0.3, -0.4], [4, 4], "stop")
     other = Rollout([1, 5], SamplingParams(max_new_tokens=8), 1, 0)
     other.append([8, 2], [-0.5, -0.6], [4, 4], "stop")
-    b = build_batch([[r, other]], [[1.0, 0.0]], normalize_std=False)
+    b = build_batch([[r, other]], [[1.0, 0.0]])
     assert b.tokens[0].tolist() == [1, 5, 7, 2, 40, 41, 9, 2]
     # index t scores token t+1: tokens 40 and 41 (indices 3 and 4) are not trained on
     assert b.loss_mask[0].tolist() == [0, 1, 1, 0, 0, 1, 1, 0]
     assert b.behaviour_logprobs[0, 3:5].tolist() == [0.0, 0.0]
-    assert (b.advantages[0] * (1 - b.loss_mask[0])).abs().sum() == 0
+    assert (centred(b).advantages[0] * (1 - b.loss_mask[0])).abs().sum() == 0
     cut = Rollout([1], SamplingParams(max_new_tokens=4), 0, 0)
     cut.append([7, 2], [-0.1, -0.2], [0, 0], "stop")
     with pytest.raises(RequestError, match="leave no room in max_new_tokens=4"):
@@ -72,19 +83,21 @@ def test_overlong_responses_are_kept_masked_or_penalised():
     """A response cut by max_new_tokens: keep trains on it, mask removes its tokens from
     the loss (its reward still sets the group's baseline), penalise replaces its reward."""
     g = [[_r([1, 5], [7, 2]), _r([1, 5], [8, 9], finish="length"), _r([1, 5], [6, 2])]]
-    keep = build_batch(g, [[1.0, 1.0, 0.0]], normalize_std=False)
+    keep = build_batch(g, [[1.0, 1.0, 0.0]])
     assert keep.overlong.tolist() == [0.0, 1.0, 0.0]
     assert keep.loss_mask[1].tolist() == [0, 1, 1, 0]
     assert keep.rewards.tolist() == [1.0, 1.0, 0.0]
-    masked = build_batch(g, [[1.0, 1.0, 0.0]], normalize_std=False, overlong="mask")
+    masked = build_batch(g, [[1.0, 1.0, 0.0]], overlong="mask")
     assert masked.loss_mask[1].tolist() == [0, 0, 0, 0]
     assert masked.loss_mask[0].tolist() == [0, 1, 1, 0]
-    torch.testing.assert_close(masked.advantages, keep.advantages * masked.loss_mask)
-    pen = build_batch(g, [[1.0, 1.0, 0.0]], normalize_std=False, overlong="penalise",
+    torch.testing.assert_close(
+        centred(masked).advantages, centred(keep).advantages * masked.loss_mask
+    )
+    pen = build_batch(g, [[1.0, 1.0, 0.0]], overlong="penalise",
                       overlong_penalty=-1.0)  # fmt: skip
     assert pen.rewards.tolist() == [1.0, -1.0, 0.0]
     # group mean 0: advantages are the rewards themselves
-    assert pen.advantages[:, 1].tolist() == [1.0, -1.0, 0.0]
+    assert centred(pen).advantages[:, 1].tolist() == [1.0, -1.0, 0.0]
     with pytest.raises(ValueError, match=r"algorithm\.overlong='drop'"):
         build_batch(g, [[1.0, 1.0, 0.0]], overlong="drop")
 
@@ -354,8 +367,8 @@ def test_a_group_is_uniform_after_the_overlong_rule():
     cut, mixed = group(["length"] * 3), group(["length", "stop", "stop"])
     raw = [0.1, 0.2, 0.3]
     assert no_signal(cut, raw, "penalise", 0.0)
-    adv = build_batch([cut], [raw], overlong="penalise", overlong_penalty=0.0).advantages
-    assert adv.abs().max() == 0  # what no_signal predicts
+    b = build_batch([cut], [raw], overlong="penalise", overlong_penalty=0.0)
+    assert centred(b).advantages.abs().max() == 0  # what no_signal predicts
     assert not no_signal(cut, raw, "keep", 0.0)
     assert no_signal(cut, raw, "mask", 0.0)
     assert not no_signal(mixed, raw, "penalise", 0.0) and not no_signal(mixed, raw, "mask", 0.0)

@@ -1,5 +1,6 @@
 """Every extension point is a package with one module per choice (rl/plugins.py): model
-families, DDMA transports, off-policy corrections, RL objectives and tasks. Each registry
+families, DDMA transports, off-policy corrections, RL objectives, advantage estimators and
+tasks. Each registry
 lists exactly its package's modules, a name declared twice is refused, and a choice is
 added by dropping one module into the package, with nothing else touched."""
 
@@ -14,9 +15,10 @@ import pytest
 import torch
 
 from rl import plugins, tasks
-from rl.algorithms import corrections, objectives
+from rl.algorithms import advantages, corrections, objectives
 from rl.algorithms import registry as algorithms
 from rl.batch import TrainBatch
+from rl.config.errors import ConfigError
 from rl.ddma import transport, transports
 from tests.helpers.configs import composed
 
@@ -28,7 +30,9 @@ def _modules(package) -> set[str]:
 def test_each_registry_is_its_package():
     assert set(algorithms.corrections()) == _modules(corrections) == {
         "aipo", "icepop", "none", "tis"}  # fmt: skip
-    assert set(algorithms.objectives()) == _modules(objectives) == {"pg", "ppo_clip"}
+    assert set(algorithms.objectives()) == _modules(objectives) == {"gspo", "pg", "ppo_clip"}
+    assert set(algorithms.estimators()) == _modules(advantages) == {
+        "dr_grpo", "gae", "grpo", "reinforce_pp", "rloo"}  # fmt: skip
     assert set(tasks.registry()) == _modules(tasks.kinds) == {"arithmetic", "dataset"}
     assert set(transport.registry()) == _modules(transports)
 
@@ -56,21 +60,20 @@ def test_a_name_declared_twice_is_refused(package: Path):
 
 @pytest.fixture
 def extended(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, Path]]:
-    """A folder each added to the correction and task packages, as if a user's module had
-    been dropped into each; the registries forget what they had found."""
-    folders = {"corrections": tmp_path / "corrections", "tasks": tmp_path / "tasks"}
-    for folder in folders.values():
-        folder.mkdir()
-    monkeypatch.setattr(
-        corrections, "__path__", [*corrections.__path__, str(folders["corrections"])]
-    )
-    monkeypatch.setattr(tasks.kinds, "__path__", [*tasks.kinds.__path__, str(folders["tasks"])])
-    for cached in (algorithms.corrections, tasks.registry):
+    """A folder each added to the correction, estimator and task packages, as if a user's
+    module had been dropped into each; the registries forget what they had found."""
+    packages = {"corrections": corrections, "advantages": advantages, "tasks": tasks.kinds}
+    folders = {name: tmp_path / name for name in packages}
+    for name, package in packages.items():
+        folders[name].mkdir()
+        monkeypatch.setattr(package, "__path__", [*package.__path__, str(folders[name])])
+    registries = (algorithms.corrections, algorithms.estimators, tasks.registry)
+    for cached in registries:
         cached.cache_clear()
     yield folders
-    for cached in (algorithms.corrections, tasks.registry):
+    for cached in registries:
         cached.cache_clear()
-    for name in [m for m in sys.modules if m.endswith((".half", ".constant"))]:
+    for name in [m for m in sys.modules if m.endswith((".half", ".constant", ".best_of"))]:
         del sys.modules[name]
 
 
@@ -96,6 +99,36 @@ def test_a_correction_is_one_module(extended: dict[str, Path]):
                     behaviour_logprobs=torch.tensor([[-1.5, -0.5, 0.0]]),
                     advantages=torch.tensor([[2.0, -1.0, 0.0]]))  # fmt: skip
     assert loss(lp, mb).loss_sum.item() == pytest.approx(-0.5 * (2.0 * -1.0 + -1.0 * -2.0))
+
+
+def test_an_advantage_estimator_is_one_module(extended: dict[str, Path]):
+    """Each sample against the best of its group: one module, a choice of
+    ``algorithm/advantage`` with its own field, what it needs checked before launch."""
+    (extended["advantages"] / "best_of.py").write_text(
+        "from dataclasses import dataclass\n"
+        "from rl.algorithms.estimator import Estimate, Estimator, grouped, per_sequence\n"
+        "from rl.config.schema import AdvantageConfig\n"
+        "@dataclass\n"
+        "class BestOfConfig(AdvantageConfig):\n"
+        "    name: str = 'best_of'\n"
+        "    scale: float = 1.0\n"
+        "def estimate(c, a, batch):\n"
+        "    r = grouped(batch, a.group_size)\n"
+        "    adv = c.scale * (r - r.max(dim=1, keepdim=True).values)\n"
+        "    return Estimate(per_sequence(adv, batch.loss_mask), {})\n"
+        "ESTIMATOR = Estimator(BestOfConfig, estimate, frozenset({'groups', 'ref_logprobs'}))\n"
+    )
+    cfg = composed(["algorithm/advantage=best_of", "algorithm.advantage.scale=2",
+                    "algorithm.kl_coef=0.1", "algorithm.group_size=2"])  # fmt: skip
+    algorithms.check_config(cfg.algorithm, max_response_tokens=4)
+    mb = TrainBatch(torch.zeros(2, 2, dtype=torch.long), torch.tensor([[1.0, 0.0]] * 2),
+                    rewards=torch.tensor([1.0, 0.5]))  # fmt: skip
+    batch, figures = algorithms.with_advantages(cfg.algorithm, mb)
+    assert batch.advantages is not None
+    assert batch.advantages[:, 0].tolist() == [0.0, -1.0]
+    assert figures["adv_zero_frac"] == 0.5
+    with pytest.raises(ConfigError, match=r"^algorithm/advantage=best_of needs the reference"):
+        algorithms.check_config(composed(["algorithm/advantage=best_of"]).algorithm, 4)
 
 
 def test_a_task_is_one_module(extended: dict[str, Path]):

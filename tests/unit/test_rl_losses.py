@@ -12,11 +12,12 @@ import math
 import pytest
 import torch
 
-from rl.algorithms.advantages import group_advantages, token_advantages
+from rl.algorithms.advantages.grpo import GrpoConfig, group_advantages
 from rl.algorithms.corrections.aipo import aipo_weight
 from rl.algorithms.corrections.icepop import icepop_weight
 from rl.algorithms.corrections.none import no_weight
 from rl.algorithms.corrections.tis import tis_weight
+from rl.algorithms.estimator import per_sequence
 from rl.algorithms.losses import LossFn, pg_loss, ppo_clip_loss
 from rl.algorithms.registry import corrections, loss_from_config, objectives
 from rl.batch import TrainBatch
@@ -33,7 +34,7 @@ def alg(
     unknown name keeps the base config, as a hand-set ``name`` would)."""
     known = corrections().get(correction)
     chosen = known.config(**fields) if known else CorrectionConfig(name=correction)
-    return AlgorithmConfig(objectives()[objective].config(), chosen, kl_coef=kl_coef)
+    return AlgorithmConfig(objectives()[objective].config(), chosen, GrpoConfig(), kl_coef=kl_coef)
 
 
 def aipo_loss(rho: float = 4.0, kl_coef: float = 0.0) -> LossFn:
@@ -147,7 +148,7 @@ def test_group_advantages():
 
 def test_token_advantages_follow_the_mask():
     mask = torch.tensor([[0.0, 1.0, 1.0, 0.0], [0.0, 0.0, 1.0, 0.0]])
-    got = token_advantages(torch.tensor([2.0, -1.0]), mask)
+    got = per_sequence(torch.tensor([2.0, -1.0]), mask)
     torch.testing.assert_close(got, torch.tensor([[0.0, 2.0, 2.0, 0.0], [0.0, 0.0, -1.0, 0.0]]))
 
 

@@ -6,12 +6,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from rl.algorithms.registry import Objective
-from rl.config.schema import AlgorithmConfig, ObjectiveConfig
+from rl.algorithms.registry import LossParts, Objective
+from rl.config.schema import ObjectiveConfig
 
 if TYPE_CHECKING:
     from rl.algorithms.losses import LossFn
-    from rl.algorithms.weights import WeightFn
 
 
 @dataclass
@@ -19,10 +18,10 @@ class PgConfig(ObjectiveConfig):
     name: str = "pg"
 
 
-def loss(o: PgConfig, a: AlgorithmConfig, weight: WeightFn) -> LossFn:
+def loss(o: PgConfig, p: LossParts) -> LossFn:
     from rl.algorithms.losses import pg_loss
 
-    return pg_loss(weight, a.kl_coef)
+    return pg_loss(p.weight, p.kl_coef, p.agg)
 
 
 OBJECTIVE = Objective(PgConfig, loss)

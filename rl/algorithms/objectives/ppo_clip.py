@@ -6,12 +6,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from rl.algorithms.registry import Objective
-from rl.config.schema import AlgorithmConfig, ObjectiveConfig
+from rl.algorithms.registry import LossParts, Objective
+from rl.config.schema import ObjectiveConfig
 
 if TYPE_CHECKING:
     from rl.algorithms.losses import LossFn
-    from rl.algorithms.weights import WeightFn
 
 
 @dataclass
@@ -20,10 +19,10 @@ class PpoClipConfig(ObjectiveConfig):
     clip_eps: float = 0.2  # the clip range of the ratio pi/mu
 
 
-def loss(o: PpoClipConfig, a: AlgorithmConfig, weight: WeightFn) -> LossFn:
+def loss(o: PpoClipConfig, p: LossParts) -> LossFn:
     from rl.algorithms.losses import ppo_clip_loss
 
-    return ppo_clip_loss(o.clip_eps, a.kl_coef)
+    return ppo_clip_loss(o.clip_eps, p.kl_coef, p.agg)
 
 
 OBJECTIVE = Objective(PpoClipConfig, loss, own_correction=True)

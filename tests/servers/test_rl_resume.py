@@ -39,6 +39,12 @@ STEPS = 12
 ARGS = ["sft.steps=5", "sft.eval_every=5", "task.eval_size=32", "rl.prompts_per_step=8",
         f"rl.steps={STEPS}", "rl.eval_every=0", "rl.save_interval=1",
         "rollout.segment_tokens=1"]  # fmt: skip
+# The killed job's: a checkpoint holds a parked sample only when the next batch is still
+# generating at the save, so its batches are longer (16 prompts) and so are its answers
+# (up to 16 tokens, which a 5-step warm-up often runs to). Measured over the 12 saves of
+# one job: 6 held parked samples; with the ARGS above, 1 of 12 did, or none.
+KILLED = [*(a for a in ARGS if not a.startswith("rl.prompts_per_step")),
+          "rl.prompts_per_step=16", "rollout.sampling.max_new_tokens=16"]  # fmt: skip
 
 
 def _parked_in_checkpoint(out: Path) -> bool:
@@ -148,7 +154,7 @@ def test_a_killed_job_resumes_its_parked_rollouts_and_its_prompt_stream(tmp_path
     from rl.tasks.kinds.arithmetic import ArithmeticTask
 
     out = tmp_path / "run"
-    _kill_at(_start(out, tmp_path / "attempt1.log"), out, tmp_path / "attempt1.log")
+    _kill_at(_start(out, tmp_path / "attempt1.log", KILLED), out, tmp_path / "attempt1.log")
     point = json.loads((out / "rl_state.json").read_text())
     resumed_from = point["step"]
     saved = json.loads((out / point["rollouts"]).read_text())
@@ -158,7 +164,7 @@ def test_a_killed_job_resumes_its_parked_rollouts_and_its_prompt_stream(tmp_path
     assert parked, "the checkpoint holds no partial rollout to resume"
 
     log2 = tmp_path / "attempt2.log"
-    second = _start(out, log2)
+    second = _start(out, log2, KILLED)
     try:
         assert second.wait(timeout=900) == 0, log2.read_text()[-4000:]
     finally:

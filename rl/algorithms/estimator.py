@@ -75,6 +75,19 @@ def grouped(batch: TrainBatch, group_size: int) -> torch.Tensor:
     return batch.rewards.double().reshape(-1, group_size)
 
 
+def minus_baseline(
+    batch: TrainBatch, group_size: int, baseline: Callable[[torch.Tensor], torch.Tensor]
+) -> Estimate:
+    """Each sample's reward minus ``baseline(r)``, ``r`` the batch's rewards as ``[groups,
+    group_size]`` in float64 (the baseline of the same shape, or one per group), one
+    advantage per sequence; figure: the baselines' mean."""
+    batch.require("loss_mask")
+    assert batch.loss_mask is not None
+    r = grouped(batch, group_size)
+    b = baseline(r)
+    return Estimate(per_sequence(r - b, batch.loss_mask), {"baseline_mean": b.mean().item()})
+
+
 def per_sequence(seq_adv: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """One advantage per sequence, broadcast over its loss-mask tokens ``[B, S]``."""
     return seq_adv.reshape(-1).to(mask.dtype)[:, None] * mask

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from rl.algorithms.estimator import Estimate, Estimator, grouped, per_sequence
+from rl.algorithms.estimator import Estimate, Estimator, minus_baseline
 from rl.config.schema import AdvantageConfig, AlgorithmConfig
 
 if TYPE_CHECKING:
@@ -27,10 +27,7 @@ class DrGrpoConfig(AdvantageConfig):
 
 
 def estimate(c: DrGrpoConfig, a: AlgorithmConfig, batch: TrainBatch) -> Estimate:
-    assert batch.loss_mask is not None
-    r = grouped(batch, a.group_size)
-    adv = r - r.mean(dim=1, keepdim=True)
-    return Estimate(per_sequence(adv, batch.loss_mask), {"baseline_mean": r.mean().item()})
+    return minus_baseline(batch, a.group_size, lambda r: r.mean(dim=1, keepdim=True))
 
 
 ESTIMATOR = Estimator(

@@ -12,10 +12,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from rl.algorithms.estimator import Estimate, Estimator, grouped, per_sequence
+from rl.algorithms.estimator import Estimate, Estimator, minus_baseline
 from rl.config.schema import AdvantageConfig, AlgorithmConfig
 
 if TYPE_CHECKING:
+    import torch
+
     from rl.batch import TrainBatch
 
 
@@ -24,13 +26,13 @@ class RlooConfig(AdvantageConfig):
     name: str = "rloo"
 
 
+def leave_one_out(r: torch.Tensor) -> torch.Tensor:
+    """``[groups, k]`` rewards -> each sample's mean of the other ``k - 1``."""
+    return (r.sum(dim=1, keepdim=True) - r) / (r.shape[1] - 1)
+
+
 def estimate(c: RlooConfig, a: AlgorithmConfig, batch: TrainBatch) -> Estimate:
-    assert batch.loss_mask is not None
-    r = grouped(batch, a.group_size)
-    k = r.shape[1]
-    baseline = (r.sum(dim=1, keepdim=True) - r) / (k - 1)
-    adv = r - baseline
-    return Estimate(per_sequence(adv, batch.loss_mask), {"baseline_mean": baseline.mean().item()})
+    return minus_baseline(batch, a.group_size, leave_one_out)
 
 
 ESTIMATOR = Estimator(RlooConfig, estimate, frozenset({"groups"}))

@@ -13,7 +13,7 @@ venv:
 run:
 	@V=$$(tools/setup_env.sh) && $$V/bin/python -m rl.train $(ARGS)
 
-# The tool-use example (README "Tool use on this CPU"): its data and tokenizer, then the job.
+# The tool-use example (docs/examples.md, "Tool use"): its data and tokenizer, then the job.
 tools-example:
 	@V=$$(tools/setup_env.sh) && $$V/bin/python tools/make_tool_task.py --out outputs/tool_task \
 		&& $$V/bin/python -m rl.train experiment=tiny_tools $(ARGS)

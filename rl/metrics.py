@@ -115,6 +115,7 @@ class MetricsLogger:
         enabled: bool = True,
         totals: dict[str, int] | None = None,
         resume_step: int | None = None,
+        *,
         wandb_run: WandbRun | None = None,
         redo_phases: tuple[str, ...] = RESUMED_PHASES,
     ):

@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+from functools import partial
 from typing import TYPE_CHECKING, NoReturn
 
 import hydra
@@ -62,16 +63,22 @@ def run(cfg: RootConfig) -> dict[str, float | None]:
             return controller(cfg, job)
         if job.role == "trainer":
             from rl.generator.ddma_target import SGLangTarget
+            from rl.trainer import startup
             from rl.trainer.service import serve as serve_trainer
 
             # The trainer pushes weights into SGLang servers without knowing the generator.
-            serve_trainer(cfg, job, make_target=SGLangTarget)
+            serve_trainer(startup.settings(cfg), job, start=partial(startup.start, cfg),
+                          make_target=SGLangTarget)  # fmt: skip
             return {}
         if job.role == "generator":
-            from rl.generator.service import serve
-        else:
-            from rl.reward.service import serve
-        serve(cfg, job)
+            from rl.generator import startup as gen
+            from rl.generator.service import serve as serve_generator
+
+            serve_generator(gen.settings(cfg), job, model_path=partial(gen.model_path, cfg))
+            return {}
+        from rl.reward.service import serve as serve_reward
+
+        serve_reward(cfg.reward, job, output_dir=cfg.run.output_dir)
         return {}
     finally:
         job.finish()

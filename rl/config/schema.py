@@ -214,7 +214,7 @@ class SamplingConfig:
 class WeightSyncConfig:
     """DDMA: trainer shards straight into the generator's shards after each step (rl/ddma)."""
 
-    # How the buckets travel, one of rl/ddma/transports/ (README, "DDMA transports"):
+    # How the buckets travel, one of rl/ddma/transports/ (docs/ddma.md, "Transports"):
     # ipc: host shared-memory rings named in the servers' HTTP API (one host); cuda_ipc:
     # GPU buckets handed over as CUDA IPC handles (one host, CUDA both ends); p2p: point to
     # point over a process group, NCCL GPU to GPU, else gloo (any hosts; relays); p2p_shm:
@@ -432,7 +432,7 @@ class RLConfig:
     channel_timeout: float = 1800.0
     # Runs, and killed-and-resumed runs, that repeat bit for bit: batches and versions set
     # by the step number (rl/controller/lockstep.py), seeded samples (rollout.sampling.seed,
-    # else trainer.seed) and batch-invariant servers. Costs step time: README.
+    # else trainer.seed) and batch-invariant servers. Costs step time: docs/benchmarks.md.
     deterministic: bool = False
 
 

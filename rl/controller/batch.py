@@ -60,6 +60,7 @@ def no_signal(
 def build_batch(
     groups: Sequence[Sequence[Rollout]],
     rewards: Sequence[Sequence[float]],
+    *,
     pad_id: int = 0,
     seq_len: int | None = None,
     overlong: str = "keep",

@@ -49,6 +49,7 @@ class Evaluator:
         task: Task,
         reward: RewardHandle,
         sampling: SamplingParams,
+        *,
         k: int = 1,
         threshold: float = 1.0,
         samples_dir: Path | None = None,

@@ -57,6 +57,7 @@ class LockstepStream(RolloutStream):
         score: Callable[[Group], cf.Future[list[ScoreResult]]],
         next_item: Callable[[], Example],
         sampling: SamplingParams,
+        *,
         gate: StalenessGate,
         version: int,
         last: int,
@@ -64,9 +65,9 @@ class LockstepStream(RolloutStream):
         drop_uniform: Callable[[Group], bool] | None = None,
         position: Callable[[], dict] = dict,
     ) -> None:
-        super().__init__(client, score, next_item, sampling, gate, version, segment_tokens,
-                         eager_resume=False, drop_uniform=drop_uniform,
-                         position=position)  # fmt: skip
+        super().__init__(client, score, next_item, sampling, gate=gate, version=version,
+                         segment_tokens=segment_tokens, eager_resume=False,
+                         drop_uniform=drop_uniform, position=position)  # fmt: skip
         self.last, self.lag = last, gate.max_lag
         self._steps: dict[int, list[Group]] = {}  # drawn for a step not settled yet
         self._settled: dict[int, list[Group]] = {}  # kept, not yet taken by the trainer

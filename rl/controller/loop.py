@@ -61,7 +61,16 @@ def controller(cfg: RootConfig, job: Job) -> dict[str, float | None]:
         gen, reward = GeneratorHandle(job), RewardHandle(job)
         handles += [gen, reward]
         task = build_task(cfg)  # the controller's one task (the executors' are their own)
-        run = RLRun(cfg, task, trainer, gen, reward, log, ready.warmup_accuracy, point)
+        run = RLRun(
+            cfg,
+            task,
+            trainer,
+            gen,
+            reward=reward,
+            log=log,
+            warmup_accuracy=ready.warmup_accuracy,
+            point=point,
+        )
         result = run.run()
         plot_rl(out / "metrics.jsonl", out / "curves.png")
         print(

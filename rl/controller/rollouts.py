@@ -115,6 +115,7 @@ class RolloutStream:
         score: Callable[[Group], cf.Future[list[ScoreResult]]],
         next_item: Callable[[], Example],
         sampling: SamplingParams,
+        *,
         gate: StalenessGate,
         version: int,
         segment_tokens: int | None = None,

@@ -1,14 +1,28 @@
 """The RL stage as one object: :meth:`RLRun.setup` once, :meth:`RLRun.step` per step,
 :meth:`RLRun.save` at every save point and at the end.
 
-A step takes the next scored groups (generated up to ``algorithm.max_policy_lag``
-versions ahead in async mode, taken and assembled while the last step trained:
-rl/controller/prefetch.py), trains on them, pushes the new weights into every server
-(DDMA) and logs; its records are written while the next step runs. Only training and the
-push sit on the critical path. The weight version has one holder, the weight sync
-(rl/controller/weight_sync.py): the rollout stream and the client's routing hear of each
-new version from it. Everything the run touches is a handle to an executor (trainer,
-generator, reward) or the task protocol; it knows no concrete task, model or transport.
+A step, in order (:meth:`RLRun.step` is these calls):
+
+1. take the step's batch: scored groups the rollout stream generated (up to
+   ``algorithm.max_policy_lag`` versions ahead in async mode), assembled by the prefetch
+   thread while the last step trained;
+2. ask the prefetch thread for the next step's batch (not across a save: a save snapshots
+   the stream);
+3. train on the batch (the trainer computes the advantages and the loss);
+4. in lockstep (``rl.deterministic``), wait for the round's last segments;
+5. push the new weights into every live server (DDMA) as the next version; the weight
+   sync's listeners hear of it (see :data:`LISTENERS`);
+6. gather the step's counters: server restarts, reward failures, rejected messages;
+7. note what was not trained on (re-queued, set aside, and at a save or the end, held);
+8. evaluate on the held-out set every ``rl.eval_every`` steps and at the last;
+9. hand the step's records to the step-log thread (written while the next step runs);
+10. at a save point, wait for the records, then save checkpoint, stream state and resume
+    point.
+
+Only training and the push sit on the critical path. What runs beside the steps is
+started in :meth:`RLRun.setup` and named in :data:`THREADS`; nothing else acts during a
+step. Everything the run touches is a handle to an executor (trainer, generator, reward)
+or the task protocol; it knows no concrete task, model or transport.
 """
 
 from __future__ import annotations
@@ -44,6 +58,24 @@ if TYPE_CHECKING:
     from rl.reward.service import RewardHandle
     from rl.tasks.scoring import ScoreResult
     from rl.trainer.service import TrainerHandle
+
+# What runs beside the steps, each on threads of its own, all started by RLRun.setup
+# (tests/unit/test_executor_configs.py checks that every thread the controller starts is here).
+THREADS = {
+    "rollout-stream": "generates and scores groups ahead (rl/controller/rollouts.py)",
+    "batch-prefetch": "takes and assembles the next step's batch (rl/controller/prefetch.py)",
+    "step-log": "writes a step's records while the next step runs (prefetch.Background)",
+    "server-recovery": "re-pushes the current weights into a restarted server, between "
+    "two steps under the weight sync's lock (rl/controller/recovery.py)",
+    "generator-client": "the event loop of the client's requests to the servers",
+    "ddma-control": "the weight sync's calls to each server (rl/generator/ddma_target.py)",
+    "env": "multi-turn episodes: tool calls and observations (rl/controller/episodes.py)",
+}
+# Told of every version the weight sync commits (in step 5 and at setup's first push).
+LISTENERS = {
+    "route": "the client routes each server by the version it now serves",
+    "stream": "the rollout stream's lag bound moves to the new version",
+}
 
 SHOW = (
     "reward_mean",
@@ -86,6 +118,7 @@ class RLRun:
         task: Task,
         trainer: TrainerHandle,
         gen: GeneratorHandle,
+        *,
         reward: RewardHandle,
         log: MetricsLogger,
         warmup_accuracy: float | None,
@@ -123,7 +156,8 @@ class RLRun:
     # ------------------------------------------------------------------ setup
     def setup(self) -> None:
         """Servers up, the trainer's weights in them as version ``first``, the held-out
-        start (or the resumed one's), and the rollout stream running."""
+        start (or the resumed one's), and every one of :data:`THREADS` and
+        :data:`LISTENERS` started or registered."""
         from rl.generator.client import GeneratorClient
         from rl.serving.server_api import job_keys
 
@@ -134,14 +168,21 @@ class RLRun:
         self.prompts = task.train_stream(saved.position if saved else None)
         urls, model_path = self.gen.wait_up()
         self.client = client = GeneratorClient.for_urls(urls, model_path, cfg.rollout, job_keys())
-        self.evaluator = Evaluator(client, task, self.reward, replace(sampling, n=1),
-                                   cfg.rl.eval_k, cfg.reward.pass_threshold,
-                                   self.out / "eval", self.episodes)  # fmt: skip
+        self.evaluator = Evaluator(
+            client,
+            task,
+            self.reward,
+            replace(sampling, n=1),
+            k=cfg.rl.eval_k,
+            threshold=cfg.reward.pass_threshold,
+            samples_dir=self.out / "eval",
+            episodes=self.episodes,
+        )
         # The trainer's weights as they are now (after step first - 1) become version first.
         self.sync = WeightSync.connect(cfg, self.trainer, urls, weight_version=self.first - 1)
-        self.sync.listeners.append(self._route)
+        self.sync.listeners.append(self._route)  # listener: route
         self.push()
-        self.recovery = ServerRecovery(self.gen, self.sync, client).start()
+        self.recovery = ServerRecovery(self.gen, self.sync, client).start()  # server-recovery
         if self.point is None:
             start = self.evaluator.run()
             self.log.log(0, start, phase="rl_eval")
@@ -151,10 +192,10 @@ class RLRun:
         if self.first > self.steps:  # the lost attempt had finished all its steps
             self.final_accuracy = self.evaluator.run(self.steps)["eval_accuracy"]
             return
-        self.stream = stream = self._stream(client, sampling, saved)
-        self.sync.listeners.append(lambda r: stream.commit(r.version))
-        self.fetch = BatchPrefetch(stream, self._assemble)
-        self.books = Background("step-log")  # a step's records written during the next
+        self.stream = stream = self._stream(client, sampling, saved)  # rollout stream
+        self.sync.listeners.append(lambda r: stream.commit(r.version))  # listener: stream
+        self.fetch = BatchPrefetch(stream, self._assemble)  # batch-prefetch, on request
+        self.books = Background("step-log")
         self._t_last = time.perf_counter()
 
     def _stream(
@@ -172,14 +213,18 @@ class RLRun:
             return no_signal(g.rollouts, g.rewards, a.overlong, a.overlong_penalty)
 
         drop = uniform if a.drop_uniform_groups else None
-        args = (client, score, lambda: next(self.prompts), sampling, gate,
-                self.sync.weight_version)  # fmt: skip
         seg, where = cfg.rollout.segment_tokens, self.prompts.position
+        draw, version = self.prompts.__next__, self.sync.weight_version
         if cfg.rl.deterministic:  # batches and versions set by the step number
-            stream: RolloutStream = LockstepStream(*args, self.steps, seg, drop, where)
+            stream: RolloutStream = LockstepStream(
+                client, score, draw, sampling, gate=gate, version=version, last=self.steps,
+                segment_tokens=seg, drop_uniform=drop, position=where,
+            )  # fmt: skip
         else:
-            stream = RolloutStream(*args, seg, drop_uniform=drop, position=where,
-                                   episodes=self.episodes)  # fmt: skip
+            stream = RolloutStream(
+                client, score, draw, sampling, gate=gate, version=version, segment_tokens=seg,
+                drop_uniform=drop, position=where, episodes=self.episodes,
+            )  # fmt: skip
         if saved is not None:
             print(f"rollout state of step {saved.step}: {stream.restore(saved)}", flush=True)
         return stream.start()
@@ -187,37 +232,48 @@ class RLRun:
     def _assemble(self, groups: list[Group]) -> TrainBatch:
         a = self.cfg.algorithm
         return build_batch([g.rollouts for g in groups], [g.rewards for g in groups],
-                           self.task.codec.pad_id, None, a.overlong,
-                           a.overlong_penalty)  # fmt: skip
+                           pad_id=self.task.codec.pad_id, overlong=a.overlong,
+                           overlong_penalty=a.overlong_penalty)  # fmt: skip
 
     # ------------------------------------------------------------------ one step
     def step(self, step: int) -> None:
-        """Train on the next batch, push the weights, log; the batch of the step after is
-        taken meanwhile."""
+        """One RL step, in the order of the module's docstring."""
         assert self.client and self.recovery and self.books and self.stream, "step before setup"
         version = self.sync.weight_version
-        groups, batch, m = self.fetch.take(version)  # usually taken during the last step
+        groups, batch, m = self.fetch.take(version)  # 1. usually taken during the last step
         with self.sync.lock:  # no server re-push between a step and the push of its weights
             t_train = time.perf_counter()
-            if step < self.steps and not self._saves(step):  # a save snapshots the stream
+            if step < self.steps and not self._saves(step):  # 2.
                 self.fetch.request(version + 1)  # the version this step's push publishes
-            m.update(self.trainer.train(step, batch))
-            m["round_wait_s"] = self.stream.finish_round()  # a lockstep round's last segments
+            m.update(self.trainer.train(step, batch))  # 3.
+            m["round_wait_s"] = self.stream.finish_round()  # 4. (0 outside lockstep)
             t_push = time.perf_counter()
-            m.update(self.push().metrics())
+            m.update(self.push().metrics())  # 5. listeners: route, stream
         m["train_call_s"], m["push_call_s"] = t_push - t_train, time.perf_counter() - t_push
-        m.update(self.recovery.stats(), channel_rejected=float(rejected_total()))
-        m.update(reward_failures=self.reward.failures, reward_timeouts=self.reward.timeouts)
-        ledger = self._ledger(step, m)
-        ev = None
-        if step % (self.cfg.rl.eval_every or self.steps) == 0 or step == self.steps:
-            ev = self.evaluator.run(step)
-            m["eval_accuracy"] = self.final_accuracy = ev["eval_accuracy"]
+        m.update(self._counters())  # 6.
+        ledger = self._ledger(step, m)  # 7.
+        ev = self._evaluate(step, m)  # 8.
         self._times(m)
-        self.books.submit(self._record, step, groups, batch, m, ev, ledger)
-        if self._saves(step):  # a resume point follows every record up to its step
+        self.books.submit(self._record, step, groups, batch, m, ev, ledger)  # 9.
+        if self._saves(step):  # 10. a resume point follows every record up to its step
             self.books.drain()
             self.save(step, str(self.out / "checkpoint"), ledger.held)
+
+    def _counters(self) -> dict[str, float]:
+        """Server restarts, reward failures and timeouts, messages rejected, so far."""
+        assert self.recovery is not None
+        return {
+            **self.recovery.stats(), "channel_rejected": float(rejected_total()),
+            "reward_failures": self.reward.failures, "reward_timeouts": self.reward.timeouts,
+        }  # fmt: skip
+
+    def _evaluate(self, step: int, m: dict[str, float]) -> dict[str, float] | None:
+        """The held-out evaluation, every ``rl.eval_every`` steps and at the last."""
+        if step % (self.cfg.rl.eval_every or self.steps) and step != self.steps:
+            return None
+        ev = self.evaluator.run(step)
+        m["eval_accuracy"] = self.final_accuracy = ev["eval_accuracy"]
+        return ev
 
     def _ledger(self, step: int, m: dict[str, float]) -> Ledger:
         """What the step leaves untrained: re-queued ids, groups set aside and, at a save

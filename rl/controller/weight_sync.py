@@ -10,11 +10,12 @@ generation resumes on it. With a group transport and a staging copy
 (rollout.weight_sync.overlap), generation resumes as soon as the servers start
 receiving, and pauses again only for the commit.
 
-For a group transport (rl/ddma/transport.py), the servers sit in DDMA groups with the
-trainer ranks: one group per server, or, with relays (rollout.weight_sync.relay), one
-group for all of them, in which the trainer ranks feed the root servers and every other
-server gets the buckets from its parent server (rl/ddma/relay.py). Each push forms the
-topology over the servers it reaches.
+The transport (rl/ddma/transport.py) says which DDMA groups the servers sit in with the
+trainer ranks (a group transport: one per server, or, with relays
+(rollout.weight_sync.relay), one for all of them, in which the trainer ranks feed the
+root servers and every other server gets the buckets from its parent server,
+rl/ddma/relay.py; a staged one: none) and, per version, which servers receive it in a
+request of their own. Each push forms the topology over the servers it reaches.
 
 A server that stops answering during a sync (:class:`TransferError`: it died) is left out
 of that version and reported in ``lost``, and the version still lands on the others
@@ -47,7 +48,7 @@ if TYPE_CHECKING:
     from rl.trainer.service import TrainerHandle
 
 
-@dataclass
+@dataclass(kw_only=True)
 class SyncResult:
     """One version pushed: the bytes the trainer ranks sent, where the time went (the
     servers paused and opened, the transfer, the commit; generation is paused across all
@@ -87,18 +88,18 @@ class WeightSync:
         self,
         trainer: TrainerHandle,
         targets: list[SGLangTarget],
+        *,
         weight_version: int,
         relaying: relay.Relaying = relay.NO_RELAY,
     ) -> None:
         self.trainer, self.targets = trainer, targets
-        # Servers join DDMA groups (else the trainer ranks stage into each through its API).
-        self.grouped = isinstance(targets[0].transport, transports.GroupTransport)
+        self.transport: transports.Transport = targets[0].transport
         self.weight_version = weight_version
         self.relaying = relaying
         # Told of every new version once it is committed (the rollout stream, the client's
         # routing): the one holder of weight_version tells the others.
         self.listeners: list[Callable[[SyncResult], None]] = []
-        # A group transport: each server's DDMA group and its position there.
+        # Each server's DDMA group and its position there (a transport that forms groups).
         self.where: list[tuple[str, int]] = [("", 0)] * len(targets)
         self.lock = threading.RLock()
 
@@ -118,19 +119,22 @@ class WeightSync:
         plan = plan_for(cfg.model, t, cfg.rollout, dp=t.dp)
         dtype = torch_dtype(t.params_dtype)
         device = transports.get(w.transport).bucket_device(t.device, cfg.rollout.device)
-        targets = [SGLangTarget(u, plan, dtype, w.timeout, staging=w.staging,
+        targets = [SGLangTarget(u, plan, dtype, timeout=w.timeout, staging=w.staging,
                                 transport=w.transport, overlap=w.overlap, device=device)
                    for u in urls]  # fmt: skip
-        sync = cls(trainer, targets, weight_version, relay.Relaying.of(w))
+        sync = cls(trainer, targets, weight_version=weight_version,
+                   relaying=relay.Relaying.of(w))  # fmt: skip
         where = trainer.connect(urls)
-        if sync.grouped:
-            sync._join(where.address, where.ports, list(range(len(urls))))
+        sync._join(where.address, where.ports, list(range(len(urls))))
         return sync
 
     def _join(self, address: str, ports: list[int], servers: list[int]) -> None:
-        """A group transport: put ``servers`` in new DDMA groups (each its own, or,
-        relaying, all in one) and have their ranks and the trainer ranks join them."""
-        groups = self._groups(servers)
+        """Put ``servers`` in the new DDMA groups the transport forms (a group transport:
+        each its own, or, relaying, all in one; else none) and have their ranks and the
+        trainer ranks join them."""
+        groups = self.transport.groups(servers, self.relaying)
+        if not groups:
+            return
         joined = []
         for k, (port, members) in enumerate(zip(ports, groups, strict=False)):
             name = group_name(ports[0], k)
@@ -157,16 +161,14 @@ class WeightSync:
                 tell(out)
             return out
 
-    def _groups(self, servers: list[int]) -> list[list[int]]:
-        return [servers] if self.relaying.kind != "none" else [[i] for i in servers]
-
     def repush(self, servers: list[int]) -> SyncResult:
         """Give restarted ``servers`` the version every other server serves, which is what
-        the trainer holds between steps (a group transport: their DDMA groups died with
-        them: join new ones first)."""
+        the trainer holds between steps (their DDMA groups, if the transport forms any,
+        died with them: join new ones first)."""
         with self.lock:
-            if self.grouped:
-                where = self.trainer.reserve(len(self._groups(servers)))
+            groups = self.transport.groups(servers, self.relaying)
+            if groups:
+                where = self.trainer.reserve(len(groups))
                 self._join(where.address, where.ports, servers)
             return self._push(self.weight_version, servers)
 
@@ -186,12 +188,13 @@ class WeightSync:
             t_begun = time.perf_counter()
             received = {}
             relayed = 0  # servers fed by another server, not by the trainer ranks
-            if self.grouped:
-                for name, route, members in relay.routes(self.plan, self.where, begun,
-                                                         self.relaying):  # fmt: skip
-                    relayed += len(members) - route.parents.count(relay.TRAINER)
-                    for replica, i in enumerate(members):
-                        received[i] = self.targets[i].receive(version, name, route, replica)
+            # The servers that take the version in a request of their own (none where the
+            # trainer ranks' requests carry it).
+            for name, route, members in self.transport.routes(self.plan, self.where, begun,
+                                                              self.relaying):  # fmt: skip
+                relayed += len(members) - route.parents.count(relay.TRAINER)
+                for replica, i in enumerate(members):
+                    received[i] = self.targets[i].receive(version, name, route, replica)
             sent = self.trainer.push(version, begun)
             for i, f in received.items():
                 try:
@@ -216,6 +219,8 @@ class WeightSync:
                     self.targets[i].abort(version)
             raise
         serving = [i for i in begun if i not in lost]
-        return SyncResult(version, serving, sorted(lost), sent.payload_bytes, sent.wire_bytes,
-                          t_begun - t0, t_sent - t_begun, time.perf_counter() - t_sent,
-                          relayed)  # fmt: skip
+        return SyncResult(version=version, committed=serving, lost=sorted(lost),
+                          payload_bytes=sent.payload_bytes, wire_bytes=sent.wire_bytes,
+                          begin_s=t_begun - t0, send_s=t_sent - t_begun,
+                          commit_s=time.perf_counter() - t_sent,
+                          relayed_servers=relayed)  # fmt: skip

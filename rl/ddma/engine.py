@@ -39,7 +39,7 @@ class UpstreamLost(TransferError):
     version (it keeps the previous one) through no fault of its own."""
 
 
-@dataclass
+@dataclass(kw_only=True)
 class TransferStats:
     buckets: int = 0
     payload_bytes: int = 0  # piece bytes (what the destination keeps)
@@ -56,6 +56,16 @@ class TransferStats:
         """``copies`` messages of bucket ``b`` sent or applied."""
         self.payload_bytes += copies * plan.payload(b)
         self.wire_bytes += copies * b.nbytes
+
+    def add(self, other: TransferStats) -> None:
+        """Fold in another transfer of the same rank (another server, another group): the
+        bytes and seconds add up, the buffers are the largest, the first error stays."""
+        self.buckets += other.buckets
+        self.payload_bytes += other.payload_bytes
+        self.wire_bytes += other.wire_bytes
+        self.seconds += other.seconds
+        self.buffer_bytes = max(self.buffer_bytes, other.buffer_bytes)
+        self.error = self.error or other.error
 
 
 class Staged:

@@ -23,19 +23,18 @@ the ``discard`` that opens a weight update):
   every status reports ``torn``, and the DDMA target keeps such a server paused and out of
   routing rather than let it serve a half-updated model.
 
-Two kinds of transport fill the staging (rl/ddma/transport.py; ``transport`` names it).
-``stage`` (a staged transport): one bucket message, in a slot of the sender's that the
-transport locates (``ipc``: a shared-memory ring, mapped once and kept; ``cuda_ipc``: the
-entry's tensor, a CUDA IPC handle). ``recv`` (a group transport): this rank receives all
-its buckets point to point from the trainer ranks over a group SGLang created with
+A ``receive`` fills the staging through the transport it names (``transport``;
+rl/ddma/transport.py), whatever the transport: a staged one brings one bucket message in
+a slot of the sender's that it locates (``ipc``: a shared-memory ring, mapped once and
+kept; ``cuda_ipc``: the entry's tensor, a CUDA IPC handle); a group one receives all this
+rank's buckets point to point from the trainer ranks over a group SGLang created with
 ``/init_weights_update_group`` (found by name; trainer ranks first), which works across
-hosts and at any SGLang TP, each rank receiving only its own shards (``p2p_shm``: through
-the trainer ranks' shared-memory rings, the group carrying only signals). A ``recv`` with
+hosts and at any SGLang TP, each rank receiving only its own shards. A ``receive`` with
 ``background`` (staging device or host) returns at once and receives on a thread of its
 own while SGLang's scheduler goes on generating with the live weights; every later op
 first waits for it.
 
-Protocol: each entry is ``(json control, tensor)``. ``op`` is ``stage``, ``recv``,
+Protocol: each entry is ``(json control, tensor)``. ``op`` is ``receive``,
 ``prepare``, ``commit``, ``discard``, ``state`` or ``noop`` (a rank with nothing in this
 request). The reply is a JSON status file per rank (``status``): SGLang's reply cannot
 carry it, and an exception here would kill SGLang's scheduler, so nothing may escape
@@ -61,7 +60,7 @@ import torch
 
 from rl.config.dtypes import dtype_name, torch_dtype
 from rl.config.sglang import WEIGHT_STAGINGS
-from rl.ddma import engine, group, relay, transport, wire
+from rl.ddma import engine, transport, wire
 from rl.ddma.plan import DstLayout, Plan, SrcLayout, make_plan
 from rl.weights.keymap import Dims
 
@@ -172,7 +171,7 @@ def plan_from_spec(spec: str) -> tuple[Plan, torch.dtype]:
     return plan, torch_dtype(s["dtype"])
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Stage:
     version: int
     digest: int
@@ -251,7 +250,7 @@ class Receiver:
         problem = architecture_errors(plan, params, dtype)
         if problem:
             raise ValueError(f"architecture mismatch: {problem}")
-        st = Stage(version, plan.digest, self.staging)
+        st = Stage(version=version, digest=plan.digest, staging=self.staging)
         if st.staging == "none":  # the live parameters themselves (paused meanwhile)
             st.staged = {n: params[n].detach() for n in plan.dst_shapes}
             return st
@@ -303,50 +302,18 @@ class Receiver:
             raise st.failure
         if st.error is not None:
             raise ValueError(f"version {version} already failed: {st.error}")
-        expected = {b.index: b for b in plan.receives(rank)}
-        if op == "recv":  # point-to-point over a DDMA group, maybe relayed (see _recv)
-            self._writing(st)
-            if ctl.get("background"):  # generation goes on; prepare waits for the bytes
-                if st.staging == "none":
-                    raise ValueError("a background receive needs staging device or host")
-                args = (plan, ctl, rank, st, version, dtype, set(expected))
-                self.receiving = threading.Thread(target=_receive, args=args, daemon=True,
-                                                  name="ddma-receive")  # fmt: skip
-                self.receiving.start()
-                return {"ok": True, "background": True}
-            _recv(plan, ctl, rank, st.destination(), version, dtype)
-            st.received.update(expected)
-            return {"ok": True, "received": len(st.received)}
-        if op == "stage":
-            staged = transport.staged(str(ctl.get("transport", "ipc")))
-            try:  # where the bucket lies: the sender's slots (rl/ddma/transports/)
-                tensor = staged.locate(ctl, tensor, plan.bucket_bytes)
-            except FileNotFoundError:  # unlinked before this server (re)started
-                gone = f"the slots of {staged.name} are gone; the sender makes others"
-                return {"ok": False, "ring_missing": True, "error": gone}
-            head = wire.read_header(tensor)
-            b = expected.get(head["index"])
-            if b is None or head["dst"] != rank:
-                raise ValueError(
-                    f"bucket {head['index']} is not addressed to generator rank {rank}"
-                )
-            tensor = tensor[: b.nbytes]
-            dst = st.destination()
-            if tensor.is_cuda and isinstance(dst, engine.Staged):  # checked before prepare
-                st.deferred.add(tensor, plan, b, version)
-            else:
-                wire.verify(tensor, plan, b, version)
-            self._writing(st)
-            wire.unpack(tensor, plan, b, dst, dtype)
-            staged.release(tensor)  # (cuda_ipc: once the device has read it)
-            st.received.add(b.index)
-            return {"ok": True, "received": len(st.received)}
+        if op == "receive":  # the buckets, by whatever transport the request names
+            return self._receive(st, transport.Inbound(
+                plan=plan, rank=rank, version=version, dtype=dtype, ctl=ctl, tensor=tensor,
+                into=st.destination(), deferred=st.deferred, writing=lambda: self._writing(st),
+            ))  # fmt: skip
         try:
             st.deferred.finish()
         except wire.BucketError as e:
             st.error = f"generator rank {rank}: {type(e).__name__}: {e}"
             raise
-        missing = sorted(set(expected) - st.received)
+        expected = {b.index for b in plan.receives(rank)}
+        missing = sorted(expected - st.received)
         if missing:
             raise ValueError(
                 f"version {version}: {len(missing)} of {len(expected)} buckets never arrived "
@@ -364,6 +331,21 @@ class Receiver:
             self.stage, self.torn = None, None  # whole again, whatever was torn before
             return {"ok": True, "committed": version, **self.state()}
         raise ValueError(f"unknown op {op!r}")
+
+    def _receive(self, st: Stage, inbound: transport.Inbound) -> dict:
+        moves = transport.get(str(inbound.ctl["transport"]))
+        if inbound.ctl.get("background"):  # generation goes on; prepare waits for the bytes
+            if st.staging == "none":
+                raise ValueError("a background receive needs staging device or host")
+            self.receiving = threading.Thread(target=_background, args=(moves, inbound, st),
+                                              daemon=True, name="ddma-receive")  # fmt: skip
+            self.receiving.start()
+            return {"ok": True, "background": True}
+        try:
+            st.received.update(moves.receive(inbound))
+        except transport.SlotsGone as e:  # the sender makes others and sends again
+            return {"ok": False, "ring_missing": True, "error": str(e)}
+        return {"ok": True, "received": len(st.received)}
 
     def release(self) -> None:
         """Drop the staging copy and hand its memory back: the caching allocators (CUDA's,
@@ -394,56 +376,22 @@ class Receiver:
 
     def failed(self, op: str | None, error: str) -> None:
         """Poison the version being staged (a bucket or a request failed)."""
-        if self.stage is not None and op in ("stage", "recv"):
+        if self.stage is not None and op == "receive":
             self.stage.error = error
 
 
 RECEIVER = Receiver()
 
 
-def _receive(
-    plan: Plan, ctl: dict, rank: int, st: Stage, version: int, dtype: torch.dtype,
-    expected: set[int],
-) -> None:  # fmt: skip
-    """A background ``recv`` (its own thread, beside SGLang's scheduler, which keeps
+def _background(moves: transport.Transport, inbound: transport.Inbound, st: Stage) -> None:
+    """A background ``receive`` (its own thread, beside SGLang's scheduler, which keeps
     generating on the live weights while the buckets land in the staging copy)."""
     try:
-        _recv(plan, ctl, rank, st.destination(), version, dtype)
-        st.received.update(expected)
+        st.received.update(moves.receive(inbound))
     except Exception as e:
-        st.error, st.failure = f"generator rank {rank}: {type(e).__name__}: {e}", e
-        log.error("DDMA generator rank %d: background receive failed: %s", rank, st.error)
-
-
-def _recv(
-    plan: Plan, ctl: dict, rank: int, staged: wire.DstGetter, version: int, dtype: torch.dtype
-) -> None:
-    """Receive this rank's buckets over the group ``ctl["group"]``: trainer ranks first,
-    then servers of ``plan.dst.tp`` ranks each, this one at ``positions[replica]``. A relay
-    sync (``relay``, ``parents``: rl/ddma/relay.py) feeds the servers ``positions`` names,
-    in that order, from the roots down; this rank forwards what it gets to its children."""
-    moves = transport.grouped(str(ctl.get("transport", "p2p")))
-    parents = tuple(int(p) for p in ctl.get("parents", (relay.TRAINER,)))
-    route = relay.Fanout(str(ctl.get("relay", "none")), parents,
-                         tuple(int(p) for p in ctl.get("positions", (0,))))  # fmt: skip
-    replica = int(ctl.get("replica", 0))
-    if len(route.positions) != len(parents) or not 0 <= replica < len(parents):
-        raise ValueError(f"replica {replica} of {route}")
-    if len(parents) > 1 and not moves.relays:
-        raise ValueError(f"a relay sync runs over a relaying transport, not {moves.name}")
-    relayed = _relay_plan(str(ctl["plan"]), route) if len(parents) > 1 else plan
-    # Where the buckets land (the transport's bucket_device): on a GPU only when both ends are.
-    device = group.local(str(ctl.get("device", "cpu")))
-    moves.receive(relayed, rank, staged, version, dtype, group.find(ctl["group"]),
-                  list(range(plan.src.world)), device, replica=replica,
-                  dst_ranks=route.dst_ranks(plan))  # fmt: skip
-
-
-@lru_cache(maxsize=4)
-def _relay_plan(spec: str, route: relay.Fanout) -> Plan:
-    """The relay plan of a sync (its hops: servers x buckets), built once per topology and
-    not on every version."""
-    return route.plan(plan_from_spec(spec)[0])
+        st.error, st.failure = f"generator rank {inbound.rank}: {type(e).__name__}: {e}", e
+        log.error("DDMA generator rank %d: background receive failed: %s", inbound.rank,
+                  st.error)  # fmt: skip
 
 
 def load(model: torch.nn.Module, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
@@ -459,7 +407,7 @@ def load(model: torch.nn.Module, named_tensors: list[tuple[str, torch.Tensor]]) 
             path = status_path(str(ctl["status"]), rank) if ctl.get("status") else None
         except Exception as e:  # nowhere to report but the server's log
             log.error("DDMA generator rank %d: %s: %s", rank, type(e).__name__, e)
-            RECEIVER.failed("stage", f"a request was refused: {e}")
+            RECEIVER.failed("receive", f"a request was refused: {e}")
             continue
         try:
             status = RECEIVER.handle(model, ctl, tensor, rank)

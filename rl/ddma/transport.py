@@ -4,20 +4,26 @@ What every transport shares is fixed elsewhere: the plan (which bytes go from wh
 rank to which server rank, rl/ddma/plan.py), the bucket format (header, checksum, pack and
 scatter: rl/ddma/wire.py), the receiver's staging and commit (rl/ddma/sglang_receiver.py)
 and the controller's bracketing of a version (rl/controller/weight_sync.py). A transport
-decides only where a bucket lies while it travels, and it is one of two kinds:
+decides only where a bucket lies while it travels, behind one lifecycle that every caller
+uses and no caller looks past:
 
-* :class:`GroupTransport`: the servers' ranks join a DDMA process group with the trainer
-  ranks (rl/ddma/group.py, ``/init_weights_update_group``), and each version is one
-  :meth:`~GroupTransport.send` per trainer rank against one
-  :meth:`~GroupTransport.receive` per server rank, point to point.
-* :class:`StagedTransport`: a trainer rank packs each bucket into one of its
-  :class:`Slots` and names it in a ``/update_weights_from_tensor`` request; the server's
-  rank finds it there (:meth:`~StagedTransport.locate`), verifies and scatters it.
+* the controller asks which DDMA process groups the servers join with the trainer ranks
+  (:meth:`Transport.groups`; none for a transport that reaches them through their API),
+  and for each version which servers to ask to receive it in a request of their own
+  (:meth:`Transport.routes`; none where the trainer ranks' requests carry the buckets);
+* a trainer rank prepares its sending half once (:meth:`Transport.prepare`, a
+  :class:`Sending`), joins the groups, sends version after version and closes it;
+* a server rank takes each request's buckets into the version's staging
+  (:meth:`Transport.receive`); the receiver commits or drops the version whole, whatever
+  brought it.
 
-Every transport is a class in its own module under ``rl/ddma/transports/``, found by
-listing the package as model families are (rl/models/registry.py): adding one is that
-module and its tests. ``rollout.weight_sync.transport`` names it, and :func:`check` is the
-one place a config's choice is judged.
+Two kinds implement it today (rl/ddma/grouped.py: point to point over a group;
+rl/ddma/staged.py: buckets left in the trainer's slots and named in the server's
+weight-update API), but a transport may implement the lifecycle directly. Each is a class
+in its own module under ``rl/ddma/transports/``, found by listing the package as model
+families are (rl/models/registry.py): adding one is that module and its tests.
+``rollout.weight_sync.transport`` names it, and :func:`check` is the one place a config's
+choice is judged.
 
 Importing this module or a transport's loads no torch: the planner reads the traits and
 runs :func:`check` in a process that never needs torch; a transport imports what moves
@@ -27,9 +33,9 @@ its bytes (rl/ddma/engine.py, rl/ddma/shm.py, torch) inside the methods that mov
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass
 from functools import cache
-from types import ModuleType
 from typing import TYPE_CHECKING, ClassVar, Protocol
 
 from rl.config.errors import ConfigError
@@ -37,12 +43,16 @@ from rl.plugins import discover
 
 if TYPE_CHECKING:
     import torch
-    import torch.distributed as dist
 
     from rl.config.schema import RootConfig
     from rl.ddma import wire
     from rl.ddma.engine import TransferStats
     from rl.ddma.plan import Plan
+    from rl.ddma.relay import Fanout, Relaying
+
+# One sync over one DDMA group: its name, how it runs, the servers it reaches in order.
+Route = tuple[str, "Fanout", list[int]]
+Entry = tuple[dict, "torch.Tensor"]  # a request's part for one server rank: control, tensor
 
 
 def link_device(trainer: str, rollout: str) -> str:
@@ -52,15 +62,95 @@ def link_device(trainer: str, rollout: str) -> str:
     return "cuda" if trainer == rollout == "cuda" else "cpu"
 
 
+class Target(Protocol):
+    """One server as a trainer rank reaches it through its weight-update API (the SGLang
+    target of rl/generator/ddma_target.py)."""
+
+    def post(self, entries: list[Entry]) -> list[dict]:
+        """One request carrying one entry per server rank; each rank's status. Raises
+        :class:`~rl.ddma.engine.TransferError` if the server is gone."""
+        ...
+
+    def check(self, statuses: list[dict]) -> None:
+        """Raise if a rank refused what the request carried."""
+        ...
+
+
+@dataclass(frozen=True, kw_only=True)
+class Link:
+    """What a trainer rank's sending half is prepared with: its part of ``plan`` (as source
+    rank ``rank``) in ``dtype``, in buckets on ``device``, for the servers behind
+    ``targets`` (a server is its index there), relayed as ``relaying``; ``timeout``:
+    seconds to wait for a group's other ranks."""
+
+    plan: Plan
+    rank: int
+    dtype: torch.dtype
+    targets: Sequence[Target]
+    device: torch.device
+    relaying: Relaying
+    timeout: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class Inbound:
+    """One request's part for server rank ``rank``: its control fields ``ctl`` and tensor,
+    for ``version`` of ``plan`` in ``dtype``. The buckets go into ``into``; ``deferred``
+    holds the checks of device buckets that wait for the version's end; ``writing`` is
+    called before the first byte is written (staging none: the model is torn from then)."""
+
+    plan: Plan
+    rank: int
+    version: int
+    dtype: torch.dtype
+    ctl: dict
+    tensor: torch.Tensor
+    into: wire.DstGetter
+    deferred: wire.Deferred
+    writing: Callable[[], None]
+
+
+class SlotsGone(RuntimeError):
+    """A request named slots this server can no longer find (it restarted since they were
+    unlinked): the trainer rank makes others."""
+
+
+class Sending(ABC):
+    """A trainer rank's sending half, kept across versions."""
+
+    def join(self, address: str, ports: list[int], groups: list[list[int]]) -> None:
+        """Join DDMA group k at ``ports[k]`` with the servers ``groups[k]`` (those
+        :meth:`Transport.groups` formed; blocks until their ranks join too)."""
+        if groups:
+            raise ValueError(f"{type(self).__name__} sends over no DDMA group")
+
+    @abstractmethod
+    def send(
+        self, shards: wire.SrcGetter, version: int, servers: Sequence[int] | None = None
+    ) -> tuple[TransferStats, list[int]]:
+        """Send this rank's part of ``version`` (its shards read through ``shards``) to
+        ``servers`` (default: every server). A server that stops answering (it died) is
+        left out and returned in the second item (the first error in ``stats.error``); the
+        others still get the version."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Free what the sending half holds (its slots, its groups)."""
+
+
 class Transport(ABC):
-    """What config checks, the planner and both ends need to know of a transport."""
+    """A transport: what config checks and the planner read (the traits), and the
+    lifecycle the controller, trainer ranks and server ranks drive (see the module)."""
 
     name: ClassVar[str]
-    summary: ClassVar[str]  # one line for the README and for refusals
+    summary: ClassVar[str]  # one line for docs/ddma.md and for refusals
     one_host: ClassVar[bool] = False  # every trainer rank and server on one host
     relays: ClassVar[bool] = False  # servers can forward buckets to servers (rl/ddma/relay.py)
     cuda: ClassVar[bool] = False  # only between CUDA trainer ranks and CUDA servers
     host_buckets: ClassVar[bool] = False  # buckets lie in host memory whatever the devices
+    # Servers take a version in a request of their own, which may run while they generate
+    # (rollout.weight_sync.overlap).
+    overlaps: ClassVar[bool] = False
 
     def bucket_device(self, trainer: str, rollout: str) -> str:
         """Where buckets lie in transit, from trainer.device and rollout.device."""
@@ -74,84 +164,31 @@ class Transport(ABC):
                     f"and rollout.device=cuda, not {trainer}, {rollout}")  # fmt: skip
         return None
 
+    def groups(self, servers: list[int], relaying: Relaying) -> list[list[int]]:
+        """Controller: the DDMA groups ``servers`` join, each a list of servers (none: the
+        trainer ranks reach them without one)."""
+        return []
 
-class GroupTransport(Transport):
-    """Point to point over a DDMA group, run by an engine module with the signatures of
-    :mod:`rl.ddma.engine` (``send`` and ``receive``; a module whose servers do not relay
-    takes no ``replica``/``dst_ranks``). A transport names its engine; one with another
-    kind of engine overrides :meth:`send` and :meth:`receive` instead."""
-
-    @abstractmethod
-    def engine(self) -> ModuleType:
-        """The module that moves the bytes, imported here (not when the transport is)."""
-
-    def send(
-        self, plan: Plan, src_rank: int, shards: wire.SrcGetter, version: int,
-        dtype: torch.dtype, pg: dist.ProcessGroup | None, dst_ranks: Sequence[int],
-        device: str | torch.device = "cpu",
-    ) -> TransferStats:  # fmt: skip
-        """Send this trainer rank's buckets of ``plan`` to the group ranks ``dst_ranks``; a
-        rank that fails is reported in ``lost`` (or raises :class:`TransferError`)."""
-        return self.engine().send(plan, src_rank, shards, version, dtype, pg, dst_ranks, device)
-
-    def receive(
-        self, plan: Plan, dst_rank: int, tensors: wire.DstGetter, version: int,
-        dtype: torch.dtype, pg: dist.ProcessGroup | None, src_ranks: Sequence[int],
-        device: str | torch.device = "cpu", replica: int = 0, dst_ranks: Sequence[int] = (),
-    ) -> TransferStats:  # fmt: skip
-        """Receive, verify and scatter this server rank's buckets into ``tensors`` (in a
-        relay plan as ``replica``, forwarding to its children among ``dst_ranks``)."""
-        engine = self.engine()
-        if self.relays:
-            return engine.receive(plan, dst_rank, tensors, version, dtype, pg, src_ranks,
-                                  device, replica=replica, dst_ranks=dst_ranks)  # fmt: skip
-        if replica or len(dst_ranks) > plan.dst.tp:
-            raise ValueError(f"a relay sync runs over a relaying transport, not {self.name}")
-        return engine.receive(plan, dst_rank, tensors, version, dtype, pg, src_ranks, device)
-
-
-class Slots(Protocol):
-    """A trainer rank's bucket-sized slots that a server reads by reference."""
-
-    nbytes: int  # memory held
-
-    @property
-    def may_be_gone(self) -> bool:
-        """The server may have lost them (it restarted since it mapped them): a version's
-        first request then goes alone, and a ``ring_missing`` status renews them."""
-        ...
-
-    def slot(self, i: int) -> torch.Tensor:
-        """Slot ``i``'s bytes, to pack a bucket into."""
-        ...
-
-    def entry(self, i: int, nbytes: int) -> tuple[dict[str, object], torch.Tensor]:
-        """The control fields and the tensor that name slot ``i`` (its first ``nbytes``) in
-        a request; called once the bucket is packed."""
-        ...
-
-    def posted(self) -> None:
-        """Every server rank has read the slots once (a version's first request came back)."""
-        ...
-
-
-class StagedTransport(Transport):
-    """Buckets left in the trainer rank's slots, named in the server's weight-update API."""
+    def routes(
+        self, plan: Plan, where: Sequence[tuple[str, int]], servers: Sequence[int],
+        relaying: Relaying,
+    ) -> list[Route]:  # fmt: skip
+        """Controller and trainer ranks: how one version reaches ``servers`` over their
+        groups (``where``: each server's group and position in it), group by group; the
+        servers named here receive it in a request of their own. None: the trainer ranks'
+        requests carry it."""
+        return []
 
     @abstractmethod
-    def slots(self, bucket_bytes: int, count: int, device: str) -> Slots:
-        """``count`` new slots of ``bucket_bytes`` on ``device`` (a trainer rank keeps them
-        across versions)."""
+    def prepare(self, link: Link) -> Sending:
+        """Trainer rank: its sending half (once; it is kept across versions)."""
 
     @abstractmethod
-    def locate(self, ctl: dict, tensor: torch.Tensor, bucket_bytes: int) -> torch.Tensor:
-        """Server side: the bytes of the slot a request entry names (``ctl`` its control
-        fields, ``tensor`` its tensor). Raises FileNotFoundError when the slots are gone
-        (the sender then makes new ones)."""
-
-    def release(self, msg: torch.Tensor) -> None:
-        """Server side: done reading ``msg``; the sender may refill it once the request
-        returns."""
+    def receive(self, inbound: Inbound) -> Collection[int]:
+        """Server rank: verify and scatter the buckets this request brings (or fetches)
+        into ``inbound.into``; returns their indices. Raises
+        :class:`~rl.ddma.wire.BucketError` for a bad bucket (nothing of it written),
+        :class:`~rl.ddma.engine.TransferError` for a peer lost, :class:`SlotsGone`."""
 
 
 class UnknownTransport(ConfigError):
@@ -170,20 +207,6 @@ def get(name: str, field: str = "rollout.weight_sync.transport") -> Transport:
     t = registry().get(name)
     if t is None:
         raise UnknownTransport(f"{field}={name!r} is not one of {', '.join(registry())}")
-    return t
-
-
-def grouped(name: str) -> GroupTransport:
-    t = get(name)
-    if not isinstance(t, GroupTransport):
-        raise ValueError(f"transport {name!r} does not send over a DDMA group")
-    return t
-
-
-def staged(name: str) -> StagedTransport:
-    t = get(name)
-    if not isinstance(t, StagedTransport):
-        raise ValueError(f"transport {name!r} does not stage buckets through the server's API")
     return t
 
 

@@ -124,7 +124,8 @@ class GeneratorClient:
         self._no_server_since: float | None = None
         self._failure_error: BaseException | None = None
         self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+        self._thread = threading.Thread(target=self._loop.run_forever, name="generator-client",
+                                        daemon=True)  # fmt: skip
         self._thread.start()
         self._session: aiohttp.ClientSession = self._call(self._make_session())
         self._slots = [self._call(self._make_slots()) for _ in urls]

@@ -1,30 +1,21 @@
 """DDMA into a live SGLang server through its weight-update API (rl/serving/server_api.py).
 
 Every transport (rl/ddma/transport.py, ``rollout.weight_sync.transport``) ends in one
-receiver (:mod:`rl.ddma.sglang_receiver`, staging then commit):
+receiver (:mod:`rl.ddma.sglang_receiver`, staging then commit), and this target is what a
+server is to each side of the transport's lifecycle:
 
-* staged transports (``ipc``, ``cuda_ipc``; :meth:`SGLangTarget.stage`, same host):
-  every trainer rank packs its own buckets (already in SGLang's layout, one per server TP
-  rank per request) into slots of its own (two per server rank: a host shared-memory
-  ring, or GPU memory handed over as CUDA IPC handles) and names each slot in a
-  ``/update_weights_from_tensor`` request with our custom load format. Packing the next
-  round overlaps the server's verify-and-scatter of the current one, and a bucket's bytes
-  are copied once by the trainer and once by the server. The slots are kept across
-  versions.
-* group transports (``p2p``, ``p2p_shm``; :meth:`open_group`, :meth:`receive`): trainer
-  ranks and the servers' ranks join a process group through ``/init_weights_update_group``
-  (one per server, or one for many with relays) and every server rank receives only its
-  own buckets point to point, in one request per version, from the trainer ranks or,
-  relayed, from the same rank of its parent server, forwarding them to its children
-  (rl/ddma/relay.py). With ``p2p_shm`` the buckets go through shared-memory rings the
-  server's ranks map (rl/ddma/shm.py) and the group carries only their slots.
-
-Trainer ranks call :meth:`SGLangTarget.stage` through the generic sender
-(rl/ddma/sender.py, which gets this class injected, and sends p2p itself; :meth:`send`
-does it for one server alone, as tests and benchmarks do); the controller (one
-process, rl/controller/weight_sync.py) brackets the transfer with :meth:`begin` and
-:meth:`commit` / :meth:`abort`: generation is paused only for that window, and a failed
-version is discarded whole.
+* to a trainer rank's sending half (rl/ddma/sender.py, which gets this class injected),
+  the server's weight-update API: :meth:`SGLangTarget.post` carries one request, an
+  entry per server rank (a staged transport, ``ipc`` or ``cuda_ipc``, names its slots
+  there), and :meth:`~SGLangTarget.check` reads the ranks' statuses;
+  :meth:`~SGLangTarget.push` does it all for one server alone, as tests and benchmarks do;
+* to the controller (one process, rl/controller/weight_sync.py), the server's side of a
+  version: :meth:`open_group` puts its ranks in a DDMA group (a group transport, ``p2p``
+  or ``p2p_shm``, one per server or one for many with relays), :meth:`receive` has them
+  take a version in a request of their own (from the trainer ranks or, relayed, from the
+  same rank of a parent server, rl/ddma/relay.py), and :meth:`begin` and
+  :meth:`commit` / :meth:`abort` bracket the transfer: generation is paused only for
+  that window, and a failed version is discarded whole.
 
 Every call carries the server's admin key: the target's own (tests, benchmarks: the
 launcher's), else the job's (:func:`rl.serving.server_api.job_keys`), which trainer
@@ -36,22 +27,19 @@ from __future__ import annotations
 
 import json
 import os
-import time
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
+from rl.ddma import group, wire
 from rl.ddma import sglang_receiver as rx
 from rl.ddma import transport as transports
-from rl.ddma import wire
 from rl.ddma.engine import TransferError, TransferStats
-from rl.ddma.group import backend as group_backend
-from rl.ddma.plan import Bucket, Plan
-from rl.ddma.relay import Fanout
+from rl.ddma.plan import Plan
+from rl.ddma.relay import NO_RELAY, Fanout
 from rl.generator.weight_payload import serialize, use_file_system_sharing
 from rl.serving import server_api as api
 
@@ -80,6 +68,7 @@ class SGLangTarget:
         url: str,
         plan: Plan,
         dtype: torch.dtype,
+        *,
         timeout: float = 120.0,
         staging: str = "device",
         keys: api.ServerKeys | None = None,
@@ -92,11 +81,10 @@ class SGLangTarget:
         # Where the buckets lie: the group's backend, the slots and the server ranks'
         # receive buffers follow it.
         self.device = device
-        # A group transport with a staging copy: generation is paused only to open the
-        # version and to commit it, and goes on while the buckets arrive
-        # (rollout.weight_sync.overlap).
-        grouped = isinstance(self.transport, transports.GroupTransport)
-        self.overlap = overlap and grouped and staging != "none"
+        # Servers that take a version in a request of their own, into a staging copy:
+        # generation is paused only to open the version and to commit it, and goes on
+        # while the buckets arrive (rollout.weight_sync.overlap).
+        self.overlap = overlap and self.transport.overlaps and staging != "none"
         self._session = False  # SGLang's weight-update session is open (generation paused)
         self.keys = keys or api.job_keys()
         self.staging = staging  # rollout.weight_sync.staging: sent with every begin
@@ -107,13 +95,14 @@ class SGLangTarget:
         self.spec = rx.plan_spec(plan, dtype)
         use_file_system_sharing()  # else SGLang's scheduler dies unpickling any tensor
         self._pool = ThreadPoolExecutor(2, thread_name_prefix="ddma-control")
-        self._slots: transports.Slots | None = None  # staged: two per server rank
-        self.server_seconds = 0.0  # ipc: summed over the requests this target made
+        # One trainer rank's sending half into this server alone (push), by its rank.
+        self._senders: dict[int, transports.Sending] = {}
+        self.server_seconds = 0.0  # staged: summed over the requests this target made
         self.requests = 0
         self.status_dir = rx.status_dir()  # the only place the server writes statuses
 
     # ------------------------------------------------------------------ one request
-    def _request(self, entries: list[tuple[dict, torch.Tensor]]) -> list[dict]:
+    def post(self, entries: list[transports.Entry]) -> list[dict]:
         """Send one control entry per server TP rank; return each rank's status."""
         request = uuid.uuid4().hex
         status = str(self.status_dir / f"{request}.rank{{rank}}.json")
@@ -146,7 +135,7 @@ class SGLangTarget:
     def _control(self, op: str, version: int, **extra: object) -> list[dict]:
         ctl = {"op": op, "plan": self.spec, "version": version, **extra}
         empty = torch.zeros(1, dtype=torch.uint8)
-        statuses = self._request([(ctl, empty)] * self.plan.dst.tp)
+        statuses = self.post([(ctl, empty)] * self.plan.dst.tp)
         bad = [s for s in statuses if not s.get("ok")]
         if bad:
             why = f"{self.url} version {version} {op} failed: {bad[0]['error']}"
@@ -154,90 +143,36 @@ class SGLangTarget:
         return statuses
 
     # ------------------------------------------------------------------ trainer side
-    def stage(self, src_rank: int, shards: wire.SrcGetter, version: int) -> TransferStats:
-        """Send this trainer rank's buckets for ``version`` into the server's staging
-        (a staged transport)."""
-        plan, tp = self.plan, self.plan.dst.tp
-        staged = self.transport
-        assert isinstance(staged, transports.StagedTransport), staged.name
-        mine = plan.sends(src_rank)
-        stats = TransferStats(buckets=len(mine))
-        # Requests carry one bucket per server rank: group this rank's buckets by round.
-        rounds: dict[int, list[Bucket]] = {}
-        for b in mine:
-            rounds.setdefault(b.round, []).append(b)
-        if self._slots is None:
-            self._slots = staged.slots(plan.bucket_bytes, 2 * tp, self.device)
-        slots = self._slots
-        stats.buffer_bytes = slots.nbytes
-        noop: tuple[dict, torch.Tensor] = ({"op": "noop"}, torch.zeros(1, dtype=torch.uint8))
-        head = {"op": "stage", "plan": self.spec, "version": version,
-                "transport": staged.name}  # fmt: skip
-
-        def pack(i: int, group: list[Bucket]) -> list[tuple[dict, torch.Tensor]]:
-            entries = [noop] * tp
-            for b in group:
-                slot = (i % 2) * tp + b.dst
-                wire.pack(slots.slot(slot), plan, b, shards, self.dtype, version)
-                where, tensor = slots.entry(slot, b.nbytes)
-                entries[b.dst] = ({**head, **where}, tensor)
-            return entries
-
-        t0 = time.perf_counter()
-        pending = None
-        try:
-            with ThreadPoolExecutor(1) as pool:
-                for i, group in enumerate(rounds.values()):
-                    entries = pack(i, group)
-                    for b in group:
-                        stats.count(plan, b)
-                    if pending is not None:
-                        self._check_stage(pending.result())
-                    if i == 0 and slots.may_be_gone:
-                        # A server that restarted since it mapped the slots cannot find
-                        # them any more: it gets new ones.
-                        statuses = self._request(entries)
-                        if any(s.get("ring_missing") for s in statuses):
-                            slots = self._slots = staged.slots(plan.bucket_bytes, 2 * tp,
-                                                               self.device)  # fmt: skip
-                            statuses = self._request(pack(i, group))
-                        self._check_stage(statuses)
-                        self.requests += 1
-                        continue
-                    pending = pool.submit(self._request, entries)
-                    self.requests += 1
-                if pending is not None:
-                    self._check_stage(pending.result())
-        finally:
-            # Held by every server rank now (or the server cannot hold them any more: the
-            # next stage makes others), so a process that dies leaves nothing behind.
-            slots.posted()
-        stats.seconds = time.perf_counter() - t0
-        return stats
-
-    def _check_stage(self, statuses: list[dict]) -> None:
+    def check(self, statuses: list[dict]) -> None:
+        """Raise :class:`SyncError` if a rank refused what a request carried."""
         if os.environ.get("DDMA_DEBUG"):
             print("   server:", [round(s.get("seconds", -1), 3) for s in statuses])
         # What the server's ranks spent verifying and scattering (the rest of a request's
         # time is HTTP and SGLang's dispatch to its scheduler).
+        self.requests += 1
         self.server_seconds += max((s.get("seconds", 0.0) for s in statuses), default=0.0)
         for s in statuses:
             if not s.get("ok"):
                 raise SyncError(f"{self.url} refused a bucket: {s['error']}")
 
-    def send(
-        self, src_rank: int, shards: wire.SrcGetter, version: int, pg: dist.ProcessGroup
-    ) -> TransferStats:
-        """Point-to-point into this server alone (its own group ``pg``, see
-        :meth:`open_group`) while it runs :meth:`receive`; raises :class:`TransferError`
-        if it is lost."""
-        n = self.plan.src.world
-        dst = [n + r for r in range(self.plan.dst.tp)]
-        transport = self.transport
-        assert isinstance(transport, transports.GroupTransport), transport.name
-        stats = transport.send(self.plan, src_rank, shards, version, self.dtype, pg, dst,
-                               self.device)  # fmt: skip
-        if stats.lost:
+    def sender(self, src_rank: int) -> transports.Sending:
+        """Trainer rank ``src_rank``'s sending half into this server alone (tests,
+        benchmarks; the job's trainer ranks use rl/ddma/sender.py), kept across versions.
+        A group transport's joins this server's group (see :meth:`open_group`) with
+        ``join(address, [port], [[0]])``."""
+        if src_rank not in self._senders:
+            link = transports.Link(plan=self.plan, rank=src_rank, dtype=self.dtype,
+                                   targets=[self], device=group.local(self.device),
+                                   relaying=NO_RELAY, timeout=self.timeout)  # fmt: skip
+            self._senders[src_rank] = self.transport.prepare(link)
+        return self._senders[src_rank]
+
+    def push(self, src_rank: int, shards: wire.SrcGetter, version: int) -> TransferStats:
+        """Trainer rank ``src_rank``'s buckets of ``version`` into this server alone (the
+        controller's part, :meth:`begin` to :meth:`commit`, is the caller's); raises
+        :class:`TransferError` if the server is lost."""
+        stats, lost = self.sender(src_rank).send(shards, version)
+        if lost:
             raise TransferError(stats.error)
         return stats
 
@@ -250,7 +185,7 @@ class SGLangTarget:
         the same time; the call returns once all did)."""
         n, tp = self.plan.src.world, self.plan.dst.tp
         call = api.init_weights_update_group(address, port, n + position * tp, n + servers * tp,
-                                             name, group_backend(self.device))  # fmt: skip
+                                             name, group.backend(self.device))  # fmt: skip
         return self._pool.submit(self._call, call)
 
     def receive(
@@ -268,7 +203,7 @@ class SGLangTarget:
         return self._pool.submit(self._receive, version, name, where)
 
     def _receive(self, version: int, name: str, where: dict) -> list[dict]:
-        statuses = self._control("recv", version, group=name, transport=self.transport.name,
+        statuses = self._control("receive", version, group=name, transport=self.transport.name,
                                  background=self.overlap, device=self.device, **where)  # fmt: skip
         if self.overlap:
             self._resume()

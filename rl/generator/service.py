@@ -17,13 +17,13 @@ import threading
 import traceback
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from rl.runtime.channel import Channel, ChannelTimeout, Failed
 from rl.runtime.net import host_address
 
 if TYPE_CHECKING:
-    from rl.config.schema import RootConfig
+    from rl.generator.settings import GeneratorSettings
     from rl.runtime.job import Job
 
 
@@ -65,21 +65,16 @@ class Stop:
 WATCH_S = 2.0  # how often a generator rank checks its servers
 
 
-def _model_path(cfg: RootConfig, out: Path) -> str:
-    """The HF directory the servers start from: ``rollout.model_path``, else the policy's
-    ``model.hf_checkpoint``, else a directory written from the model config with the
-    task's token ids (the trainer pushes its weights before the first rollout)."""
-    if cfg.rollout.model_path or cfg.model.hf_checkpoint:
-        return str(cfg.rollout.model_path or cfg.model.hf_checkpoint)
-    from rl.tasks import build_task
-    from rl.weights.convert import init_hf_dir
+class ModelPath(Protocol):
+    """The HF directory the servers start from, written under ``out`` if it must be
+    (rl/generator/startup.py, bound by the entry point to the job's config)."""
 
-    codec = build_task(cfg).codec
-    ids = {"eos_token_id": codec.eos_ids[0], "pad_token_id": codec.pad_id}
-    return str(init_hf_dir(cfg.model, str(out / "hf_init"), ids, cfg.rollout.dtype))
+    def __call__(self, out: Path) -> str: ...
 
 
-def serve(cfg: RootConfig, job: Job) -> None:
+def serve(settings: GeneratorSettings, job: Job, *, model_path: ModelPath) -> None:
+    """A generator rank's main loop: start its share of the servers from ``model_path``,
+    report them up, and restart any that dies until told to stop."""
     from rl.serving.launcher import ServerConfig, ServerLauncher, fp8_serving_dir
     from rl.serving.server_api import job_keys
     from rl.serving.watchdog import Watchdog
@@ -87,11 +82,12 @@ def serve(cfg: RootConfig, job: Job) -> None:
     inbox = job.channel(f"generator/in/{job.role_rank}", Stop)
     reply = job.channel("generator/out", Up, Down, Restarted)
     try:
-        out = Path(cfg.run.output_dir) / "generator" / f"rank{job.role_rank}"
-        path = _model_path(cfg, out)
-        n = cfg.rollout.servers // job.role_size()
-        server = ServerConfig.from_rollout(cfg.rollout, path)
-        block = cfg.rollout.weight_sync.fp8_block
+        r = settings.rollout
+        out = Path(settings.output_dir) / "generator" / f"rank{job.role_rank}"
+        path = model_path(out)
+        n = r.servers // job.role_size()
+        server = ServerConfig.from_rollout(r, path)
+        block = r.weight_sync.fp8_block
         if block is not None:  # FP8 layers, their weights and scales by DDMA
             fp8_dir = fp8_serving_dir(path, out / "hf_fp8", block)
             server = replace(server, model_path=str(fp8_dir), load_format="dummy")
@@ -99,22 +95,22 @@ def serve(cfg: RootConfig, job: Job) -> None:
         # reach 127.0.0.1. With cluster.nodes > 1 the nodes are always split between
         # training (the controller on node 0) and generation (rl/plan/placement.py), so
         # every client is remote: listen on the one address they are given, not on all.
-        host = host_address() if cfg.cluster.nodes > 1 else "127.0.0.1"
-        server = replace(server, host=host, keys=job_keys(), batch_invariant=cfg.rl.deterministic)
+        host = host_address() if settings.multi_node else "127.0.0.1"
+        server = replace(server, host=host, keys=job_keys(),
+                         batch_invariant=settings.deterministic)  # fmt: skip
         with ServerLauncher(server, n=n, log_dir=out / "logs") as launcher:
             reply.put(Up(job.role_rank, launcher.urls, path))
             stop = threading.Event()
             lost: list[BaseException] = []
             listen = threading.Thread(target=_listen, args=(inbox, stop, lost), daemon=True)
             listen.start()
-            r = cfg.rollout
 
             def down(i: int, why: str) -> None:
                 index = job.role_rank * n + i  # wait_up's URL order
                 reply.put(Down(job.role_rank, index, launcher.servers[i].url, why))
 
             watch = Watchdog(launcher, r.max_restarts, r.restart_window_s, r.health_timeout_s,
-                             r.health_failures, on_down=down)  # fmt: skip
+                             health_failures=r.health_failures, on_down=down)  # fmt: skip
             # The main thread waits on an Event, not on the store, so a SIGTERM (e.g. the
             # launcher died) runs the launcher's handler, which stops the servers.
             while not stop.wait(WATCH_S):

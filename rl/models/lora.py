@@ -65,7 +65,7 @@ class Adapter(torch.nn.Module):
     """The low-rank update of one tensor-parallel linear (see the module docstring)."""
 
     def __init__(
-        self, weight: torch.Tensor, column: bool, lora: LoraConfig, tp: int, tp_rank: int,
+        self, weight: torch.Tensor, column: bool, lora: LoraConfig, tp: int, *, tp_rank: int,
         tp_group: ProcessGroup | None, seed: int,
     ) -> None:  # fmt: skip
         super().__init__()
@@ -183,8 +183,15 @@ def apply(model: GPTModel, lora: LoraConfig, tp: int, tp_rank: int, seed: int) -
         for target in lora.targets:
             owner, name, column = MODULES[target]
             linear = getattr(getattr(layer, owner), name)
-            linear.adapter = Adapter(linear.weight, column, lora, tp, tp_rank, linear.tp_group,
-                                     _seed(seed, layer.layer_number, target))  # fmt: skip
+            linear.adapter = Adapter(
+                linear.weight,
+                column,
+                lora,
+                tp,
+                tp_rank=tp_rank,
+                tp_group=linear.tp_group,
+                seed=_seed(seed, layer.layer_number, target),
+            )
             linear.register_forward_hook(_hook(linear.adapter), with_kwargs=True)
             swiglu = target == "fc1" and linear.config.gated_linear_unit
             linear.sharded_state_dict = _sharded_state_dict(

@@ -125,8 +125,15 @@ class JudgeScorer:
         """Restart a judge server that died or stopped answering; raising (one that cannot
         stay up) ends the rank (rl/runtime/launch.py install_thread_hook)."""
         c = self.cfg
-        watch = Watchdog(self.launcher, c.max_restarts, c.restart_window_s, HEALTH_TIMEOUT_S,
-                         HEALTH_FAILURES, who="judge", fields="reward.judge")  # fmt: skip
+        watch = Watchdog(
+            self.launcher,
+            c.max_restarts,
+            c.restart_window_s,
+            HEALTH_TIMEOUT_S,
+            health_failures=HEALTH_FAILURES,
+            who="judge",
+            fields="reward.judge",
+        )
         while not self._stop.wait(WATCH_S):
             try:
                 watch.check()  # it says what it restarted

@@ -27,7 +27,7 @@ from rl.runtime.channel import ChannelTimeout, Failed, ProtocolError
 from rl.tasks.scoring import JUDGE, ScoreItem, ScoreResult
 
 if TYPE_CHECKING:
-    from rl.config.schema import RootConfig
+    from rl.config.schema import RewardConfig
     from rl.reward.executor import RewardStats
     from rl.runtime.channel import Channel
     from rl.runtime.job import Job
@@ -72,25 +72,26 @@ class Scorer(Protocol):
     def __exit__(self, *exc: object) -> None: ...
 
 
-def _scorer(cfg: RootConfig, job: Job) -> Scorer:
-    r = cfg.reward
+def _scorer(r: RewardConfig, output_dir: str, job: Job) -> Scorer:
     if r.fn.strip() == JUDGE:
         from rl.reward.judge import JudgeScorer
         from rl.serving.server_api import job_keys
 
-        logs = Path(cfg.run.output_dir) / "reward" / f"rank{job.role_rank}" / "logs"
+        logs = Path(output_dir) / "reward" / f"rank{job.role_rank}" / "logs"
         return JudgeScorer(r.judge, job_keys(), logs)
     from rl.reward.executor import RewardExecutor
 
     return RewardExecutor(r.fn, r.workers, r.timeout_s)
 
 
-def serve(cfg: RootConfig, job: Job) -> None:
+def serve(reward: RewardConfig, job: Job, *, output_dir: str) -> None:
+    """A reward rank's main loop: score what the controller sends with ``reward.fn`` (the
+    judge's server logs go under ``output_dir``) until told to stop."""
     inbox = job.channel(f"reward/in/{job.role_rank}", Score, Stop)
     reply = job.channel("reward/out", Scored)
     scored: queue.SimpleQueue[tuple[int, list[Future[ScoreResult]]]] = queue.SimpleQueue()
     try:
-        with _scorer(cfg, job) as ex:
+        with _scorer(reward, output_dir, job) as ex:
             # Answers go out from a thread of their own, not from the executor's callbacks:
             # an error in a future's callback is only logged, so a reply that failed there
             # left its group unanswered and the job waiting forever. This thread dying

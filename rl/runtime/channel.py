@@ -111,7 +111,7 @@ class Channel:
     ``key`` is the job's secret (:func:`rl.runtime.secret.load`), the same on every rank."""
 
     def __init__(
-        self, store: Store, name: str, types: tuple[type, ...], timeout: float, key: bytes
+        self, store: Store, name: str, types: tuple[type, ...], timeout: float, *, key: bytes
     ):
         if len(key) < 16:
             raise ChannelError(f"channel {name!r}: the job's key is missing or too short")

@@ -44,7 +44,7 @@ class Job:
 
     def channel(self, name: str, *types: type) -> Channel:
         """A new endpoint (own connection) of channel ``name`` carrying ``types``."""
-        return Channel(self.store, name, types, self.timeout, self.secret)
+        return Channel(self.store, name, types, self.timeout, key=self.secret)
 
     def role_size(self, role: str | None = None) -> int:
         return len(self.roles.ranks(role or self.role))

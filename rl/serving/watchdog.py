@@ -56,6 +56,7 @@ class Watchdog:
         max_restarts: int,
         window_s: float,
         health_timeout_s: float,
+        *,
         health_failures: int,
         clock: Callable[[], float] = time.monotonic,
         on_down: Callable[[int, str], None] = lambda index, why: None,

@@ -14,7 +14,16 @@ from functools import cache
 from typing import TYPE_CHECKING
 
 from rl.plugins import chosen, discover
-from rl.tasks.common import Codec, Example, PromptStream, Task, TaskError, TaskKind, sft_batch
+from rl.tasks.common import (
+    Codec,
+    Example,
+    PromptStream,
+    Task,
+    TaskContext,
+    TaskError,
+    TaskKind,
+    sft_batch,
+)
 
 if TYPE_CHECKING:
     from rl.config.schema import RootConfig
@@ -24,6 +33,7 @@ __all__ = [
     "Example",
     "PromptStream",
     "Task",
+    "TaskContext",
     "TaskError",
     "TaskKind",
     "build_task",
@@ -61,11 +71,11 @@ def check_config(cfg: RootConfig) -> None:
     kind = _kind(cfg)
     if cfg.task.eval_size < 0:
         raise TaskError(f"task.eval_size={cfg.task.eval_size} must be >= 0")
-    kind.check(cfg)
+    kind.check(cfg.task, TaskContext.of(cfg))
 
 
 def build_task(cfg: RootConfig) -> Task:
     """The task ``cfg.task`` names (``cfg``: the root config, for the model's tokenizer).
 
     Raises :class:`TaskError` with one line naming the bad field, file or row."""
-    return _kind(cfg).build(cfg)
+    return _kind(cfg).build(cfg.task, TaskContext.of(cfg))

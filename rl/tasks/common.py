@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from rl.batch import TrainBatch
-    from rl.config.schema import RootConfig, TaskConfig
+    from rl.config.schema import EnvConfig, RootConfig, TaskConfig
     from rl.envs.setup import EpisodeSetup
 
 
@@ -144,17 +144,39 @@ class Task(Protocol):
         ...
 
 
+@dataclass(frozen=True, kw_only=True)
+class TaskContext:
+    """What a task may read of the job beyond its own fields: the policy's checkpoint (for
+    its tokenizer) and length, the rollouts' length, whether there is an RL stage, and the
+    environment of multi-turn episodes."""
+
+    hf_checkpoint: str | None
+    max_position_embeddings: int
+    max_new_tokens: int
+    rl_steps: int
+    env: EnvConfig
+
+    @classmethod
+    def of(cls, cfg: RootConfig) -> TaskContext:
+        return cls(
+            hf_checkpoint=cfg.model.hf_checkpoint,
+            max_position_embeddings=cfg.model.max_position_embeddings,
+            max_new_tokens=cfg.rollout.sampling.max_new_tokens, rl_steps=cfg.rl.steps,
+            env=cfg.env,
+        )  # fmt: skip
+
+
 @dataclass(frozen=True)
 class TaskKind:
     """A task as ``task=<name>`` names it (one module of rl/tasks/kinds/): its config (a
     :class:`~rl.config.schema.TaskConfig` subclass whose ``name`` default is the task's
     name, with the task's own fields); ``check`` its fields against the model and the
-    rollouts, reading no data; ``build`` it (reads its data). Both raise
-    :class:`TaskError` in one line."""
+    rollouts, reading no data; ``build`` it (reads its data). Both take the task's config
+    and the :class:`TaskContext`, and raise :class:`TaskError` in one line."""
 
     config: type[TaskConfig]
-    check: Callable[[RootConfig], None]
-    build: Callable[[RootConfig], Task]
+    check: Callable[[TaskConfig, TaskContext], None]
+    build: Callable[[TaskConfig, TaskContext], Task]
 
     @property
     def name(self) -> str:

@@ -1,40 +1,42 @@
 """The trainer executor in the RL job: its ranks' command loop and the controller's handle.
 
-Every trainer rank runs :func:`serve`: it builds the Megatron trainer on the trainer's own
-process group, runs the supervised warm-up if configured (its progress goes to the
-controller's log), then obeys the controller: train a step on a batch, push the weights
-(DDMA) as a version, save. Every rank receives every command and acts on its own shards;
-rank 0 of the trainer answers for all of them. Both sides of the protocol are here.
+Every trainer rank runs :func:`serve` with the trainer's part of the config
+(:class:`~rl.trainer.settings.TrainerSettings`): it builds the Megatron trainer on the
+trainer's own process group (rl/trainer/startup.py: resume, conversion, the warm-up, whose
+progress goes to the controller's log), then obeys the controller: train a step on a
+batch, push the weights (DDMA) as a version, save. Every rank receives every command and
+acts on its own shards; rank 0 of the trainer answers for all of them. Both sides of the
+protocol are here.
 
-What the weights are pushed into is injected: the entry point (rl/train.py) hands
-:func:`serve` the factory of the generator's DDMA target, so the trainer knows the DDMA
-sender (rl/ddma/sender.py) and nothing of the generator.
+The entry point (rl/train.py) injects the rest: how the trainers are built (the startup,
+bound to the job's config) and what the weights are pushed into (the factory of the
+generator's DDMA target), so the trainer knows the DDMA sender (rl/ddma/sender.py) and
+nothing of the generator.
 """
 
 from __future__ import annotations
 
-import copy
-import gc
 import os
 import threading
 import traceback
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
 import torch
 
 from rl.batch import TrainBatch
 from rl.runtime.channel import Failed
 from rl.trainer.determinism import deterministic_kernels
+from rl.trainer.settings import TrainerSettings
 
 if TYPE_CHECKING:
-    from rl.config.schema import RootConfig
     from rl.ddma.sender import TargetFactory
     from rl.metrics import MetricsLogger
     from rl.runtime.channel import Channel
     from rl.runtime.job import Job
-    from rl.trainer.trainer import MegatronTrainer
+    from rl.trainer.startup import Start
+    from rl.trainer.warmup import MetricsSink
 
 
 @dataclass
@@ -155,97 +157,38 @@ class _ChannelLog:
 
 
 # ---------------------------------------------------------------------- trainer ranks
-def _prepare(
-    cfg: RootConfig, log: _ChannelLog | MetricsLogger
-) -> tuple[MegatronTrainer, MegatronTrainer | None, Ready]:
-    """Build the trainer; run the warm-up first if ``sft.steps`` > 0. The RL stage gets a
-    fresh trainer (optimizer state and LR schedule of its own) loaded from the warm-up,
-    and, with a KL penalty, a frozen copy of that starting policy as the reference. A
-    restarted job (rl/checkpoints/resume.py) skips the warm-up and loads its last RL
-    checkpoint, optimizer, LR schedule and step count included. A policy from
-    ``model.hf_checkpoint`` starts from its weights, converted once to this trainer's
-    TP/PP and cached under the output dir by the checkpoint's content."""
-    from rl.checkpoints import resume
-    from rl.tasks import build_task
-    from rl.trainer.trainer import build_trainer
-    from rl.trainer.warmup import evaluator, supervised_warmup
+class StartFn(Protocol):
+    """Builds the RL stage's trainers on this rank (rl/trainer/startup.py, bound by the
+    entry point to the job's config), its warm-up's progress going to ``log``."""
 
-    t, sft, out = cfg.trainer, cfg.sft, Path(cfg.run.output_dir)
-    start, acc, ckpt = t.load_dir, None, None  # start: the RL stage's starting policy
-    point = resume.read(out) if cfg.rl.steps > 0 else None
-    if not start and point is None and cfg.model.hf_checkpoint:
-        start = _from_hf(cfg, out)
-    if point is None and sft.steps > 0:
-        wt = copy.deepcopy(t)
-        if sft.optim is not None:
-            wt.optim = sft.optim
-        tr = build_trainer(cfg.model, wt, total_steps=sft.steps)
-        if start:
-            tr.load(start, t.load_optimizer and start == t.load_dir)
-        task = build_task(cfg)
-        warm_only = cfg.rl.steps == 0
-        ckpt = t.save_dir or str(out / "checkpoint") if warm_only else str(out / "warmup")
-        acc = supervised_warmup(tr, task, sft, log, evaluator(tr, task, cfg), ckpt,
-                                t.save_interval)  # fmt: skip
-        tr.save(ckpt)
-        if warm_only:
-            return tr, None, Ready(acc, ckpt)
-        del tr
-        gc.collect()
-        start = ckpt
-    elif point is not None and sft.steps > 0:
-        start, acc, ckpt = str(out / "warmup"), point.warmup_accuracy, point.checkpoint
-    elif point is not None and start is None and cfg.model.hf_checkpoint:
-        start = _from_hf(cfg, out)  # the KL reference's starting weights
-    temperature = float(cfg.rollout.sampling.temperature)
-    updates = cfg.algorithm.epochs * cfg.algorithm.minibatches  # optimizer steps per RL step
-    tr = build_trainer(cfg.model, t, total_steps=max(cfg.rl.steps * updates, 1))
-    ref = None
-    if cfg.algorithm.kl_coef > 0:  # same seed: without a checkpoint it is the same init
-        ref = build_trainer(cfg.model, t, total_steps=1, frozen=True)
-        ref.temperature = temperature
-        if start:
-            ref.load(start, load_optimizer=False)
-    if point is not None:
-        tr.load(point.checkpoint, load_optimizer=True)
-    elif start:  # the warm-up's optimizer state is not RL's (t.load_optimizer: a load_dir's)
-        tr.load(start, t.load_optimizer and start == t.load_dir)
-    tr.temperature = temperature
-    return tr, ref, Ready(acc, ckpt)
+    def __call__(self, log: MetricsSink) -> Start: ...
 
 
-def _from_hf(cfg: RootConfig, out: Path) -> str:
-    """``model.hf_checkpoint`` as a Megatron checkpoint at this trainer's TP/PP/EP (cached)."""
-    from rl.weights.convert import cached_hf_to_mcore
-
-    t, hf = cfg.trainer, cfg.model.hf_checkpoint
-    assert hf, "only called with model.hf_checkpoint set"
-    return cached_hf_to_mcore(hf, out / "hf_cache", cfg.model, t.tp, t.pp, t.params_dtype, t.ep)
-
-
-def _export_hf(cfg: RootConfig, path: str, step: int) -> str:
+def _export_hf(s: TrainerSettings, path: str, step: int) -> str:
     """An HF directory of the checkpoint at ``path`` (tokenizer files copied), for
     transformers and SGLang; written by trainer rank 0, atomically."""
     from rl.weights.convert import mcore_to_hf
 
-    dst = Path(cfg.run.output_dir) / "hf" / f"step_{step:06d}"
-    # a task of text files may name its own tokenizer (task=dataset: task.tokenizer)
-    tok = getattr(cfg.task, "tokenizer", None) or cfg.model.hf_checkpoint
-    mcore_to_hf(path, str(dst), tokenizer_dir=tok)
+    dst = Path(s.output_dir) / "hf" / f"step_{step:06d}"
+    mcore_to_hf(path, str(dst), tokenizer_dir=s.export_tokenizer)
     return str(dst)
 
 
-def serve(cfg: RootConfig, job: Job, make_target: TargetFactory) -> None:
-    """The trainer ranks' main loop (each rank of the trainer's process group);
-    ``make_target`` builds what each generator server is to the DDMA sender."""
+def serve(
+    settings: TrainerSettings, job: Job, *, start: StartFn, make_target: TargetFactory
+) -> None:
+    """The trainer ranks' main loop (each rank of the trainer's process group): set the
+    rank up, build the trainers with ``start``, then obey the controller. ``make_target``
+    builds what each generator server is to the DDMA sender."""
     import torch.distributed as dist
 
     import megatron_patches
 
-    megatron_patches.apply_all(cfg.trainer.device)  # before anything imports Megatron
-    torch.set_num_threads(cfg.trainer.threads_per_rank)
-    if cfg.rl.deterministic:
-        deterministic_kernels(cfg.trainer.device)
+    t = settings.trainer
+    megatron_patches.apply_all(t.device)  # before anything imports Megatron
+    torch.set_num_threads(t.threads_per_rank)
+    if settings.deterministic:
+        deterministic_kernels(t.device)
     os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")  # Megatron's advice for TP
     from rl.algorithms.registry import loss_from_config, with_advantages
     from rl.algorithms.reuse import Reuse
@@ -262,12 +205,12 @@ def serve(cfg: RootConfig, job: Job, make_target: TargetFactory) -> None:
     answer = reply.put if lead else (lambda msg: None)
     try:
         log = _ChannelLog(reply) if lead else MetricsLogger("", enabled=False)
-        tr, ref, ready = _prepare(cfg, log)
-        answer(ready)
-        a = cfg.algorithm
-        loss_fn = loss_from_config(a, cfg.rollout.sampling.max_new_tokens)
-        reuse = Reuse(a.epochs, a.minibatches, cfg.trainer.seed)
-        dtype = torch_dtype(cfg.trainer.params_dtype)
+        tr, ref, acc, ckpt = start(log)
+        answer(Ready(acc, ckpt))
+        a, rollout = settings.algorithm, settings.rollout
+        loss_fn = loss_from_config(a, rollout.sampling.max_new_tokens)
+        reuse = Reuse(a.epochs, a.minibatches, t.seed)
+        dtype = torch_dtype(t.params_dtype)
         sender = None
         while not isinstance(msg := inbox.wait(), Stop):
             if isinstance(msg, Train):
@@ -277,12 +220,13 @@ def serve(cfg: RootConfig, job: Job, make_target: TargetFactory) -> None:
                 batch, figures = with_advantages(a, batch)  # the whole batch's, then split
                 answer(Trained({**tr.train_batch(batch, loss_fn, reuse, msg.step), **figures}))
             elif isinstance(msg, Connect):
-                plan = plan_for(cfg.model, cfg.trainer, cfg.rollout, dp=tr.layout.dp)
-                w = cfg.rollout.weight_sync
-                device = transport.get(w.transport).bucket_device(cfg.trainer.device,
-                                                                  cfg.rollout.device)  # fmt: skip
-                sender = Sender(tr.model.module, tr.layout, plan, dtype, msg.urls, make_target,
-                                w.timeout, w.transport, Relaying.of(w), device)  # fmt: skip
+                plan = plan_for(settings.model, t, rollout, dp=tr.layout.dp)
+                w = rollout.weight_sync
+                device = transport.get(w.transport).bucket_device(t.device, rollout.device)
+                sender = Sender(tr.model.module, tr.layout, plan=plan, dtype=dtype, urls=msg.urls,
+                                make_target=make_target, timeout=w.timeout,
+                                transport=w.transport, relaying=Relaying.of(w),
+                                device=device)  # fmt: skip
                 answer(Rendezvous(_address(), _ports(len(msg.urls))))
             elif isinstance(msg, Join):
                 assert sender is not None, "Join before Connect"
@@ -306,7 +250,7 @@ def serve(cfg: RootConfig, job: Job, make_target: TargetFactory) -> None:
             elif isinstance(msg, Save):
                 # The checkpoint it replaces stays until the resume state names this one.
                 tr.save(msg.path, keep_previous=True)
-                hf = _export_hf(cfg, msg.path, msg.step) if msg.export_hf and lead else None
+                hf = _export_hf(settings, msg.path, msg.step) if msg.export_hf and lead else None
                 answer(Saved(msg.path, hf))
     except BaseException:
         reply.put(Failed("trainer", job.role_rank, traceback.format_exc()))

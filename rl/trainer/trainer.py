@@ -90,6 +90,7 @@ class MegatronTrainer:
         trainer_cfg: TrainerConfig,
         layout: Layout,
         total_steps: int,
+        *,
         frozen: bool = False,
         initialize: bool = True,
     ):
@@ -524,7 +525,9 @@ def build_trainer(
     layout = init_model_parallel(
         trainer_cfg.tp, trainer_cfg.pp, trainer_cfg.seed, ep=trainer_cfg.ep
     )
-    return MegatronTrainer(model_cfg, trainer_cfg, layout, total_steps, frozen, initialize)
+    return MegatronTrainer(
+        model_cfg, trainer_cfg, layout, total_steps, frozen=frozen, initialize=initialize
+    )
 
 
 def _rows(

@@ -26,7 +26,7 @@ from rl.tasks.common import Example, Task, sft_batch, take
 from rl.tasks.scoring import RewardFn, ScoreItem, call
 
 if TYPE_CHECKING:
-    from rl.config.schema import RootConfig, SFTConfig
+    from rl.config.schema import RewardConfig, SFTConfig
     from rl.trainer.trainer import MegatronTrainer
 
 
@@ -82,15 +82,18 @@ def supervised_warmup(
     return acc
 
 
-def evaluator(trainer: MegatronTrainer, task: Task, cfg: RootConfig) -> Callable[[list], float]:
+def evaluator(
+    trainer: MegatronTrainer, task: Task, reward: RewardConfig, max_new_tokens: int
+) -> Callable[[list], float]:
     """The warm-up's greedy pass rate, scored by ``reward.fn`` in this process (loaded at
     the first evaluation: a warm-up that evaluates nothing needs no function here, as with
-    the judge, which scores on the reward ranks only)."""
+    the judge, which scores on the reward ranks only); responses of up to the task's answer
+    length, else ``max_new_tokens``."""
     from rl.tasks.scoring import load
 
-    new = task.answer_tokens or cfg.rollout.sampling.max_new_tokens
+    new = task.answer_tokens or max_new_tokens
     return lambda examples: greedy_accuracy(
-        trainer, task, examples, load(cfg.reward.fn), new, cfg.reward.pass_threshold
+        trainer, task, examples, load(reward.fn), new, reward.pass_threshold
     )
 
 

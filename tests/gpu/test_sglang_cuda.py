@@ -84,7 +84,7 @@ def _sync(url: str, keys: api.ServerKeys, trained: Path, fp8_block: int | None) 
     target = SGLangTarget(url, plan, torch.bfloat16, keys=keys, transport="cuda_ipc",
                           device="cuda")  # fmt: skip
     target.begin(1)
-    stats = target.stage(0, lambda k, i: shards[(k, i)], 1)
+    stats = target.push(0, lambda k, i: shards[(k, i)], 1)
     target.commit(1)
     assert stats.payload_bytes == plan.dst_bytes(), stats
 

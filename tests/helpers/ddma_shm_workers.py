@@ -11,13 +11,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from tests.helpers.ddma_workers import _transport
-
-
-def _shm():
-    """rl/ddma/shm.py as the job reaches it: the p2p_shm transport."""
-    return _transport("p2p_shm")
-
 
 def shm_rank(
     model_dir: str,
@@ -57,7 +50,7 @@ def shm_rank(
             for v in range(1, versions + 1):
                 get = partial(_scaled_getter, {k: t * v for k, t in shards.items()})
                 world = dist.group.WORLD
-                stats.append(_shm().send(plan, rank, get, v, torch.float32, world, dst_ranks))
+                stats.append(shm.send(plan, rank, get, v, torch.float32, world, dst_ranks))
                 paths.append(sorted(r.path for r in shm._rings.values()))
             leftover = [p for ps in paths for p in ps if os.path.exists(p)]
             report("ok")
@@ -72,9 +65,7 @@ def shm_rank(
                 for n, s in plan.dst_shapes.items()
             }
             world = dist.group.WORLD
-            stats.append(
-                _shm().receive(plan, me, out.__getitem__, v, torch.float32, world, src_ranks)
-            )
+            stats.append(shm.receive(plan, me, out.__getitem__, v, torch.float32, world, src_ranks))
             outs.append(out)
         report("ok")
         return {"role": "generator", "rank": me, "tensors": outs, "stats": stats}
@@ -101,9 +92,9 @@ def p2p_shm_sync(url: str, keys, port: int, globs: list[dict], model_dir: str, v
     plan = make_plan(model_dims(Path(model_dir), 2), SrcLayout(2), DstLayout.sglang(1, "cpu"),
                      4, 1 << 14)  # fmt: skip
     target = SGLangTarget(url, plan, torch.float32, keys=keys, transport="p2p_shm")
-    name = f"ddma-shm-test-{port}"
+    name = group.group_name(port, 0)
     opened = target.open_group(name, "127.0.0.1", port) if rank == 0 else None
-    pg = group.join("127.0.0.1", port, plan.src.world + plan.dst.tp, rank, name, timeout_s=120)
+    target.sender(rank).join("127.0.0.1", [port], [[0]])  # the trainer ranks' side
     if opened is not None:
         opened.result()
     stats, rings = [], []
@@ -113,7 +104,7 @@ def p2p_shm_sync(url: str, keys, port: int, globs: list[dict], model_dir: str, v
         dist.barrier()
         received = target.receive(v, name) if rank == 0 else None
         shards = megatron_shards(glob, plan, rank)
-        stats.append(target.send(rank, partial(_scaled_getter, shards), v, pg))
+        stats.append(target.push(rank, partial(_scaled_getter, shards), v))
         if received is not None:
             received.result()
             target.commit(v)

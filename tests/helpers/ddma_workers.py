@@ -12,15 +12,7 @@ import torch
 import torch.distributed as dist
 
 if TYPE_CHECKING:
-    from rl.ddma.transport import GroupTransport
     from rl.serving.server_api import ServerKeys
-
-
-def _transport(name: str = "p2p") -> GroupTransport:
-    """The DDMA engine as the job reaches it: through its transport (rl/ddma/transport.py)."""
-    from rl.ddma import transport
-
-    return transport.grouped(name)
 
 
 def ddma_rank(
@@ -62,7 +54,7 @@ def ddma_rank(
             if fault == "corrupt":
                 corrupt_second_bucket(rank)
             getter = shards.__getitem__
-            stats = _transport().send(
+            stats = engine.send(
                 plan, rank, lambda k, i: getter((k, i)), version, torch.float32,
                 dist.group.WORLD, dst_ranks,
             )  # fmt: skip
@@ -77,7 +69,7 @@ def ddma_rank(
         }
         if fault == "disconnect" and me == 0:
             exit_after_first_bucket(report)
-        stats = _transport().receive(
+        stats = engine.receive(
             plan, me, out.__getitem__, 1, torch.float32, dist.group.WORLD, src_ranks
         )
         report("ok")
@@ -125,7 +117,7 @@ def relay_rank(
     glob = megatron_globals(hf_state(Path(model_dir)), d)
     if rank < n_src:
         shards = megatron_shards(glob, plan, rank)
-        stats = _transport().send(
+        stats = engine.send(
             plan, rank, lambda k, i: shards[(k, i)], 1, torch.float32, dist.group.WORLD,
             dst_ranks,
         )  # fmt: skip
@@ -136,7 +128,7 @@ def relay_rank(
     replica, me = divmod(rank - n_src, dst_tp)
     out = {n: torch.full(s, float("nan")) for n, s in plan.dst_shapes.items()}
     if dies is None:
-        stats = _transport().receive(
+        stats = engine.receive(
             plan, me, out.__getitem__, 1, torch.float32, dist.group.WORLD, src_ranks,
             replica=replica, dst_ranks=dst_ranks,
         )  # fmt: skip
@@ -146,7 +138,7 @@ def relay_rank(
     if replica == dies:
         exit_after_first_bucket(report)
     try:
-        stats = _transport().receive(
+        stats = engine.receive(
             plan, me, out.__getitem__, 1, torch.float32, dist.group.WORLD, src_ranks,
             replica=replica, dst_ranks=dst_ranks,
         )  # fmt: skip
@@ -216,7 +208,7 @@ def train_then_sync(
     if rank == 0:
         target.begin(1)
     dist.barrier()
-    stats = target.stage(rank, shard_getter(tr.model.module, plan, rank), 1)
+    stats = target.push(rank, shard_getter(tr.model.module, plan, rank), 1)
     dist.barrier()
     if rank == 0:
         target.commit(1)
@@ -243,8 +235,8 @@ def _await_url(url: str, timeout_s: float = 600.0) -> str:
 def baseline_rank(model_dir: str, tp: int, dst_tp: int) -> dict:
     """The gather-to-rank-0 baseline on ``tp`` trainer + ``dst_tp`` generator ranks."""
     from rl.ddma.plan import DstLayout, SrcLayout, make_plan
-    from tests.helpers import ddma_baseline as baseline
     from tests.helpers.ddma_util import hf_state, megatron_globals, megatron_shards, model_dims
+    from tools.bench import ddma_baseline as baseline
 
     rank = dist.get_rank()
     d = model_dims(Path(model_dir), src_tp=tp)
@@ -289,18 +281,22 @@ def p2p_sync(
     overlap = during is not None
     targets = [SGLangTarget(u, plan, torch.float32, keys=keys, transport="p2p", overlap=overlap)
                for u in urls]  # fmt: skip
-    name = f"ddma-test-{port}"
+    # Every server in one group (relay none: each fed by the trainer ranks themselves).
+    name, servers = group.group_name(port, 0), list(range(len(urls)))
     opened = [t.open_group(name, "127.0.0.1", port, i, len(urls)) for i, t in
               enumerate(targets)] if rank == 0 else []  # fmt: skip
-    world = plan.src.world + len(urls) * plan.dst.tp
-    pg = group.join("127.0.0.1", port, world, rank, name, timeout_s=120)
+    link = transport.Link(plan=plan, rank=rank, dtype=torch.float32, targets=targets,
+                          device=torch.device("cpu"), relaying=relays.Relaying(relay, 1, 2),
+                          timeout=120)  # fmt: skip
+    sending = transport.get("p2p").prepare(link)
+    sending.join("127.0.0.1", [port], [servers])
     for f in opened:
         f.result()
     if rank == 0:
         for t in targets:
             t.begin(version)
     dist.barrier()
-    route = relays.fanout(plan, list(range(len(urls))), relay, 1, 2)
+    route = relays.fanout(plan, servers, relay, 1, 2)  # the route the trainer ranks take too
     received = [t.receive(version, name, route, i) for i, t in enumerate(targets) if rank == 0]
     outputs = []
     if overlap:
@@ -312,9 +308,8 @@ def p2p_sync(
             outputs.append(api.generate_results(reply, 1)[0]["output_ids"])
         dist.barrier()
     shards = megatron_shards(glob, plan, rank)
-    p2p = transport.grouped("p2p")
-    stats = p2p.send(route.plan(plan), rank, lambda k, i: shards[(k, i)], version,
-                     torch.float32, pg, route.dst_ranks(plan))  # fmt: skip
+    stats, lost = sending.send(lambda k, i: shards[(k, i)], version)
+    assert not lost, stats.error
     for f in received:
         f.result()
     if rank == 0:

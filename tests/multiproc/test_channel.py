@@ -156,7 +156,7 @@ class _StoreJob:
     def channel(self, name: str, *types: type):
         from rl.runtime.channel import Channel
 
-        return Channel(self.store, name, types, 30, self.key)
+        return Channel(self.store, name, types, 30, key=self.key)
 
     def role_size(self, role: str) -> int:
         return 1
@@ -177,11 +177,10 @@ def test_the_reward_protocol_runs_over_authenticated_channels(key):
     store = dist.TCPStore("127.0.0.1", free_port(), 1, is_master=True,
                           timeout=timedelta(seconds=30))  # fmt: skip
     job = _StoreJob(store, key)
-    cfg = SimpleNamespace(
-        reward=SimpleNamespace(fn="tests.helpers.reward_scorers:flaky", workers=1, timeout_s=5)
-    )
+    reward = SimpleNamespace(fn="tests.helpers.reward_scorers:flaky", workers=1, timeout_s=5)
     before = rejected_total()
-    rank = threading.Thread(target=serve, args=(cfg, job), daemon=True)
+    rank = threading.Thread(target=serve, args=(reward, job), kwargs={"output_dir": ""},
+                            daemon=True)  # fmt: skip
     rank.start()
     handle = RewardHandle(job)
     try:

@@ -105,10 +105,9 @@ def test_handle_scores_through_a_reward_rank():
     from rl.reward.service import RewardHandle, serve
 
     job = _Job()
-    cfg = SimpleNamespace(
-        reward=SimpleNamespace(fn="tests.helpers.reward_scorers:flaky", workers=1, timeout_s=2)
-    )
-    rank = threading.Thread(target=serve, args=(cfg, job), daemon=True)
+    reward = SimpleNamespace(fn="tests.helpers.reward_scorers:flaky", workers=1, timeout_s=2)
+    rank = threading.Thread(target=serve, args=(reward, job), kwargs={"output_dir": ""},
+                            daemon=True)  # fmt: skip
     rank.start()
     handle = RewardHandle(job)
     try:

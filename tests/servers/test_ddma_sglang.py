@@ -112,7 +112,7 @@ def _stage_all(target: SGLangTarget, glob: dict, version: int, upto: int | None 
     plan = target.plan
     for r in range(plan.src.world):
         shards = megatron_shards(glob, plan, r)
-        target.stage(r, lambda k, i, s=shards: s[(k, i)], version)
+        target.push(r, lambda k, i, s=shards: s[(k, i)], version)
         if upto is not None and r + 1 >= upto:
             return
 
@@ -251,9 +251,9 @@ def test_trainers_disagreeing_on_the_version_fail_it(client, synced, fresh):
     version = client.weight_versions()[0]
     target.begin(version + 1)
     shards = [megatron_shards(glob, plan, r) for r in range(2)]
-    target.stage(0, lambda k, i: shards[0][(k, i)], version + 1)
+    target.push(0, lambda k, i: shards[0][(k, i)], version + 1)
     with pytest.raises(SyncError, match=rf"version {version + 5} .* while version {version + 1}"):
-        target.stage(1, lambda k, i: shards[1][(k, i)], version + 5)  # a stale trainer rank
+        target.push(1, lambda k, i: shards[1][(k, i)], version + 5)  # a stale trainer rank
     with pytest.raises(SyncError, match="already failed"):
         target.commit(version + 1)
     assert client.weight_versions() == [version]

@@ -160,7 +160,7 @@ def _receive_rank(plan, shards: dict, rank: int, staging: str, want: dict) -> No
     assert len(mine) > 2
     send("discard", 1)
     for b in mine[:-1]:
-        send("stage", 1, b)
+        send("receive", 1, b)
     with pytest.raises(ValueError, match=r"1 of \d+ buckets never arrived"):
         send("prepare", 1)
     untouched = all(torch.equal(p, before[n]) for n, p in model.named_parameters())
@@ -169,7 +169,7 @@ def _receive_rank(plan, shards: dict, rank: int, staging: str, want: dict) -> No
 
     send("discard", 2)
     for b in mine:
-        send("stage", 2, b)
+        send("receive", 2, b)
     assert send("prepare", 2)["ok"]
     state = send("commit", 2)
     assert state["committed"] == 2 and not state["torn"]

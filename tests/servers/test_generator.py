@@ -446,7 +446,7 @@ def test_the_stream_resumes_parked_rollouts_under_the_next_version_into_the_batc
     sampling = SamplingParams(temperature=t, max_new_tokens=6, ignore_eos=True, n=2)
     gate = StalenessGate(max_lag=1, mode="throttle", per_step=2)  # 4 groups may start at v0
     prompts = (Example(f"p{i}", tuple(PROMPTS[i % 5]), "") for i in itertools.count())
-    stream = RolloutStream(client, _half, lambda: next(prompts), sampling, gate, v0,
+    stream = RolloutStream(client, _half, lambda: next(prompts), sampling, gate=gate, version=v0,
                            segment_tokens=3, eager_resume=False).start()  # fmt: skip
     try:
         deadline = time.monotonic() + 120

@@ -171,8 +171,8 @@ def test_a_server_killed_mid_episode_resumes_each_trajectory_at_its_next_turn(
 
     gate = StalenessGate(max_lag=0, mode="throttle", per_step=1)  # one group at a time
     sampling = _sampling(task, temperature=0.5, n=2, seed=3)
-    stream = RolloutStream(client, score, lambda: next(examples), sampling, gate,
-                           client.version, episodes=driver).start()  # fmt: skip
+    stream = RolloutStream(client, score, lambda: next(examples), sampling, gate=gate,
+                           version=client.version, episodes=driver).start()  # fmt: skip
     client.wait_for_server = 120.0  # a turn sent while the server is down waits for it
     try:
         deadline = time.monotonic() + 120

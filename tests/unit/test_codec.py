@@ -192,11 +192,11 @@ def test_declared_types_are_checked_when_a_channel_is_made():
     class Pathy:
         where: Path
 
-    Channel(dist.HashStore(), "ok", (Opaque,), 1, KEY)
+    Channel(dist.HashStore(), "ok", (Opaque,), 1, key=KEY)
     with pytest.raises(ChannelError, match=r"Pathy.where: type .*Path.* cannot travel"):
-        Channel(dist.HashStore(), "bad", (Pathy,), 1, KEY)
+        Channel(dist.HashStore(), "bad", (Pathy,), 1, key=KEY)
     with pytest.raises(ChannelError, match="key is missing"):
-        Channel(dist.HashStore(), "nokey", (Opaque,), 1, b"")
+        Channel(dist.HashStore(), "nokey", (Opaque,), 1, key=b"")
 
 
 # ------------------------------------------------------------------- decoding refuses
@@ -308,8 +308,8 @@ def _raw(store, name: str) -> bytes:
 def test_a_channel_drops_forged_tampered_moved_and_replayed_messages(store, tmp_path, caplog):
     """Each bad value is dropped with one log line naming the channel and why; the
     reader gets the real message that follows, and nothing the bad ones name runs."""
-    reader = Channel(store, "t/out", PLAIN, 5, KEY)
-    writer = Channel(store, "t/out", PLAIN, 5, KEY)
+    reader = Channel(store, "t/out", PLAIN, 5, key=KEY)
+    writer = Channel(store, "t/out", PLAIN, 5, key=KEY)
     before = channel_mod.rejected_total()
     writer.put(Plain({"v": 1}))
     good = _raw(store, "t/out")  # the queue held only this
@@ -320,8 +320,8 @@ def test_a_channel_drops_forged_tampered_moved_and_replayed_messages(store, tmp_
     tampered = bytearray(good)
     tampered[-3] ^= 1
     store.queue_push("t/out", bytes(tampered))
-    Channel(store, "t/out", PLAIN, 5, bytes(32)).put(Plain({"v": 1}))  # other key
-    Channel(store, "other", PLAIN, 5, KEY).put(Plain({"v": 1}))
+    Channel(store, "t/out", PLAIN, 5, key=bytes(32)).put(Plain({"v": 1}))  # other key
+    Channel(store, "other", PLAIN, 5, key=KEY).put(Plain({"v": 1}))
     store.queue_push("t/out", _raw(store, "other"))  # moved from another channel
     store.queue_push("t/out", good)
     store.queue_push("t/out", good)  # replayed
@@ -340,9 +340,9 @@ def test_a_channel_drops_forged_tampered_moved_and_replayed_messages(store, tmp_
 def test_a_signed_but_undeclared_or_pickled_message_is_dropped(store, tmp_path, monkeypatch):
     """Past the tag, decoding still refuses what the reader does not declare, and a
     sender with the key that sends pickle gets nothing run either."""
-    reader = Channel(store, "in", (trn.Push,), 5, KEY)
-    Channel(store, "in", (trn.Push, trn.Save), 5, KEY).put(trn.Save("/x"))
-    sender = Channel(store, "in", (trn.Push,), 5, KEY)
+    reader = Channel(store, "in", (trn.Push,), 5, key=KEY)
+    Channel(store, "in", (trn.Push, trn.Save), 5, key=KEY).put(trn.Save("/x"))
+    sender = Channel(store, "in", (trn.Push,), 5, key=KEY)
     bomb = pickle.dumps(_Evil(tmp_path / "pwned"))
     with monkeypatch.context() as m:
         m.setattr(codec, "encode", lambda msg, types: bomb)
@@ -353,7 +353,7 @@ def test_a_signed_but_undeclared_or_pickled_message_is_dropped(store, tmp_path, 
 
 
 def test_get_keeps_its_deadline_through_bad_messages(store):
-    reader = Channel(store, "q", (trn.Push,), 0.3, KEY)
+    reader = Channel(store, "q", (trn.Push,), 0.3, key=KEY)
     for _ in range(3):
         store.queue_push("q", b"junk")
     with pytest.raises(ChannelTimeout, match="'q' within 0s"):
@@ -362,8 +362,8 @@ def test_get_keeps_its_deadline_through_bad_messages(store):
 
 
 def test_chunked_messages_failures_and_type_checks_still_work(store, caplog):
-    reader = Channel(store, "big", (trn.Train,), 5, KEY)
-    writer = Channel(store, "big", (trn.Train,), 5, KEY)
+    reader = Channel(store, "big", (trn.Train,), 5, key=KEY)
+    writer = Channel(store, "big", (trn.Train,), 5, key=KEY)
     big = torch.arange(1_500_000, dtype=torch.float32)  # 6 MB: two chunks
     writer.put(trn.Train(1, TrainBatch(big.view(1, -1))))
     got = reader.expect(trn.Train, timeout=2)
@@ -381,7 +381,7 @@ def test_chunked_messages_failures_and_type_checks_still_work(store, caplog):
         reader.get(timeout=0.3)  # a forged descriptor does not block the reader
     assert reader.rejected == 2
     # Signed, but a chunk changed after it was written: dropped once fetched.
-    fresh = Channel(store, "big", (trn.Train,), 5, KEY)  # its first message: sequence 1
+    fresh = Channel(store, "big", (trn.Train,), 5, key=KEY)  # its first message: sequence 1
     fresh.put(trn.Train(2, TrainBatch(big.view(1, -1))))
     chunk0 = f"big/blob/{os.getpid()}-{fresh._writer.hex()}-1/0"
     store.set(chunk0, bytes(len(store.get(chunk0))))
@@ -395,6 +395,6 @@ def test_a_message_over_the_limit_is_refused_by_its_writer(store, monkeypatch):
     import rl.runtime.channel as channel
 
     monkeypatch.setattr(channel, "MAX_BYTES", 5 << 20)
-    writer = Channel(store, "huge", (trn.Train,), 5, KEY)
+    writer = Channel(store, "huge", (trn.Train,), 5, key=KEY)
     with pytest.raises(ChannelError, match=r"'huge': a Train of \d+ bytes is over the 5242880"):
         writer.put(trn.Train(1, TrainBatch(torch.zeros(1, 1_500_000))))

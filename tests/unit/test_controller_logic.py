@@ -255,7 +255,7 @@ def test_uniform_groups_are_skipped_counted_and_replaced():
     prompts = (Example(f"p{i}", (i, 7), "") for i in range(1000))
     gate = StalenessGate(max_lag=1, mode="throttle", per_step=3)
     stream = RolloutStream(InstantClient(), score, lambda: next(prompts),
-                           SamplingParams(n=4), gate, 1,
+                           SamplingParams(n=4), gate=gate, version=1,
                            drop_uniform=lambda g: len(set(g.rewards)) == 1)  # fmt: skip
     stream.start()
     try:
@@ -290,7 +290,7 @@ def test_a_stream_of_nothing_but_uniform_groups_warns_then_stops(capsys):
     prompts = (Example(f"p{i}", (i + 1, 7), "") for i in range(10_000))
     gate = StalenessGate(max_lag=1, mode="throttle", per_step=2)
     stream = RolloutStream(_CutClient(), score, lambda: next(prompts),
-                           SamplingParams(n=2, max_new_tokens=8), gate, 1,
+                           SamplingParams(n=2, max_new_tokens=8), gate=gate, version=1,
                            drop_uniform=lambda g: len(set(g.rewards)) == 1)  # fmt: skip
     stream.uniform_warn, stream.uniform_fail = 5, 40
     stream.start()
@@ -328,7 +328,7 @@ def test_a_resumed_stream_never_reuses_an_earlier_attempts_rollout_ids():
         prompts = (Example(f"p{i}", (i + 1, 7), "") for i in range(100))
         gate = StalenessGate(max_lag=1, mode="throttle", per_step=2)
         stream = RolloutStream(InstantClient(), score, lambda: next(prompts),
-                               SamplingParams(n=2), gate, 3)  # fmt: skip
+                               SamplingParams(n=2), gate=gate, version=3)  # fmt: skip
         if restore is not None:
             stream.restore(restore)
         stream.start()
@@ -406,8 +406,15 @@ def test_the_ledger_places_every_drawn_group_once_wherever_the_run_ends(tmp_path
     client = _Client()
     prompts = (Example(f"p{i}", (i, 7), "") for i in range(1, 1000))
     gate = StalenessGate(max_lag=1, mode="throttle", per_step=2)
-    stream = RolloutStream(client, score, lambda: next(prompts), SamplingParams(n=2), gate, 1,
-                           drop_uniform=lambda g: len(set(g.rewards)) == 1)  # fmt: skip
+    stream = RolloutStream(
+        client,
+        score,
+        lambda: next(prompts),
+        SamplingParams(n=2),
+        gate=gate,
+        version=1,
+        drop_uniform=lambda g: len(set(g.rewards)) == 1,
+    )
     stream.start()
     try:
         groups, _ = stream.next_batch(1)  # p1, p3; p5 never ends, p7 waits under version 1

@@ -1,6 +1,7 @@
 """The DDMA transport registry (rl/ddma/transport.py): one module per transport, found by
 listing the package; the config's choice judged in one place; and the staged transports'
-slots carried through a request's pickling to the server's side, on CPU tensors."""
+slots carried through a request's pickling to the server's side, on CPU tensors. The
+lifecycle every transport implements: tests/unit/test_ddma_lifecycle.py."""
 
 from __future__ import annotations
 
@@ -13,7 +14,9 @@ import torch
 
 from rl.config import ConfigError
 from rl.ddma import transport, transports, wire
+from rl.ddma.grouped import GroupTransport
 from rl.ddma.plan import DstLayout, SrcLayout, make_plan
+from rl.ddma.staged import Slots, StagedTransport
 from rl.generator.weight_payload import serialize, use_file_system_sharing
 from rl.weights import keymap as km
 from tests.helpers.configs import composed
@@ -31,6 +34,8 @@ def test_every_module_of_the_package_is_a_transport_under_its_own_name():
     kinds = {n: type(t).__mro__[1].__name__ for n, t in transport.registry().items()}
     assert kinds == {"ipc": "StagedTransport", "cuda_ipc": "StagedTransport",
                      "p2p": "GroupTransport", "p2p_shm": "GroupTransport"}  # fmt: skip
+    # Servers that take a version in a request of their own can overlap it with generation.
+    assert [n for n, t in transport.registry().items() if t.overlaps] == ["p2p", "p2p_shm"]
     # What config checks and the planner read: only p2p crosses hosts and relays.
     assert [n for n, t in transport.registry().items() if not t.one_host] == ["p2p"]
     assert [n for n, t in transport.registry().items() if t.relays] == ["p2p"]
@@ -42,10 +47,6 @@ def test_a_name_no_module_declares_fails_in_one_line():
     assert str(info.value) == (
         "rollout.weight_sync.transport='nccl' is not one of cuda_ipc, ipc, p2p, p2p_shm"
     )
-    with pytest.raises(ValueError, match="'ipc' does not send over a DDMA group"):
-        transport.grouped("ipc")
-    with pytest.raises(ValueError, match="'p2p' does not stage"):
-        transport.staged("p2p")
 
 
 @pytest.mark.parametrize(
@@ -78,7 +79,7 @@ def test_a_config_whose_transport_fits_passes():
                                   "rollout.weight_sync.transport=ipc"]))  # fmt: skip
 
 
-def _packed(slots: transport.Slots, i: int, version: int) -> tuple[dict, torch.Tensor]:
+def _packed(slots: Slots, i: int, version: int) -> tuple[dict, torch.Tensor]:
     b = PLAN.buckets[0]
     g = torch.Generator().manual_seed(version)
     shards = {k: torch.randn(s, generator=g) for k, s in PLAN.src_shapes.items()}
@@ -93,7 +94,7 @@ def test_a_staged_bucket_reaches_the_server_side_by_reference(name):
     copy: a bucket packed into the same slot later is what it then sees. ``cuda_ipc`` runs
     here on CPU tensors (torch's file_system sharing), its code path but the handle."""
     use_file_system_sharing()
-    t = transport.staged(name)
+    t = _staged(name)
     slots = t.slots(PLAN.bucket_bytes, 2, "cpu")
     assert slots.nbytes == 2 * PLAN.bucket_bytes
     ctl, tensor = _packed(slots, 1, version=3)
@@ -107,8 +108,14 @@ def test_a_staged_bucket_reaches_the_server_side_by_reference(name):
     assert slots.may_be_gone == (name == "ipc")  # a ring's file is unlinked once mapped
 
 
+def _staged(name: str) -> StagedTransport:
+    t = transport.get(name)
+    assert isinstance(t, StagedTransport)
+    return t
+
+
 def test_an_ipc_ring_that_is_gone_is_reported_so_the_sender_makes_another():
-    t = transport.staged("ipc")
+    t = _staged("ipc")
     slots = t.slots(PLAN.bucket_bytes, 2, "cpu")
     ctl, _ = _packed(slots, 0, version=1)
     slots.posted()  # unlinked, and this process never mapped it by path
@@ -119,10 +126,12 @@ def test_an_ipc_ring_that_is_gone_is_reported_so_the_sender_makes_another():
 
 def test_a_cuda_ipc_entry_must_carry_its_bucket():
     with pytest.raises(ValueError, match="carries its bucket as the entry's tensor"):
-        transport.staged("cuda_ipc").locate({}, torch.zeros(1), PLAN.bucket_bytes)
+        _staged("cuda_ipc").locate({}, torch.zeros(1), PLAN.bucket_bytes)
 
 
 def test_p2p_shm_refuses_a_relay_plan():
+    t = transport.get("p2p_shm")
+    assert isinstance(t, GroupTransport)
     with pytest.raises(ValueError, match="relay sync runs over a relaying transport, not p2p_shm"):
-        transport.grouped("p2p_shm").receive(PLAN, 0, lambda n: torch.empty(0), 1,
-                                             torch.float32, None, [0], replica=1)  # fmt: skip
+        t.receive_over(PLAN, 0, lambda n: torch.empty(0), 1, torch.float32, None, [0], "cpu",
+                       replica=1, dst_ranks=[1, 2])  # fmt: skip

@@ -82,7 +82,7 @@ def _stream(client, env, scored: list[Group]) -> RolloutStream:
 
     gate = StalenessGate(max_lag=1, mode="throttle", per_step=1)
     prompt = iter(_example(i) for i in range(100))
-    return RolloutStream(client, score, lambda: next(prompt), SAMPLING, gate, 3,
+    return RolloutStream(client, score, lambda: next(prompt), SAMPLING, gate=gate, version=3,
                          episodes=_driver(env))  # fmt: skip
 
 

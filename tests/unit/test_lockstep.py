@@ -87,10 +87,29 @@ def _stream(cls, client, seed, prompts, version, lag, seg, last):
     gate = StalenessGate(lag, per_step=2)
     uniform = lambda g: len(set(g.rewards)) == 1  # noqa: E731
     if cls is LockstepStream:
-        return LockstepStream(client, _score(random.Random(seed)), prompts, SAMPLING, gate,
-                              version, last, seg, uniform, prompts.position)  # fmt: skip
-    return RolloutStream(client, _score(random.Random(seed)), prompts, SAMPLING, gate, version,
-                         seg, drop_uniform=uniform, position=prompts.position)  # fmt: skip
+        return LockstepStream(
+            client,
+            _score(random.Random(seed)),
+            prompts,
+            SAMPLING,
+            gate=gate,
+            version=version,
+            last=last,
+            segment_tokens=seg,
+            drop_uniform=uniform,
+            position=prompts.position,
+        )
+    return RolloutStream(
+        client,
+        _score(random.Random(seed)),
+        prompts,
+        SAMPLING,
+        gate=gate,
+        version=version,
+        segment_tokens=seg,
+        drop_uniform=uniform,
+        position=prompts.position,
+    )
 
 
 def _record(groups) -> list:

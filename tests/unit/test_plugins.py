@@ -140,10 +140,10 @@ def test_a_task_is_one_module(extended: dict[str, Path]):
         "class ConstantConfig(TaskConfig):\n"
         "    name: str = 'constant'\n"
         "    text: str = 'a task'\n"
-        "def check(cfg):\n"
-        "    if cfg.task.eval_size > 3:\n"
-        "        raise TaskError(f'task.eval_size={cfg.task.eval_size} must be <= 3')\n"
-        "TASK = TaskKind(ConstantConfig, check, lambda cfg: cfg.task.text)\n"
+        "def check(task, ctx):\n"
+        "    if task.eval_size > 3:\n"
+        "        raise TaskError(f'task.eval_size={task.eval_size} must be <= 3')\n"
+        "TASK = TaskKind(ConstantConfig, check, lambda task, ctx: task.text)\n"
     )
     cfg = composed(["task=constant", "task.eval_size=2", "task.text=another"])
     tasks.check_config(cfg)

@@ -80,7 +80,7 @@ def _stream(score_delay: float = 0.0) -> tuple[RolloutStream, StalenessGate]:
     prompts = (Example(f"p{i}", (i + 1, 7), "") for i in range(10_000))
     gate = StalenessGate(max_lag=0, mode="throttle", per_step=2)
     stream = RolloutStream(InstantClient(), score, lambda: next(prompts),
-                           SamplingParams(n=2), gate, 1)  # fmt: skip
+                           SamplingParams(n=2), gate=gate, version=1)  # fmt: skip
     return stream, gate
 
 
@@ -101,8 +101,14 @@ def test_the_stream_reports_generation_and_reward_time_per_batch():
 
 def test_closing_the_stream_wakes_a_waiting_batch():
     prompts = (Example(f"p{i}", (i + 1, 7), "") for i in range(100))
-    stream = RolloutStream(SilentClient(), lambda g: Future(), lambda: next(prompts),
-                           SamplingParams(n=2), StalenessGate(0, per_step=2), 1)  # fmt: skip
+    stream = RolloutStream(
+        SilentClient(),
+        lambda g: Future(),
+        lambda: next(prompts),
+        SamplingParams(n=2),
+        gate=StalenessGate(0, per_step=2),
+        version=1,
+    )
     stream.start()
     box: list[BaseException] = []
 

@@ -61,8 +61,17 @@ def _until(pred, what: str) -> None:
 
 def _stream(client, scores, prompts, version, max_lag=1) -> RolloutStream:
     gate = StalenessGate(max_lag=max_lag, mode="throttle", per_step=2)
-    return RolloutStream(client, scores, prompts, SAMPLING, gate, version, segment_tokens=2,
-                         eager_resume=False, position=prompts.position)  # fmt: skip
+    return RolloutStream(
+        client,
+        scores,
+        prompts,
+        SAMPLING,
+        gate=gate,
+        version=version,
+        segment_tokens=2,
+        eager_resume=False,
+        position=prompts.position,
+    )
 
 
 def _mid_run_snapshot() -> tuple[StreamState, ScriptedClient]:

@@ -50,8 +50,11 @@ def _write(path: Path, rows: list) -> Path:
 
 def _cfg(tok_dir: Path, **task) -> OmegaConf:
     base = OmegaConf.structured(DatasetTaskConfig(eval_size=0, tokenizer=str(tok_dir)))
-    return OmegaConf.create({"task": OmegaConf.merge(base, task), "model": {"hf_checkpoint": None},
-                             "env": OmegaConf.structured(EnvConfig)})  # fmt: skip
+    return OmegaConf.create({
+        "task": OmegaConf.merge(base, task), "env": OmegaConf.structured(EnvConfig),
+        "model": {"hf_checkpoint": None, "max_position_embeddings": 64},
+        "rollout": {"sampling": {"max_new_tokens": 8}}, "rl": {"steps": 1},
+    })  # fmt: skip
 
 
 def _rows(n: int, key: str = "q") -> list[dict]:
@@ -202,7 +205,7 @@ def test_tokenizer_and_checkpoint_problems_are_named(tok_dir, tmp_path):
     f = str(_write(tmp_path / "d.jsonl", _rows(3, "prompt")))
     with pytest.raises(TaskError, match="has no tokenizer"):
         build_task(_cfg(tmp_path, train_files=[f]))
-    no_tok = OmegaConf.create({"task": _cfg(tok_dir, train_files=[f]).task, "model": {}})
+    no_tok = _cfg(tok_dir, train_files=[f])
     no_tok.task.tokenizer = None
     no_tok.model.hf_checkpoint = None
     with pytest.raises(TaskError, match="needs a tokenizer"):

@@ -34,7 +34,9 @@ class FakeLauncher:
 
 
 def _dog(launcher, now, max_restarts=2, window=100.0, failures=3):
-    return Watchdog(launcher, max_restarts, window, 1.0, failures, clock=lambda: now[0])
+    return Watchdog(
+        launcher, max_restarts, window, 1.0, health_failures=failures, clock=lambda: now[0]
+    )
 
 
 def test_an_exited_server_is_reported_then_restarted_at_once():
@@ -44,7 +46,7 @@ def test_an_exited_server_is_reported_then_restarted_at_once():
     def down(i: int, why: str) -> None:
         seen.append((i, why, list(launcher.restarted)))
 
-    dog = Watchdog(launcher, 2, 100.0, 1.0, 3, clock=lambda: now[0], on_down=down)
+    dog = Watchdog(launcher, 2, 100.0, 1.0, health_failures=3, clock=lambda: now[0], on_down=down)
     assert dog.check() == []
     launcher.servers[1].up = False
     (done,) = dog.check()

@@ -135,7 +135,7 @@ def test_relayed_servers_share_a_group_and_each_push_forms_the_chain_over_those_
     log: list[str] = []
     targets = [FakeTarget(log, f"s{i}", grouped=True) for i in range(3)]
     trainer = FakeTrainer(log)
-    sync = WeightSync(trainer, targets, 0, Relaying("chain", 1))  # type: ignore[arg-type]
+    sync = WeightSync(trainer, targets, weight_version=0, relaying=Relaying("chain", 1))  # type: ignore[arg-type]
     sync._join("127.0.0.1", [7000, 7001, 7002], [0, 1, 2])
     assert sync.where == [("ddma-7000-0", i) for i in range(3)]
     assert log == ["s0.open(ddma-7000-0 0/3)", "s1.open(ddma-7000-0 1/3)",

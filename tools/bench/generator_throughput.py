@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 from bench_util import tree_peak_rss_mb, write_result
+from common import llama_shape, make_llama
 
 from rl.config.sampling import SamplingParams
 from rl.generator.client import GeneratorClient
@@ -33,23 +34,7 @@ from rl.serving.launcher import ServerConfig, ServerLauncher
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def make_model(path: Path, seed: int = 0) -> Path:
-    import transformers
-
-    torch.manual_seed(seed)
-    conf = transformers.LlamaConfig(
-        hidden_size=256,
-        intermediate_size=688,
-        num_hidden_layers=4,
-        num_attention_heads=8,
-        num_key_value_heads=4,
-        vocab_size=1024,
-        max_position_embeddings=512,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
-    transformers.LlamaForCausalLM(conf).save_pretrained(path)
-    return path
+SHAPE = llama_shape(hidden=256, ffn=688, layers=4, heads=8, kv_heads=4, vocab=1024)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -70,7 +55,7 @@ def main(argv: list[str] | None = None) -> dict:
         temperature=1.0, max_new_tokens=args.max_new_tokens, ignore_eos=True, n=args.samples
     )
     with tempfile.TemporaryDirectory() as tmp:
-        model = make_model(Path(tmp) / "model")
+        model = make_llama(Path(tmp) / "model", SHAPE)
         cfg = ServerConfig(model_path=str(model), threads=args.server_threads)
         t0 = time.perf_counter()
         with ServerLauncher(cfg, n=args.servers, log_dir=Path(tmp) / "logs") as launcher:

@@ -3,7 +3,7 @@ spawned (SGLang's own way) or forked (rl/serving/cpu_fork.py, the CPU default).
 
     PYTHONPATH=. $(tools/setup_env.sh)/bin/python tools/bench/server_start.py
 
-A tiny random Llama (the test suite's) served with one thread, started ``--rounds`` times
+A tiny random Llama (the test suite's shape) served with one thread, started ``--rounds`` times
 in each mode, the modes alternating so both see the same machine: seconds from the
 launcher's start to a healthy server, then one greedy request whose tokens must be equal
 in both modes. Peak memory: the sum of the server tree's peak RSS while it is up.
@@ -25,11 +25,12 @@ from bench_util import tree_peak_rss_mb, write_result
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+from common import TINY, make_llama  # noqa: E402
+
 from rl.config.sampling import SamplingParams  # noqa: E402
 from rl.generator.client import GeneratorClient  # noqa: E402
 from rl.serving.cpu_fork import FORK_ENV  # noqa: E402
 from rl.serving.launcher import ServerConfig, ServerLauncher  # noqa: E402
-from tests.helpers.hf_models import make_model  # noqa: E402
 
 GREEDY = SamplingParams(temperature=0, max_new_tokens=8)
 
@@ -53,7 +54,7 @@ def main() -> None:
     args = ap.parse_args()
     runs: dict[str, list[dict]] = {"spawn": [], "fork": []}
     with tempfile.TemporaryDirectory() as tmp:
-        model = make_model("llama", Path(tmp) / "tiny")
+        model = make_llama(Path(tmp) / "tiny", TINY)
         for i in range(args.rounds):
             for mode in runs:
                 r = start_once(model, mode, Path(tmp) / f"logs-{mode}-{i}")

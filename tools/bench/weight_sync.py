@@ -12,7 +12,7 @@ layout the converter tests check against Megatron's own checkpoints).
 1. In one gloo world: 2 trainer ranks -> 2 generator ranks that hold buffers in SGLang's
    TP=2 layout. DDMA through shared memory (rl.ddma.shm, the same-host transport: the
    headline; also without the payload checksum) and over gloo (rl.ddma.engine), against
-   the baseline (tests/helpers/ddma_baseline.py: gather every tensor to trainer rank 0,
+   the baseline (tools/bench/ddma_baseline.py: gather every tensor to trainer rank 0,
    rename to HF, broadcast everything to every generator rank, which cuts out its shard
    as SGLang's loaders do). All must leave identical buffers.
 2. Into a live SGLang server (TP=1, CPU): DDMA (rl.generator.ddma_target) by ``ipc``
@@ -46,19 +46,19 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+import ddma_baseline as baseline
 import torch
 import torch.distributed as dist
 import weight_sync_staging
 from bench_util import peak_mb, reset_peak, rss_mb, tree_peak_rss_mb, tree_rss_mb, write_result
+from common import dims, llama_shape, make_llama, trainer_shards
 
-from rl.ddma import engine, shm
+from rl.ddma import engine, group, shm
 from rl.ddma.plan import HEADER_BYTES, DstLayout, SrcLayout, make_plan
 from rl.generator.ddma_target import SGLangTarget
 from rl.runtime.launch import spawn
 from rl.serving.server_api import ServerKeys
 from rl.weights import keymap as km
-from rl.weights.hf_config import model_config_from_hf
-from tests.helpers import ddma_baseline as baseline
 
 ROOT = Path(__file__).resolve().parents[2]
 MB = 1 << 20
@@ -70,45 +70,11 @@ TRANSPORTS: dict[str, tuple[Any, dict]] = {
     "gloo": (engine, {}),
 }
 DDMA_MODES = ("ipc", "p2p", "p2p_shm")  # into the live server (part 2)
-SHAPE = dict(
-    hidden_size=768,
-    intermediate_size=2048,
-    num_hidden_layers=12,
-    num_attention_heads=12,
-    num_key_value_heads=4,
-    vocab_size=32000,
-    max_position_embeddings=512,
-    bos_token_id=1,
-    eos_token_id=2,
-    tie_word_embeddings=False,
-)
+SHAPE = llama_shape(hidden=768, ffn=2048, layers=12, heads=12, kv_heads=4, vocab=32000)
 
 
 def make_model(path: Path) -> Path:
-    import transformers
-
-    torch.manual_seed(0)
-    transformers.LlamaForCausalLM(transformers.LlamaConfig(**SHAPE)).save_pretrained(path)
-    return path
-
-
-def dims(model_dir: Path) -> km.Dims:
-    cfg = json.loads((model_dir / "config.json").read_text())
-    return km.Dims.of(model_config_from_hf(cfg, name="bench", make_vocab_size_divisible_by=128))
-
-
-def trainer_shards(model_dir: Path, d: km.Dims, tp: int, rank: int) -> dict:
-    """This TP rank's Megatron shards (cloned, so the full tensors can be freed)."""
-    from safetensors.torch import load_file
-
-    hf = load_file(str(model_dir / "model.safetensors"))
-    keys = [(k, i) for i in range(d.layers) for k in km.layer_keys(d)]
-    keys += [(k, None) for k in km.global_keys(d)]
-    out = {}
-    for key, layer in keys:
-        full = km.to_megatron(key, [hf[n] for n in km.hf_names(key, d, layer)], d)
-        out[(key, layer)] = km.tp_shard(key, full, tp, rank).clone()
-    return out
+    return make_llama(path, SHAPE)
 
 
 def _timed(fn, reps: int) -> tuple[list[float], list[int], Any]:
@@ -248,7 +214,6 @@ def server_rank(
     rank 0, HF-named buckets through the client). ``keys``: the server's (handed over by
     pickle, never on a command line)."""
     from rl.config.sampling import SamplingParams
-    from rl.ddma import group
     from rl.generator.client import GeneratorClient
     from rl.generator.types import ModelLimits
 
@@ -264,12 +229,11 @@ def server_rank(
     client = GeneratorClient([url], limits, keys=keys) if rank == 0 else None
     version = [client.weight_versions()[0] if client else 0]
     dist.broadcast_object_list(version, src=0)  # every trainer rank sends the same version
-    pg = None
     p2p = mode.startswith("p2p")
-    if p2p:
-        name = f"bench-{port}"
+    name = group.group_name(port, 0)
+    if p2p:  # this server in a DDMA group of its own with the trainer ranks
         opened = target.open_group(name, "127.0.0.1", port) if rank == 0 else None
-        pg = group.join("127.0.0.1", port, tp + 1, rank, name)
+        target.sender(rank).join("127.0.0.1", [port], [[0]])
         if opened is not None:
             opened.result()
 
@@ -284,13 +248,10 @@ def server_rank(
             target.begin(version[0])
         dist.barrier()
         t1 = time.perf_counter()
-        if p2p:
-            received = target.receive(version[0], name) if rank == 0 else None
-            stats = target.send(rank, get, version[0], pg)
-            if received is not None:
-                received.result()
-        else:
-            stats = target.stage(rank, get, version[0])
+        received = target.receive(version[0], name) if p2p and rank == 0 else None
+        stats = target.push(rank, get, version[0])
+        if received is not None:
+            received.result()
         buffers[0] = stats.buffer_bytes
         dist.barrier()
         t2 = time.perf_counter()

@@ -77,7 +77,7 @@ def staging_rank(
         if lead:
             target.begin(version[0])
         dist.barrier()
-        target.stage(rank, lambda k, i: shards[(k, i)], version[0])
+        target.push(rank, lambda k, i: shards[(k, i)], version[0])
         dist.barrier()
         if lead:
             target.commit(version[0])

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from rl.ddma.transport import StagedTransport
+from rl.ddma.staged import StagedTransport
 
 if TYPE_CHECKING:
     import torch
@@ -35,6 +35,11 @@ class DeviceSlots:
 
         dev = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else device
         self.data = torch.empty(count, bucket_bytes, dtype=torch.uint8, device=dev)
+        # Host memory (CPU tests) is moved into shared memory here, not when the first
+        # request pickles a slot: that move copies the whole allocation while the next
+        # round is being packed into it, and loses whatever the packing wrote meanwhile.
+        if not self.data.is_cuda:
+            self.data.share_memory_()
         self.nbytes = self.data.numel()
 
     def slot(self, i: int) -> torch.Tensor:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from rl.ddma.transport import StagedTransport
+from rl.ddma.staged import StagedTransport
 
 if TYPE_CHECKING:
     import torch

@@ -15,11 +15,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
 from rl.config.schema import TaskConfig
-from rl.tasks.common import Example, TaskError, TaskKind, resume_position
+from rl.tasks.common import Example, TaskContext, TaskError, TaskKind, resume_position
 
 if TYPE_CHECKING:
     from rl.batch import TrainBatch
-    from rl.config.schema import RootConfig
 
 PAD, BOS, EOS = 0, 1, 2
 _CHARS = "0123456789+="
@@ -151,26 +150,26 @@ class ArithmeticTaskConfig(TaskConfig):
     digits: int = 2  # operand digits
 
 
-def check_config(cfg: RootConfig) -> None:
+def check_config(task: TaskConfig, ctx: TaskContext) -> None:
     """The arithmetic task's fields against the model and the rollouts."""
-    t = cast(ArithmeticTaskConfig, cfg.task)
+    t = cast(ArithmeticTaskConfig, task)
     if not (isinstance(t.digits, int) and t.digits >= 1):
         raise TaskError(f"task.digits={t.digits!r} must be an integer >= 1")
     if t.eval_size < 1:
         raise TaskError(f"task.eval_size={t.eval_size} must be >= 1")
-    if cfg.env.tools or cfg.env.cls:
+    if ctx.env.tools or ctx.env.cls:
         raise TaskError(
             "env.tools/env.cls: task=arithmetic has no chat template to write tools and "
             "observations into; multi-turn episodes need task=dataset with a chat tokenizer"
         )
-    need, have = sequence_length(t.digits), cfg.model.max_position_embeddings
+    need, have = sequence_length(t.digits), ctx.max_position_embeddings
     if need > have:
         raise TaskError(
             f"task.digits={t.digits} needs {need} positions but model.max_position_embeddings"
             f"={have}"
         )
-    answer, new = AdditionTask.answer_length(t.digits), cfg.rollout.sampling.max_new_tokens
-    if cfg.rl.steps > 0 and new < answer:
+    answer, new = AdditionTask.answer_length(t.digits), ctx.max_new_tokens
+    if ctx.rl_steps > 0 and new < answer:
         raise TaskError(
             f"rollout.sampling.max_new_tokens={new} is shorter than the task's answer "
             f"({answer} tokens for task.digits={t.digits})"
@@ -262,8 +261,8 @@ class ArithmeticStream:
         return self.task.example(self.task.problems._draw(self._rng, 1)[0])
 
 
-def build(cfg: RootConfig) -> ArithmeticTask:
-    t = cast(ArithmeticTaskConfig, cfg.task)
+def build(task: TaskConfig, ctx: TaskContext) -> ArithmeticTask:
+    t = cast(ArithmeticTaskConfig, task)
     try:
         return ArithmeticTask(t.digits, t.seed, t.eval_size)
     except ValueError as e:

@@ -27,11 +27,10 @@ from typing import TYPE_CHECKING, Any, cast
 from rl.config.schema import TaskConfig
 from rl.envs import setup as episode_setup
 from rl.envs.setup import EpisodeSetup
-from rl.tasks.common import Example, TaskError, TaskKind, resume_position
+from rl.tasks.common import Example, TaskContext, TaskError, TaskKind, resume_position
 from rl.tasks.tokenizer import HFCodec
 
 if TYPE_CHECKING:
-    from rl.config.schema import RootConfig
     from rl.envs.chat import ChatTokenizer
 
 SUFFIXES = (".jsonl", ".json", ".parquet")
@@ -362,25 +361,25 @@ class DatasetStream:
         return self.task.train[self._order[self.offset - 1]]
 
 
-def check_config(cfg: RootConfig) -> None:
-    t = cast(DatasetTaskConfig, cfg.task)
+def check_config(task: TaskConfig, ctx: TaskContext) -> None:
+    t = cast(DatasetTaskConfig, task)
     if not (t.prompt_key and t.label_key):
         raise TaskError(f"task.prompt_key={t.prompt_key!r} and task.label_key must be named")
 
 
-def build(cfg: RootConfig) -> DatasetTask:
-    t = cast(DatasetTaskConfig, cfg.task)
+def build(task: TaskConfig, ctx: TaskContext) -> DatasetTask:
+    t = cast(DatasetTaskConfig, task)
     path, field = (t.tokenizer, "task.tokenizer") if t.tokenizer else (
-        cfg.model.hf_checkpoint, "model.hf_checkpoint")  # fmt: skip
+        ctx.hf_checkpoint, "model.hf_checkpoint")  # fmt: skip
     if not path:
         raise TaskError("task=dataset needs a tokenizer: set model.hf_checkpoint or task.tokenizer")
     codec = HFCodec(path, field)
     episodes = None
-    if episode_setup.enabled(cfg.env):
+    if episode_setup.enabled(ctx.env):
         try:
             # transformers' tokenizer, whose signatures are wider than the protocol's
             tok = cast("ChatTokenizer", codec.tok)
-            episodes = episode_setup.build(cfg.env, tok, codec.end_id)
+            episodes = episode_setup.build(ctx.env, tok, codec.end_id)
         except episode_setup.EnvError as e:
             raise TaskError(str(e)) from None
     return DatasetTask(t, codec, episodes)

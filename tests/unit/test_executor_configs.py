@@ -1,0 +1,108 @@
+"""How the code is entered: executors given only their own config, constructors called with
+keywords, and the controller's threads named in one place. Read from the source (ast), so
+these run in milliseconds and import nothing heavy."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+EXECUTORS = ("trainer", "generator", "reward")
+# The one module per executor that reads the whole job's config: it splits off the
+# executor's settings at the entry point, and builds what needs the task (the trainer's
+# warm-up, the generator's start-up directory).
+READS_ROOT_CONFIG = {"rl/trainer/startup.py", "rl/generator/startup.py"}
+MAX_POSITIONAL = 4
+
+
+def _mentions(path: Path, name: str) -> bool:
+    tree = ast.parse(path.read_text())
+    return any(
+        (isinstance(n, ast.Name) and n.id == name)
+        or (isinstance(n, ast.alias) and n.name == name)
+        or (isinstance(n, ast.Constant) and isinstance(n.value, str) and n.value == name)
+        for n in ast.walk(tree)
+    )
+
+
+def test_only_the_documented_modules_of_the_executors_read_the_root_config():
+    found = {
+        str(p.relative_to(ROOT))
+        for e in EXECUTORS
+        for p in sorted((ROOT / "rl" / e).rglob("*.py"))
+        if _mentions(p, "RootConfig")
+    }
+    assert found == READS_ROOT_CONFIG
+
+
+def test_a_task_kind_sees_its_own_config_and_the_task_context_only():
+    kinds = sorted((ROOT / "rl" / "tasks" / "kinds").glob("*.py"))
+    assert kinds and [p.name for p in kinds if _mentions(p, "RootConfig")] == []
+
+
+@pytest.mark.parametrize("executor", EXECUTORS)
+def test_serve_takes_its_executors_settings(executor):
+    tree = ast.parse((ROOT / "rl" / executor / "service.py").read_text())
+    serve = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "serve")
+    first = serve.args.args[0].annotation
+    assert first is not None and ast.unparse(first) != "RootConfig"
+    assert not any("RootConfig" in ast.unparse(a) for a in ast.walk(serve.args))
+
+
+def crowded_constructors(source: str, where: str = "") -> list[str]:
+    """Classes whose ``__init__`` takes more than MAX_POSITIONAL positional parameters."""
+    out = []
+    for c in ast.walk(ast.parse(source)):
+        if not isinstance(c, ast.ClassDef):
+            continue
+        for f in c.body:
+            if isinstance(f, ast.FunctionDef) and f.name == "__init__":
+                positional = [*f.args.posonlyargs, *f.args.args][1:]  # self
+                if len(positional) > MAX_POSITIONAL:
+                    out.append(f"{where}:{f.lineno} {c.name}: {len(positional)} positional")
+    return out
+
+
+def test_constructors_take_more_than_four_parameters_as_keywords():
+    crowded = [
+        hit
+        for p in sorted((ROOT / "rl").rglob("*.py"))
+        for hit in crowded_constructors(p.read_text(), str(p.relative_to(ROOT)))
+    ]
+    assert crowded == []
+
+
+def test_a_crowded_constructor_is_found():
+    bad = "class A:\n    def __init__(self, a, b, c, d, e=1):\n        pass\n"
+    good = "class A:\n    def __init__(self, a, b, c, d, *, e=1):\n        pass\n"
+    assert crowded_constructors(bad, "x.py") == ["x.py:2 A: 5 positional"]
+    assert crowded_constructors(good) == []
+
+
+def _thread_names(path: Path) -> set[str]:
+    """Literal thread names and name prefixes a module gives the threads it starts."""
+    names = set()
+    for n in ast.walk(ast.parse(path.read_text())):
+        if not isinstance(n, ast.Call):
+            continue
+        for k in n.keywords:
+            if k.arg in ("name", "thread_name_prefix") and isinstance(k.value, ast.Constant):
+                names.add(k.value.value)
+        f = n.func
+        named = isinstance(f, ast.Name) and f.id == "Background" and n.args
+        if named and isinstance(n.args[0], ast.Constant):
+            names.add(n.args[0].value)
+    return names
+
+
+def test_every_thread_beside_the_steps_is_named_in_one_place():
+    from rl.controller.run import THREADS
+
+    sources = [*sorted((ROOT / "rl" / "controller").glob("*.py")),
+               ROOT / "rl" / "generator" / "client.py",
+               ROOT / "rl" / "generator" / "ddma_target.py"]  # fmt: skip
+    started = set().union(*(_thread_names(p) for p in sources))
+    assert started == set(THREADS)

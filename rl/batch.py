@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
 
 import torch
 
@@ -24,6 +24,7 @@ class TrainBatch:
     loss_mask: torch.Tensor | None = None  # [B, S] 1 on the scored positions (None: none)
     behaviour_logprobs: torch.Tensor | None = None  # [B, S] log mu, as the generator sampled
     advantages: torch.Tensor | None = None  # [B, S] each token's (its sequence's) advantage
+    _: KW_ONLY
     versions: torch.Tensor | None = None  # [B, S] the policy version of each token (-1: none)
     rewards: torch.Tensor | None = None  # [B] each sample's trained reward
     overlong: torch.Tensor | None = None  # [B] 1: the response was cut by max_new_tokens

@@ -22,7 +22,7 @@ import os
 import secrets
 import shutil
 import time
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
@@ -47,6 +47,7 @@ class WandbRun:
     name: str  # the run's display name (run.name)
     mode: str = "offline"  # offline | online | disabled (wandb.init's mode)
     entity: str | None = None
+    _: KW_ONLY
     config: dict[str, Any] = field(default_factory=dict)  # shown as the run's config
 
     @classmethod
@@ -61,7 +62,8 @@ class WandbRun:
         plain = OmegaConf.to_container(cast(DictConfig, cfg), resolve=True, enum_to_str=True)
         config = cast(dict[str, Any], plain)
         # str(): WandbMode's value (a StrEnum), or the str itself
-        return cls(lg.wandb_project, cfg.run.name, str(lg.wandb_mode), lg.wandb_entity, config)
+        return cls(lg.wandb_project, cfg.run.name, str(lg.wandb_mode), lg.wandb_entity,
+                   config=config)  # fmt: skip
 
 
 def wandb_run_id(out_dir: str | Path) -> str:

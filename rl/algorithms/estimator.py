@@ -12,7 +12,7 @@ share. Pure logic: torch only, imported inside the estimators' functions.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
 from typing import TYPE_CHECKING, Generic, NamedTuple, TypeVar
 
 from rl.config.schema import AdvantageConfig
@@ -50,6 +50,7 @@ class Estimator(Generic[C]):
     estimate: Callable[[C, AlgorithmConfig, TrainBatch], Estimate]
     needs: frozenset[str] = frozenset()
     loss_agg: str | None = None
+    _: KW_ONLY
     kl_in_reward: bool = False
 
     def __post_init__(self) -> None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import KW_ONLY, asdict, dataclass
 from pathlib import Path
 
 from rl.checkpoints import files as ckpt_files
@@ -28,6 +28,7 @@ class ResumePoint:
     checkpoint: str
     start_accuracy: float  # held-out accuracy of the warm-up checkpoint (the baseline)
     warmup_accuracy: float | None
+    _: KW_ONLY
     # The controller's rollout state saved with the checkpoint (rl/controller/rollout_state.py),
     # relative to the run dir; None in states written before it was saved.
     rollouts: str | None = None

@@ -8,7 +8,7 @@ truncation) deep in SGLang. Pure: no torch, no HTTP.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -39,6 +39,7 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = -1
     max_new_tokens: int = 64
+    _: KW_ONLY
     stop_token_ids: tuple[int, ...] = ()
     n: int = 1
     seed: int | None = None

@@ -106,32 +106,48 @@ def from_json(d: Any, where: str = "rollout state") -> StreamState:  # a JSON va
             results = g["results"]
             groups.append(Group(
                 g["gid"], item, g["start_version"], rollouts,
-                None if results is None else [ScoreResult(**r) for r in results],
+                results=None if results is None else [ScoreResult(**r) for r in results],
                 done=sum(r.finished for r in rollouts), index=g["index"],
                 step=g.get("step", 0),  # files of free-running streams before it had none
             ))  # fmt: skip
         return StreamState(d["step"], d["weight_version"], d["drawn"], dict(d["position"]),
-                           groups)  # fmt: skip
+                           groups=groups)  # fmt: skip
     except (KeyError, TypeError, ValueError) as e:
         raise RolloutStateError(f"{where}: malformed ({type(e).__name__}: {e})") from None
 
 
 def _example(e: dict[str, Any]) -> Example:
     target, mask = e["target_ids"], e.get("target_mask")
-    return Example(e["uid"], tuple(e["prompt_ids"]), e["prompt_text"], e["label"],
-                   dict(e["metadata"]), None if target is None else tuple(target),
-                   tuple(e.get("messages", ())), None if mask is None else tuple(mask))  # fmt: skip
+    return Example(
+        e["uid"],
+        tuple(e["prompt_ids"]),
+        e["prompt_text"],
+        e["label"],
+        metadata=dict(e["metadata"]),
+        target_ids=None if target is None else tuple(target),
+        messages=tuple(e.get("messages", ())),
+        target_mask=None if mask is None else tuple(mask),
+    )
 
 
 def _rollout(r: dict[str, Any], prompt_ids: list[int], gid: int) -> Rollout:
     versions = [int(v) for v, n in r["versions"] for _ in range(n)]
     if not len(r["output_ids"]) == len(r["logprobs"]) == len(versions):
         raise ValueError(f"rollout {r['rid']}: tokens, log-probs and versions differ in length")
-    return Rollout(prompt_ids, SamplingParams.from_dict(r["sampling"]), r["sample_index"], gid,
-                   list(r["output_ids"]), [float(x) for x in r["logprobs"]], versions,
-                   r["finish_reason"], r["segments"], rid=r["rid"],
-                   observed=[[int(a), int(n)] for a, n in r.get("observed", [])],
-                   episode=r.get("episode"))  # fmt: skip
+    return Rollout(
+        prompt_ids,
+        SamplingParams.from_dict(r["sampling"]),
+        r["sample_index"],
+        gid,
+        output_ids=list(r["output_ids"]),
+        logprobs=[float(x) for x in r["logprobs"]],
+        versions=versions,
+        finish_reason=r["finish_reason"],
+        segments=r["segments"],
+        rid=r["rid"],
+        observed=[[int(a), int(n)] for a, n in r.get("observed", [])],
+        episode=r.get("episode"),
+    )
 
 
 # ---------------------------------------------------------------------- files

@@ -34,7 +34,7 @@ import threading
 import time
 from collections import Counter, deque
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import KW_ONLY, dataclass, field, replace
 from typing import TYPE_CHECKING, Any, cast
 
 from rl.config.errors import ConfigError
@@ -59,6 +59,7 @@ class Group:
     item: Example  # the prompt; its label scores the group
     start_version: int
     rollouts: list[Rollout] = field(default_factory=list)
+    _: KW_ONLY
     results: list[ScoreResult] | None = None
     done: int = 0
     index: int = 0  # its prompt's place in the prompt stream (0: the run's first)
@@ -84,6 +85,7 @@ class StreamState:
     version: int  # the newest weight version the generator held
     drawn: int  # prompts drawn from the prompt stream since the run began
     position: dict[str, Any]  # the prompt stream's: task.train_stream(position) goes on
+    _: KW_ONLY
     groups: list[Group]  # drawn, not trained on; the scored queue first, in its order
 
 
@@ -281,7 +283,7 @@ class RolloutStream:
             copies = [replace(g, rollouts=[cut(r) for r in g.rollouts],
                               results=None if g.results is None else list(g.results))
                       for g in groups.values()]  # fmt: skip
-            return StreamState(0, self.committed, self.drawn, self.position(), copies)
+            return StreamState(0, self.committed, self.drawn, self.position(), groups=copies)
 
     def restore(self, state: StreamState) -> dict[str, float]:
         """Before :meth:`start`: take up a snapshot's groups under the version the

@@ -332,7 +332,9 @@ class RLRun:
         assert self.stream is not None, "save before setup"
         self.trainer.save(path, export_hf=self.cfg.rl.save_hf, step=step)
         state = rollout_state.save(self.out, step, held or self.stream.snapshot())
-        point = resume.ResumePoint(step, path, self.start_accuracy, self.warmup_accuracy, state)
+        point = resume.ResumePoint(
+            step, path, self.start_accuracy, self.warmup_accuracy, rollouts=state
+        )
         resume.write(self.out, point)
         rollout_state.prune(self.out, keep=state)
 

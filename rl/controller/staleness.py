@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, dataclass, field
 
 MODES = ("drop", "throttle")
 
@@ -33,6 +33,7 @@ class StalenessGate:
     mode: str = "throttle"
     per_step: int = 1  # groups the trainer consumes per step
     dropped: int = 0
+    _: KW_ONLY
     skipped: int = 0  # groups that carried no signal (all rewards equal), never trained on
     histogram: Counter = field(default_factory=Counter)  # lag -> groups admitted
 

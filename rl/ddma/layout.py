@@ -23,7 +23,7 @@ Pure logic: integers only, no torch.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
 from typing import NamedTuple
 
 from rl.config.errors import ConfigError
@@ -60,6 +60,7 @@ class SrcLayout:
     pp: int = 1
     dp: int = 1
     layers_per_stage: tuple[int, ...] | None = None  # None: even split
+    _: KW_ONLY
     ep: int = 1
 
     @property

@@ -23,7 +23,7 @@ from __future__ import annotations
 import bisect
 import hashlib
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, dataclass, field
 from typing import TYPE_CHECKING, NamedTuple
 
 from omegaconf import OmegaConf
@@ -107,6 +107,7 @@ class Bucket:
     round: int  # buckets of one round run concurrently (no rank in two of them)
     src: int
     dst: int
+    _: KW_ONLY
     pieces: list[Piece]
     offsets: list[int]  # byte offset of each piece's data in the message
     nbytes: int  # message size, header included
@@ -130,6 +131,7 @@ class Plan:
     src: SrcLayout
     dst: DstLayout
     itemsize: int
+    _: KW_ONLY
     bucket_bytes: int
     dst_shapes: dict[str, tuple[int, ...]]  # per-rank SGLang shapes (equal on every rank)
     src_shapes: dict[tuple[str, int | None], tuple[int, ...]]  # per-rank Megatron shapes
@@ -244,7 +246,15 @@ def make_plan(
         dst_shapes[name] = tuple(shape)
         if fp8_block is not None and _slab(name)[0].endswith(FP8_WEIGHTS):
             dst_shapes[scale_name(name)] = tuple(-(-n // fp8_block) for n in shape)
-    plan = Plan(d, src, dst, itemsize, bucket_bytes, dst_shapes, src_shapes(d, src))
+    plan = Plan(
+        d,
+        src,
+        dst,
+        itemsize,
+        bucket_bytes=bucket_bytes,
+        dst_shapes=dst_shapes,
+        src_shapes=src_shapes(d, src),
+    )
     plan.fp8_block = fp8_block
     runs: list[balance.Run] = []
     # Each run's piece but its sender: (key, layer, src start, dst rank, name, dim, dst start).
@@ -327,7 +337,7 @@ def _bucketize(plan: Plan, pieces: list[Piece]) -> None:
     def close() -> None:
         nonlocal cur, offs, size
         if cur:
-            b = Bucket(-1, -1, cur[0].src, cur[0].dst, cur, offs, size)  # type: ignore[arg-type]
+            b = Bucket(-1, -1, cur[0].src, cur[0].dst, pieces=cur, offsets=offs, nbytes=size)  # type: ignore[arg-type]
             plan.buckets.append(b)
         cur, offs, size = [], [], HEADER_BYTES
 

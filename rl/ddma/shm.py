@@ -37,7 +37,7 @@ import time
 import uuid
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -60,6 +60,7 @@ class Ring:
     path: str
     slot_bytes: int
     depth: int
+    _: KW_ONLY
     data: torch.Tensor
     mapped_by: set[int] = field(default_factory=set)  # group ranks that mapped it
     linked: bool = True
@@ -106,7 +107,7 @@ def create_ring(slot_bytes: int, depth: int, group: object = None) -> Ring:
         os.ftruncate(fd, depth * slot_bytes)
     finally:
         os.close(fd)
-    return Ring(group, path, slot_bytes, depth, _map(path, depth * slot_bytes))
+    return Ring(group, path, slot_bytes, depth, data=_map(path, depth * slot_bytes))
 
 
 def _ring(group: dist.ProcessGroup | None, slot_bytes: int, depth: int, peers: set[int]) -> Ring:

@@ -32,7 +32,7 @@ import sys
 import sysconfig
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
 from pathlib import Path
 
 from rl.envs import landlock
@@ -48,6 +48,7 @@ class Limits:
     wall_s: float = 10.0
     memory_mb: int = 512
     processes: int = 32
+    _: KW_ONLY
     file_mb: int = 16
     output_chars: int = 4000  # of stdout and of stderr, each, handed back
 

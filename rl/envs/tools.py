@@ -18,7 +18,7 @@ import ast
 import operator
 import threading
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, dataclass, field
 from fractions import Fraction
 from typing import Any
 
@@ -53,6 +53,7 @@ class Tool:
     description: str
     parameters: dict[str, JSON]  # the JSON Schema of the arguments object
     fn: Callable[..., str | ToolOutcome]  # fn(**arguments) -> the observation
+    _: KW_ONLY
     limits: sandbox.Limits = field(default_factory=sandbox.Limits)
     # Enforces ``limits.wall_s`` itself (the sandbox kills its process group and says so):
     # the call's own wait is then only a backstop.
@@ -136,14 +137,14 @@ BUILTIN: dict[str, Callable[[sandbox.Limits], Tool]] = {
         "Evaluate an arithmetic expression exactly.",
         _string_schema("expression", 'e.g. "(12 + 7) * 3"'),
         calculate,
-        limits,
+        limits=limits,
     ),
     "python": lambda limits: Tool(
         "python",
         "Run Python code in a sandbox and return what it printed.",
         _string_schema("code", "a Python program; print the values you need"),
         _python_tool(limits),
-        limits,
+        limits=limits,
         bounded=True,
     ),
 }
@@ -172,7 +173,7 @@ def _from_function(spec: str, fn: Callable[..., str], limits: sandbox.Limits) ->
     except Exception as e:  # transformers' DocstringParsingException and TypeErrors
         raise ToolError(f"tool {spec!r}: no schema from its signature and docstring: {e}") from None
     params = described.get("parameters", {"type": "object", "properties": {}})
-    return Tool(described["name"], described.get("description", ""), params, fn, limits)
+    return Tool(described["name"], described.get("description", ""), params, fn, limits=limits)
 
 
 DEFAULT_LIMITS = sandbox.Limits()

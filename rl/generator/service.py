@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import threading
 import traceback
-from dataclasses import dataclass, replace
+from dataclasses import KW_ONLY, dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
@@ -54,6 +54,7 @@ class Restarted:
     index: int
     url: str
     why: str
+    _: KW_ONLY
     seconds: float
 
 
@@ -117,7 +118,9 @@ def serve(settings: GeneratorSettings, job: Job, *, model_path: ModelPath) -> No
                 for done in watch.check():
                     s = launcher.servers[done.index]
                     index = job.role_rank * n + done.index  # wait_up's URL order
-                    reply.put(Restarted(job.role_rank, index, s.url, done.why, done.seconds))
+                    reply.put(
+                        Restarted(job.role_rank, index, s.url, done.why, seconds=done.seconds)
+                    )
             if lost:  # the controller's channel broke: stop the servers and say why
                 raise lost[0]
             launcher.stop(grace=0)  # told to stop: the run is over, nothing to drain

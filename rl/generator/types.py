@@ -14,7 +14,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -95,6 +95,7 @@ class Rollout:
     sampling: SamplingParams
     sample_index: int = 0
     group: int | None = None  # the caller's group (samples of one prompt share it)
+    _: KW_ONLY
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)

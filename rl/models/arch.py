@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:  # types only: the config layer sits above this one
@@ -79,6 +79,7 @@ class Dims:
     hidden: int
     ffn: int
     heads: int
+    _: KW_ONLY
     groups: int
     head_dim: int
     vocab: int
@@ -131,6 +132,7 @@ class TensorSpec:
     hf: tuple[str, ...]  # HF names, fused in this order
     sglang: str | None  # SGLang parameter (None: SGLang has no such tensor)
     layout: str
+    _: KW_ONLY
     shape: Callable[[Dims], tuple[int, ...]]
     # MLP tensors: the Dims field (ffn, moe_ffn, shared_ffn) of the split dimension, which
     # SGLang may pad on CPU; None for every other tensor.
@@ -152,31 +154,33 @@ def attention_tensors(d: Dims) -> list[TensorSpec]:
     out = [
         TensorSpec(
             qkv + "layer_norm_weight", ("input_layernorm.weight",), "input_layernorm.weight",
-            REPLICATED, _norm,
+            REPLICATED, shape=_norm,
         ),
         TensorSpec(
             qkv + "weight",
             ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
-            "self_attn.qkv_proj.weight", QKV, lambda d: (d.qkv_rows, d.hidden),
+            "self_attn.qkv_proj.weight", QKV, shape=lambda d: (d.qkv_rows, d.hidden),
         ),
     ]  # fmt: skip
     if d.qkv_bias:
         hf = ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias")
         out.append(
-            TensorSpec(qkv + "bias", hf, "self_attn.qkv_proj.bias", QKV, lambda d: (d.qkv_rows,))
+            TensorSpec(
+                qkv + "bias", hf, "self_attn.qkv_proj.bias", QKV, shape=lambda d: (d.qkv_rows,)
+            )
         )
     if d.qk_norm:
         for x in "qk":
             out.append(
                 TensorSpec(
                     f"self_attention.{x}_layernorm.weight", (f"self_attn.{x}_norm.weight",),
-                    f"self_attn.{x}_norm.weight", REPLICATED, lambda d: (d.head_dim,),
+                    f"self_attn.{x}_norm.weight", REPLICATED, shape=lambda d: (d.head_dim,),
                 )
             )  # fmt: skip
     out.append(
         TensorSpec(
             "self_attention.linear_proj.weight", ("self_attn.o_proj.weight",),
-            "self_attn.o_proj.weight", ROW, lambda d: (d.hidden, d.heads * d.head_dim),
+            "self_attn.o_proj.weight", ROW, shape=lambda d: (d.hidden, d.heads * d.head_dim),
         )
     )  # fmt: skip
     return out
@@ -193,11 +197,11 @@ def _swiglu(key: str, hf: str, sglang: str | None, width: str, expert: bool) -> 
     return [
         TensorSpec(
             key + "linear_fc1.weight", (hf + "gate_proj.weight", hf + "up_proj.weight"), up,
-            GATE_UP, lambda d: (2 * d.width(width), d.hidden), width, expert=expert,
+            GATE_UP, shape=lambda d: (2 * d.width(width), d.hidden), width=width, expert=expert,
         ),
         TensorSpec(
             key + "linear_fc2.weight", (hf + "down_proj.weight",), down, ROW,
-            lambda d: (d.hidden, d.width(width)), width, expert=expert,
+            shape=lambda d: (d.hidden, d.width(width)), width=width, expert=expert,
         ),
     ]  # fmt: skip
 
@@ -205,14 +209,14 @@ def _swiglu(key: str, hf: str, sglang: str | None, width: str, expert: bool) -> 
 def mlp_tensors(d: Dims) -> list[TensorSpec]:
     # An MoE layer's pre_mlp_layernorm is checkpointed under the dense (fused) name too.
     post = "post_attention_layernorm.weight"
-    norm = TensorSpec("mlp.linear_fc1.layer_norm_weight", (post,), post, REPLICATED, _norm)
+    norm = TensorSpec("mlp.linear_fc1.layer_norm_weight", (post,), post, REPLICATED, shape=_norm)
     if not d.experts:
         return [norm, *_swiglu("mlp.", "mlp.", "mlp.", "ffn", expert=False)]
     out = [
         norm,
         TensorSpec(
             "mlp.router.weight", ("mlp.gate.weight",), "mlp.gate.weight", REPLICATED,
-            lambda d: (d.experts, d.hidden),
+            shape=lambda d: (d.experts, d.hidden),
         ),
         *_swiglu("mlp.experts.{e}.", "mlp.experts.", None, "moe_ffn", expert=True),
     ]  # fmt: skip
@@ -223,7 +227,7 @@ def mlp_tensors(d: Dims) -> list[TensorSpec]:
         out.append(
             TensorSpec(
                 "mlp.shared_experts.gate_weight", ("mlp.shared_expert_gate.weight",),
-                "mlp.shared_expert_gate.weight", REPLICATED, lambda d: (1, d.hidden),
+                "mlp.shared_expert_gate.weight", REPLICATED, shape=lambda d: (1, d.hidden),
             )
         )  # fmt: skip
     return out
@@ -233,13 +237,15 @@ def global_tensors(d: Dims) -> list[TensorSpec]:
     vocab = lambda d: (d.padded_vocab, d.hidden)  # noqa: E731
     out = [
         TensorSpec(EMBED, ("model.embed_tokens.weight",), "model.embed_tokens.weight", VOCAB,
-                   vocab, per_layer=False),
-        TensorSpec(FINAL_NORM, ("model.norm.weight",), "model.norm.weight", REPLICATED, _norm,
+                   shape=vocab, per_layer=False),
+        TensorSpec(FINAL_NORM, ("model.norm.weight",), "model.norm.weight", REPLICATED, shape=_norm,
                    per_layer=False),
     ]  # fmt: skip
     if not d.tied:
         out.append(
-            TensorSpec(OUTPUT, ("lm_head.weight",), "lm_head.weight", VOCAB, vocab, per_layer=False)
+            TensorSpec(
+                OUTPUT, ("lm_head.weight",), "lm_head.weight", VOCAB, shape=vocab, per_layer=False
+            )
         )
     return out
 
@@ -304,6 +310,7 @@ class Arch:
     hf_class: str
     model_type: str
     sglang_module: str
+    _: KW_ONLY
     fixed: dict[str, bool | int] = field(default_factory=dict)
     from_hf: Callable[[dict], dict] = lambda hf: {}
     to_hf: Callable[[ModelConfig], dict] = lambda m: {}

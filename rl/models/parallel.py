@@ -8,7 +8,7 @@ of rl/models/megatron_gpt.py over them). Everything downstream receives a :class
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
 from typing import TYPE_CHECKING
 
 import torch.distributed as dist
@@ -26,6 +26,7 @@ class Layout:
     pp: int
     dp: int
     tp_rank: int
+    _: KW_ONLY
     pp_rank: int
     dp_rank: int
     tp_group: dist.ProcessGroup

@@ -14,7 +14,7 @@ whole runs at launch and in tests/unit/test_config.py.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, dataclass, field
 from typing import TYPE_CHECKING
 
 from rl.config.validate import validate_rollout
@@ -43,6 +43,7 @@ class ClusterPlan:
     model: str
     params: int
     placement: Placement
+    _: KW_ONLY
     trainer: list[TrainerGPU]  # one per pipeline stage
     generator: GeneratorGPU | None  # None without RL steps (no servers)
     transfer: Transfer | None

@@ -48,7 +48,7 @@ GB in this package means GiB (2**30 bytes), as ``nvidia-smi`` reports. Pure logi
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
 from typing import TYPE_CHECKING
 
 from rl.config import dtypes
@@ -84,6 +84,7 @@ class TrainerGPU:
     params: int
     weights: int
     grads: int
+    _: KW_ONLY
     optimizer: int
     activations: int
     logits: int
@@ -108,6 +109,7 @@ class GeneratorGPU:
     reserved: int
     kv_bytes_per_token: int
     kv_tokens: int  # the KV pool: rollout.max_total_tokens, or what the free memory holds
+    _: KW_ONLY
     kv_capacity: int | None  # tokens the free memory could hold (None on CPU: not checked)
     staging: str = "device"  # rollout.weight_sync.staging
     staged: int = 0  # on the GPU: the device copy of the weights (staging=device)
@@ -261,8 +263,26 @@ def generator_gpu(
     device, host = (weight_bytes if staging == s else 0 for s in ("device", "host"))
     if gpu_bytes is None:
         pool = r.max_total_tokens or 0
-        return GeneratorGPU(weight_bytes, 0, per_token, pool, None, staging, device, host)
+        return GeneratorGPU(
+            weight_bytes,
+            0,
+            per_token,
+            pool,
+            kv_capacity=None,
+            staging=staging,
+            staged=device,
+            host_staged=host,
+        )
     reserved = sglang_reserved(gpu_bytes, r.tp)
     capacity = max(0, (gpu_bytes - reserved - weight_bytes - device) // per_token)
     pool = r.max_total_tokens if r.max_total_tokens is not None else capacity
-    return GeneratorGPU(weight_bytes, reserved, per_token, pool, capacity, staging, device, host)
+    return GeneratorGPU(
+        weight_bytes,
+        reserved,
+        per_token,
+        pool,
+        kv_capacity=capacity,
+        staging=staging,
+        staged=device,
+        host_staged=host,
+    )

@@ -26,7 +26,7 @@ arithmetic is skipped. Pure logic: no torch.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, dataclass, field
 from typing import TYPE_CHECKING
 
 from rl.config.errors import ConfigError
@@ -72,6 +72,7 @@ class Placement:
     nodes: int
     gpus_per_node: int
     split: bool  # disjoint training and generation nodes
+    _: KW_ONLY
     train_nodes: tuple[int, int]
     generation_nodes: tuple[int, int] | None  # None: no generation (rl.steps == 0)
     ranks: dict[str, list[int]]  # role -> global ranks

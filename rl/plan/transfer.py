@@ -16,7 +16,7 @@ host). Pure logic.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
 from typing import TYPE_CHECKING
 
 from rl.config.dtypes import itemsize as dtype_itemsize
@@ -38,6 +38,7 @@ class Transfer:
     per_server: int  # into one server (all its TP ranks)
     per_trainer_rank: dict[int, int]  # trainer rank (0-based in the trainer) -> bytes it sends
     per_server_gpu: dict[int, int]  # server TP rank -> bytes it receives (every server alike)
+    _: KW_ONLY
     per_server_gpu_out: dict[int, int]  # server TP rank -> bytes it forwards, busiest server
     relay: str  # none | chain | tree (rl/ddma/relay.py)
     roots: int  # servers the trainer ranks feed

@@ -21,7 +21,7 @@ import threading
 import time
 from collections import deque
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
 
 from rl.tasks.scoring import ScoreItem, ScoreResult, absolute, call, load, prepare
 
@@ -59,6 +59,7 @@ class _Slot:
     conn: multiprocessing.connection.Connection
     task: tuple[int, float] | None = None  # (task id, deadline)
     ready: bool = False  # loaded its function; takes items
+    _: KW_ONLY
     started: float = 0.0  # time.monotonic() at spawn
     dead: bool = False  # failed to start too often; never used again
 

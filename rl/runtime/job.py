@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, dataclass, field
 from datetime import timedelta
 from typing import TYPE_CHECKING
 
@@ -36,6 +36,7 @@ class Job:
     world: int
     role: str
     role_rank: int
+    _: KW_ONLY
     roles: RoleMap
     store: Store  # the job's store, shared by every rank (the channels' queues)
     timeout: float
@@ -124,4 +125,4 @@ def join(cfg: RootConfig, device: str = "cpu") -> Job:
         world_size=len(roles.ranks(role)),
         timeout=timedelta(seconds=timeout),
     )
-    return Job(rank, world, role, role_rank, roles, store, timeout, key)
+    return Job(rank, world, role, role_rank, roles=roles, store=store, timeout=timeout, secret=key)

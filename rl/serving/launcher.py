@@ -31,7 +31,7 @@ import tempfile
 import threading
 import time
 import weakref
-from dataclasses import dataclass, field, replace
+from dataclasses import KW_ONLY, dataclass, field, replace
 from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING
@@ -216,6 +216,7 @@ class Server:
     url: str
     port: int
     log_path: Path
+    _: KW_ONLY
     proc: subprocess.Popen | None = None
     log_start: int = 0  # where this start's lines begin in the (appended) log
     # SGLang logs its arguments, keys included: errors quote the log without them.

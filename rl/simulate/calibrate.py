@@ -22,7 +22,7 @@ Pure logic.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +39,7 @@ class CpuProfile:
     train: float
     sync: float
     overhead: float
+    _: KW_ONLY
     contention: float  # async/sync train step: both executors busy on the 2 cores
     async_sync: float  # the weight sync measured in the async run
 
@@ -58,12 +59,12 @@ class CpuProfile:
 
     def sync_phases(self) -> Phases:
         # Scoring overlaps generation, so the wait holds both; reward is not counted again.
-        return Phases(self.generate, 0.0, self.train, self.sync, self.overhead)
+        return Phases(self.generate, 0.0, self.train, self.sync, overhead=self.overhead)
 
     def async_phases(self, contention: bool = True) -> Phases:
         k = self.contention if contention else 1.0
         sync = self.async_sync if contention else self.sync
-        return Phases(self.generate * k, 0.0, self.train * k, sync, self.overhead)
+        return Phases(self.generate * k, 0.0, self.train * k, sync, overhead=self.overhead)
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ Pure logic.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
 from typing import TYPE_CHECKING
 
 from rl.config import dtypes
@@ -53,6 +53,7 @@ class SharedLayout:
     replicas: int
     samples_per_replica: float
     offload: str  # cluster.hardware.baseline_offload
+    _: KW_ONLY
     resident: float  # trainer state kept on a GPU while it generates
     offloaded: float  # moved to host memory (Adam) or freed (grads) for generation
     kv_tokens: float  # per replica (one generation copy)

@@ -33,7 +33,7 @@ Pure logic.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
 from typing import TYPE_CHECKING
 
 from rl.config import dtypes
@@ -58,6 +58,7 @@ class Engine:
     pp: int
     layers: int
     weights_per_rank: float  # bytes one TP rank reads per decode step (all its stages)
+    _: KW_ONLY
     kv_per_token: float  # KV bytes of one token on one TP rank (all layers)
     flops_per_token: float  # 2 * active parameters
     peak_flops: float  # per GPU, in the engine's dtype
@@ -154,9 +155,15 @@ def server_engine(cfg: RootConfig, plan: ClusterPlan, w: Workload) -> Engine:
     """One SGLang server of the plan: its TP rank's weights as the engine holds them."""
     r, hw = cfg.rollout, cfg.cluster.hardware
     assert plan.generator is not None and plan.transfer is not None
-    return Engine(r.tp, 1, cfg.model.num_layers, plan.transfer.server_weight_bytes,
-                  plan.generator.kv_bytes_per_token, 2 * w.active_params,
-                  tflops(hw, bool(r.weight_sync.fp8_block)))  # fmt: skip
+    return Engine(
+        r.tp,
+        1,
+        cfg.model.num_layers,
+        plan.transfer.server_weight_bytes,
+        kv_per_token=plan.generator.kv_bytes_per_token,
+        flops_per_token=2 * w.active_params,
+        peak_flops=tflops(hw, bool(r.weight_sync.fp8_block)),
+    )
 
 
 def server_slots(cfg: RootConfig, plan: ClusterPlan, w: Workload) -> float:
@@ -189,9 +196,16 @@ def shared_engine(cfg: RootConfig, w: Workload) -> Engine:
     t, m, hw = cfg.trainer, cfg.model, cfg.cluster.hardware
     itemsize = dtypes.itemsize(t.params_dtype)
     params = sum(stage_params(m, t.tp, t.pp, s, t.ep) for s in range(t.pp))
-    return Engine(t.tp, t.pp, m.num_layers, params * itemsize,
-                  kv_bytes_per_token(m, t.tp, itemsize), 2 * w.active_params,
-                  tflops(hw, False), eager=True)  # fmt: skip
+    return Engine(
+        t.tp,
+        t.pp,
+        m.num_layers,
+        params * itemsize,
+        kv_per_token=kv_bytes_per_token(m, t.tp, itemsize),
+        flops_per_token=2 * w.active_params,
+        peak_flops=tflops(hw, False),
+        eager=True,
+    )
 
 
 def sync_phases(cfg: RootConfig, w: Workload) -> tuple[Phases, SharedLayout]:

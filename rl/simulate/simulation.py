@@ -9,7 +9,7 @@ place). Pure logic, milliseconds after the plan.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
 from typing import TYPE_CHECKING
 
 from rl.plan.cluster import plan_cluster
@@ -45,6 +45,7 @@ class Simulation:
     gpus: int
     samples: int
     prompt_tokens: float
+    _: KW_ONLY
     mean_response: float
     longest_response: float
     response_cap: float  # rollout.sampling.max_new_tokens

@@ -15,7 +15,7 @@ Pure logic.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import KW_ONLY, asdict, dataclass
 
 
 @dataclass(frozen=True)
@@ -26,6 +26,7 @@ class Phases:
     reward: float
     train: float
     sync: float  # weight sync: DDMA (async) or reloading the weights in place (sync)
+    _: KW_ONLY
     overhead: float  # controller: batch assembly, logging, handing work out
 
     def as_dict(self) -> dict[str, float]:

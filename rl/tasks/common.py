@@ -14,7 +14,7 @@ so the reward executor's worker processes, which import rl.tasks.scoring, start 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
@@ -35,6 +35,7 @@ class Example:
     prompt_ids: tuple[int, ...]
     prompt_text: str  # what the reward function sees as the prompt
     label: Any = None  # handed to the reward function as is (JSON-like)
+    _: KW_ONLY
     metadata: Mapping[str, Any] = field(default_factory=dict)
     # The supervised response (ending in the stop token) for a warm-up; None: no target.
     target_ids: tuple[int, ...] | None = None

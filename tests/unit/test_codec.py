@@ -71,9 +71,22 @@ class Plain:
 
 
 PLAIN = (Plain,)
-EXAMPLE = Example("f.jsonl line 3", (1, 2, 3), "2+2?", "4", {"level": 2, "tags": ["a"]}, (7, 2))
+EXAMPLE = Example(
+    "f.jsonl line 3",
+    (1, 2, 3),
+    "2+2?",
+    "4",
+    metadata={"level": 2, "tags": ["a"]},
+    target_ids=(7, 2),
+)
 ROLLOUT = Rollout(
-    [1, 2], SamplingParams(0.7, stop_token_ids=(2,), seed=5), 1, 3, [4, 5], [-0.5, -1.25], [2, 3]
+    [1, 2],
+    SamplingParams(0.7, stop_token_ids=(2,), seed=5),
+    1,
+    3,
+    output_ids=[4, 5],
+    logprobs=[-0.5, -1.25],
+    versions=[2, 3],
 )
 # Every message type a channel carries (rl/{trainer,generator,reward}/service.py), with
 # realistic values: a training batch, the warm-up's log, the trainer's answers, the
@@ -106,7 +119,10 @@ MESSAGES = [
     (PLAIN, Plain({"v": 1, "nested": [{"a": (1, "b")}, None], "raw": b"\x01"})),
     ((gen.Stop,), gen.Stop()),
     ((gen.Up, gen.Restarted), gen.Up(1, ["http://h:1", "http://h:2"], "/models/qwen")),
-    ((gen.Up, gen.Restarted), gen.Restarted(1, 0, "http://h:1", "exited with code -9", 41.5)),
+    (
+        (gen.Up, gen.Restarted),
+        gen.Restarted(1, 0, "http://h:1", "exited with code -9", seconds=41.5),
+    ),
     ((gen.Up, gen.Down, gen.Restarted), gen.Down(1, 2, "http://h:3", "exited")),
     (
         (rew.Score, rew.Stop),

@@ -361,7 +361,7 @@ def test_a_tool_that_overruns_its_time_is_answered_as_a_timeout():
         return "done"
 
     schema = {"type": "object", "properties": {"seconds": {"type": "number"}}}
-    tools = {"slow": Tool("slow", "d", schema, slow, Limits(wall_s=0.2))}
+    tools = {"slow": Tool("slow", "d", schema, slow, limits=Limits(wall_s=0.2))}
     assert run_tool(tools, ToolCall("slow", {"seconds": 0.01})).text == "done"
     t = time.monotonic()
     out = run_tool(tools, ToolCall("slow", {"seconds": 30}))

@@ -52,8 +52,36 @@ def test_serve_takes_its_executors_settings(executor):
     assert not any("RootConfig" in ast.unparse(a) for a in ast.walk(serve.args))
 
 
+def _dataclass(c: ast.ClassDef) -> ast.expr | None:
+    for d in c.decorator_list:
+        f = d.func if isinstance(d, ast.Call) else d
+        if (getattr(f, "id", None) or getattr(f, "attr", None)) == "dataclass":
+            return d
+    return None
+
+
+def _positional_fields(c: ast.ClassDef, decorator: ast.expr) -> list[str]:
+    """A dataclass's fields its ``__init__`` takes by position (up to ``_: KW_ONLY``)."""
+    if isinstance(decorator, ast.Call) and any(k.arg == "kw_only" for k in decorator.keywords):
+        return []
+    out = []
+    for s in c.body:
+        if not (isinstance(s, ast.AnnAssign) and isinstance(s.target, ast.Name)):
+            continue
+        kind = ast.unparse(s.annotation)
+        if kind == "KW_ONLY":
+            break
+        no_init = isinstance(s.value, ast.Call) and any(
+            k.arg == "init" and getattr(k.value, "value", True) is False for k in s.value.keywords
+        )
+        if "ClassVar" not in kind and not no_init:
+            out.append(s.target.id)
+    return out
+
+
 def crowded_constructors(source: str, where: str = "") -> list[str]:
-    """Classes whose ``__init__`` takes more than MAX_POSITIONAL positional parameters."""
+    """Classes whose constructor takes more than MAX_POSITIONAL parameters by position: an
+    ``__init__``, or a dataclass's fields (configs, which Hydra builds, aside)."""
     out = []
     for c in ast.walk(ast.parse(source)):
         if not isinstance(c, ast.ClassDef):
@@ -63,6 +91,11 @@ def crowded_constructors(source: str, where: str = "") -> list[str]:
                 positional = [*f.args.posonlyargs, *f.args.args][1:]  # self
                 if len(positional) > MAX_POSITIONAL:
                     out.append(f"{where}:{f.lineno} {c.name}: {len(positional)} positional")
+        decorator = _dataclass(c)
+        if decorator is not None and not c.name.endswith("Config"):
+            fields = _positional_fields(c, decorator)
+            if len(fields) > MAX_POSITIONAL:
+                out.append(f"{where}:{c.lineno} {c.name}: {len(fields)} positional fields")
     return out
 
 
@@ -80,6 +113,11 @@ def test_a_crowded_constructor_is_found():
     good = "class A:\n    def __init__(self, a, b, c, d, *, e=1):\n        pass\n"
     assert crowded_constructors(bad, "x.py") == ["x.py:2 A: 5 positional"]
     assert crowded_constructors(good) == []
+    record = "@dataclass\nclass R:\n    a: int\n    b: int\n    c: int\n    d: int\n"
+    assert crowded_constructors(record + "    e: int = 0\n", "r.py") == [
+        "r.py:2 R: 5 positional fields"
+    ]
+    assert crowded_constructors(record + "    _: KW_ONLY\n    e: int = 0\n") == []
 
 
 def _thread_names(path: Path) -> set[str]:

@@ -86,30 +86,12 @@ def _score(rng: random.Random):
 def _stream(cls, client, seed, prompts, version, lag, seg, last):
     gate = StalenessGate(lag, per_step=2)
     uniform = lambda g: len(set(g.rewards)) == 1  # noqa: E731
+    score = _score(random.Random(seed))
+    kw = dict(gate=gate, version=version, segment_tokens=seg, drop_uniform=uniform,
+              position=prompts.position)  # fmt: skip
     if cls is LockstepStream:
-        return LockstepStream(
-            client,
-            _score(random.Random(seed)),
-            prompts,
-            SAMPLING,
-            gate=gate,
-            version=version,
-            last=last,
-            segment_tokens=seg,
-            drop_uniform=uniform,
-            position=prompts.position,
-        )
-    return RolloutStream(
-        client,
-        _score(random.Random(seed)),
-        prompts,
-        SAMPLING,
-        gate=gate,
-        version=version,
-        segment_tokens=seg,
-        drop_uniform=uniform,
-        position=prompts.position,
-    )
+        return LockstepStream(client, score, prompts, SAMPLING, last=last, **kw)
+    return RolloutStream(client, score, prompts, SAMPLING, **kw)
 
 
 def _record(groups) -> list:

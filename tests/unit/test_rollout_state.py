@@ -251,7 +251,7 @@ def test_the_resume_point_names_the_state_saved_with_its_checkpoint(tmp_path):
     old = rollout_state.save(tmp_path, 2, state)
     rel = rollout_state.save(tmp_path, 4, state)
     (tmp_path / rollout_state.DIR / ".step-x.json.123.tmp").write_text("{")  # a killed write
-    resume.write(tmp_path, resume.ResumePoint(4, str(ckpt), 0.1, None, rel))
+    resume.write(tmp_path, resume.ResumePoint(4, str(ckpt), 0.1, None, rollouts=rel))
     rollout_state.prune(tmp_path, keep=rel)
     assert [p.name for p in (tmp_path / rollout_state.DIR).iterdir()] == ["step-0000004.json"]
     point = resume.read(tmp_path)
@@ -261,7 +261,7 @@ def test_the_resume_point_names_the_state_saved_with_its_checkpoint(tmp_path):
     assert rollout_state.to_json(back) == rollout_state.to_json(state)
     assert rollout_state.load(tmp_path, resume.ResumePoint(4, str(ckpt), 0.1, None)) is None
     with pytest.raises(RolloutStateError, match="holds step 4, the resume point 5"):
-        rollout_state.load(tmp_path, resume.ResumePoint(5, str(ckpt), 0.1, None, rel))
+        rollout_state.load(tmp_path, resume.ResumePoint(5, str(ckpt), 0.1, None, rollouts=rel))
     (tmp_path / rel).unlink()
     with pytest.raises(resume.ResumeError, match=r"rollout state .* is missing"):
         resume.read(tmp_path)
@@ -284,7 +284,7 @@ def test_a_multi_turn_sample_keeps_its_observation_tokens_through_the_file():
     r.observe([40, 41])  # the environment's answer; the next turn is still to generate
     g = Group(7, Example("u", (1, 5), "p"), 3, [r])
     back = rollout_state.from_json(json.loads(json.dumps(rollout_state.to_json(
-        StreamState(2, 3, 1, {}, [g])))))  # fmt: skip
+        StreamState(2, 3, 1, {}, groups=[g])))))  # fmt: skip
     b = back.groups[0].rollouts[0]
     assert (b.output_ids, b.observed, b.finish_reason) == ([7, 2, 40, 41], [[2, 2]], None)
     assert b.sampled() == [True, True, False, False]

@@ -16,7 +16,16 @@ HW = HardwareConfig()
 
 def _engine(tp: int = 1, pp: int = 1, eager: bool = False) -> Engine:
     # 8B-like: 16 GB of bf16 weights, 128 KiB of KV per token, 32 layers.
-    return Engine(tp, pp, 32, 16e9 / tp, 131072 / tp, 2 * 8e9, HW.bf16_tflops * 1e12, eager)
+    return Engine(
+        tp,
+        pp,
+        32,
+        16e9 / tp,
+        kv_per_token=131072 / tp,
+        flops_per_token=2 * 8e9,
+        peak_flops=HW.bf16_tflops * 1e12,
+        eager=eager,
+    )
 
 
 def test_sync_step_sums_and_async_step_overlaps() -> None:

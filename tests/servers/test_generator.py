@@ -123,7 +123,7 @@ def _wait_active(client, rollout_rid: str, timeout: float = 30.0) -> None:
 # ------------------------------------------------------------- locked (first, at version 0)
 # The locked server. SGLang on CPU is not bit-reproducible across identical requests to
 # one server: greedy ids match, but a log-prob moved by 4.8e-7 between two calls on one
-# machine (README, "Testing"). "Unchanged" is therefore exact ids and versions and
+# machine (docs/testing.md). "Unchanged" is therefore exact ids and versions and
 # log-probs within SAME; a weight swap moves them by far more than MOVED.
 PROMPT = [1, 5, 6, 7, 8]
 GREEDY_BODY = {"temperature": 0, "max_new_tokens": 6}
@@ -231,7 +231,8 @@ def test_keys_show_on_no_command_line_and_in_no_leftover_file(launcher):
 
 def test_the_api_key_can_read_the_admin_key(launcher):
     """SGLang's /server_info (API key) returns its arguments, admin key included: the two
-    keys are distinct, but an API-key holder can learn the admin key (README)."""
+    keys are distinct, but an API-key holder can learn the admin key
+    (docs/reliability-security.md)."""
     info = api.call(launcher.urls[0], api.Call("/server_info", method="GET"), launcher.keys)
     assert info["admin_api_key"] == launcher.keys.admin
 

@@ -1,7 +1,7 @@
 """The RL job as a user runs it (`python -m rl.train ...`): every rank, real SGLang, DDMA.
 
 Short runs of the embedded default: a few warm-up steps, then a few RL steps in async mode
-(with partial rollouts) and in sync mode. What they must show: the metrics the README
+(with partial rollouts) and in sync mode. What they must show: the metrics docs/operations.md
 promises, the staleness bound, partial rollouts resumed inside the loop, and in sync mode
 the trainer scoring every sampled token exactly as SGLang did (same weights after DDMA,
 same temperature), so the importance ratio is 1. A launch of the wrong size or with a cut
@@ -136,6 +136,9 @@ def test_sync_job_trains_on_exactly_the_sampled_distribution(tmp_path):
     that sampled it, and the trainer's log-prob of it (Megatron TP=2, after DDMA) equals
     SGLang's behaviour log-prob, so the train/rollout mismatch is numerical noise. With a
     KL penalty the reference is the policy RL started from: KL 0 at the first step only.
+    A 5-step warm-up answers nothing right, so a response cut at max_new_tokens is
+    penalised (algorithm.overlong): groups then carry a signal and the steps move the
+    policy, without the 150 warm-up steps that some right answers would take.
     The weights go point to point with the bytes through shared memory (transport p2p_shm; the
     other jobs here use ipc), through a DDMA group whose store trainer rank 0 binds to
     loopback: no listener of the job beyond it (torch's tcp:// rendezvous listened on
@@ -144,7 +147,7 @@ def test_sync_job_trains_on_exactly_the_sampled_distribution(tmp_path):
     res, listening = _run_listening(
         *SHORT,
         "rollout.weight_sync.transport=p2p_shm",
-        "sft.steps=150",  # some answers right (~6%), so most batches have a gradient
+        "algorithm.overlong=penalise",  # the cut responses' rewards: batches have a gradient
         "rl.steps=3",
         "rl.mode=sync",
         "rl.eval_every=0",

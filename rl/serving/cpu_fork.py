@@ -3,8 +3,8 @@
 Why: SGLang sets the ``spawn`` start method, so each of a server's child processes starts
 a fresh interpreter and imports SGLang, transformers and torch again, paid on every
 server start of a job or a test. A forked child inherits the parent's imports: a tiny
-server here is ready in 17 s instead of 25 s, with 2.8 GB instead of 3.6 GB of peak RSS
-over its processes (tools/bench/server_start.py). Spawn is SGLang's choice for CUDA
+server here is ready in 18.0 s instead of 27.5 s, with 2.8 GB instead of 3.6 GB of peak
+RSS over its processes (tools/bench/server_start.py). Spawn is SGLang's choice for CUDA
 (a CUDA context does not survive fork); a CPU server has none, and the parent has started
 no thread pool by then (it has only imported modules and parsed its arguments).
 

@@ -29,6 +29,7 @@ from pathlib import Path
 
 from rl.serving.cpu_batch_invariant import BATCH_INVARIANT_ENV
 from rl.serving.cpu_fork import FORK_ENV
+from rl.serving.model_modules import skip_unused
 
 STUB = '''"""Stub of vllm._custom_ops written by rl/serving/cpu_shim.py (see its header).
 
@@ -45,20 +46,24 @@ def rotary_embedding(*args, **kwargs):
 
 
 # Run by Python at the start of every process of a CPU server (the shim's directory comes
-# first on its path): per-request sampling seeds (rl/serving/cpu_seeds.py), for a
+# first on its path): no Megatron-Core import (rl/serving/cpu_no_megatron.py),
+# per-request sampling seeds (rl/serving/cpu_seeds.py), for a
 # deterministic run batch-invariant products (rl/serving/cpu_batch_invariant.py), no
 # semaphore left behind
 # (rl/serving/server_footprint.py), and child processes forked, not spawned
 # (rl/serving/cpu_fork.py).
-SITE = '''"""Written by rl/serving/cpu_shim.py: runs rl/serving/cpu_seeds.py,
-rl/serving/server_footprint.py, rl/serving/cpu_fork.py, and
+SITE = '''"""Written by rl/serving/cpu_shim.py: runs rl/serving/cpu_no_megatron.py,
+rl/serving/cpu_seeds.py, rl/serving/server_footprint.py, rl/serving/cpu_fork.py, and
 rl/serving/cpu_batch_invariant.py when the launcher asked for it."""
 
 try:
-    from rl.serving import cpu_batch_invariant, cpu_fork, cpu_seeds, server_footprint
+    from rl.serving import (
+        cpu_batch_invariant, cpu_fork, cpu_no_megatron, cpu_seeds, server_footprint
+    )
 except ImportError:
     pass
 else:
+    cpu_no_megatron.install()
     cpu_seeds.install()
     cpu_batch_invariant.install()
     server_footprint.install()
@@ -90,12 +95,14 @@ def server_env(
     env: dict[str, str],
     threads: int | None = None,
     batch_invariant: bool = False,
+    model_path: str | None = None,
 ) -> dict[str, str]:
     """The environment for one SGLang server process on ``device``.
 
     ``threads`` caps the server's intra-op threads (OMP/MKL); None keeps torch's default
     (all cores). ``batch_invariant``: pad small products (rl/generator/
-    cpu_batch_invariant.py)."""
+    cpu_batch_invariant.py). ``model_path``: the checkpoint, whose architectures are the
+    only model modules the server imports (rl/serving/model_modules.py)."""
     out = dict(env)
     # This checkout, for the DDMA receiver SGLang imports as a custom weight loader.
     paths = [str(Path(__file__).resolve().parents[2])]
@@ -112,4 +119,6 @@ def server_env(
     if batch_invariant:
         out[BATCH_INVARIANT_ENV] = "1"
     out.setdefault(FORK_ENV, "1")  # MSRL_SGLANG_FORK=0 in the environment: spawn, as SGLang
+    if model_path is not None:
+        skip_unused(out, model_path)
     return out

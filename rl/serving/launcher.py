@@ -52,6 +52,9 @@ GUARD = Path(__file__).with_name("server_guard.py")
 INIT_METHOD_ENV = "SGLANG_DISTRIBUTED_INIT_METHOD_OVERRIDE"
 # How long a stopping server may drain before its process group is SIGKILLed.
 STOP_GRACE_S = 20.0
+# The longest wait between two /health polls of a starting server: a server is ready about
+# a second after it says so, and a poll is one local request.
+POLL_MAX_S = 0.5
 # Starts of a server on fresh ports when its port was taken before it could bind.
 PORT_ATTEMPTS = 3
 
@@ -365,7 +368,8 @@ class ServerLauncher:
         """The environment server ``s`` starts with."""
         env = {**os.environ, **self.config.env}
         env = server_env(self.config.device, self._shim, env, self.config.threads,
-                         batch_invariant=self.config.batch_invariant)  # fmt: skip
+                         batch_invariant=self.config.batch_invariant,
+                         model_path=self.config.model_path)  # fmt: skip
         # The scheduler's torch.distributed store for the server's own ranks, all on this
         # node: a file, fresh for each start, through SGLang's override of its init
         # method. SGLang's default, tcp://127.0.0.1:<port>, made torch's TCPStore listen
@@ -403,7 +407,7 @@ class ServerLauncher:
                 s.key_file.unlink(missing_ok=True)
                 return
             time.sleep(delay)
-            delay = min(delay * 1.5, 2.0)
+            delay = min(delay * 1.5, POLL_MAX_S)
         raise s.error(f"not healthy after server.startup_timeout={self.config.startup_timeout}s")
 
     def restart(self, index: int) -> Server:

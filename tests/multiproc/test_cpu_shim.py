@@ -30,3 +30,32 @@ def test_cpu_shim_only_touches_cpu_servers(tmp_path):
         [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
     )
     assert "CPU-shim stub" in res.stdout
+
+
+def test_a_cpu_server_imports_neither_megatron_nor_other_model_modules(tmp_path):
+    """A CPU server's processes cannot import Megatron-Core (SGLang's debug dumper would
+    import it and wandb: rl/serving/cpu_no_megatron.py), and SGLang's registry skips every
+    model module but the checkpoint's (rl/serving/model_modules.py); both can be undone."""
+    from rl.serving.model_modules import DISABLED_ENV
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text('{"architectures": ["Qwen3MoeForCausalLM"]}')
+    env = server_env("cpu", tmp_path / "shim", {}, model_path=str(model))
+    skipped = env[DISABLED_ENV].split(",")
+    assert "qwen3_moe" not in skipped and "transformers" not in skipped
+    assert {"llama", "qwen3", "qwen2_moe", "deepseek_v2"} <= set(skipped)
+    assert DISABLED_ENV not in server_env("cuda", tmp_path / "shim", {}, model_path=str(model))
+    assert (
+        server_env("cpu", tmp_path / "shim", {DISABLED_ENV: "x"}, model_path=str(model))[
+            DISABLED_ENV
+        ]
+        == "x"
+    )  # a user's own list stands
+
+    probe = "import importlib.util, megatron.core\nprint('imported')\n"
+    blocked = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True)
+    assert blocked.returncode != 0 and "a CPU server's shim" in blocked.stderr
+    env["MSRL_SGLANG_MEGATRON"] = "1"
+    allowed = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True)
+    assert allowed.returncode == 0 and "imported" in allowed.stdout, allowed.stderr[-2000:]

@@ -260,7 +260,8 @@ class RLRun:
             self.save(step, str(self.out / "checkpoint"), ledger.held)
 
     def _counters(self) -> dict[str, float]:
-        """Server restarts, reward failures and timeouts, messages rejected, so far."""
+        """The run's totals at this step: server restarts, reward failures and timeouts,
+        rejected messages."""
         assert self.recovery is not None
         return {
             **self.recovery.stats(), "channel_rejected": float(rejected_total()),

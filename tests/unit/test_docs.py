@@ -58,11 +58,15 @@ import importlib.util
 import json
 import re
 import shlex
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import pytest
+
+if TYPE_CHECKING:
+    from omegaconf import DictConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 DOC_FILES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -315,7 +319,7 @@ STANDIN_CONFIG = {
 }
 
 
-def _leaves(node: Any, key: str = ""):
+def _leaves(node: object, key: str = "") -> Iterator[tuple[str, object]]:
     if isinstance(node, dict):
         for k, v in node.items():
             yield from _leaves(v, f"{key}.{k}" if key else str(k))
@@ -346,7 +350,7 @@ def _missing(value: str) -> bool:
     return not glob.glob(str(p))
 
 
-def missing_inputs(cfg: Any) -> list[str]:
+def missing_inputs(cfg: DictConfig) -> list[str]:
     """The composed config's inputs missing here (``run.output_dir`` is an output)."""
     from omegaconf import OmegaConf
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 from abc import abstractmethod
 from collections import OrderedDict
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from rl.ddma.transport import Inbound, Link, Route, Sending, Transport
@@ -30,28 +31,39 @@ if TYPE_CHECKING:
     from rl.ddma.relay import Fanout, Relaying
 
 
+@dataclass(frozen=True, kw_only=True)
+class Hop:
+    """One version over one DDMA group ``pg`` as one rank moves it: ``plan`` (a relay plan
+    for a relayed sync), this rank's index there (``rank``: a source rank sending, a
+    destination rank receiving), the group ranks at the other end (``peers``), and, for a
+    server rank of a relay sync, its ``replica`` and the group ranks it forwards to."""
+
+    plan: Plan
+    rank: int
+    version: int
+    dtype: torch.dtype
+    pg: dist.ProcessGroup | None
+    peers: Sequence[int]
+    device: str | torch.device
+    replica: int = 0
+    forward_to: Sequence[int] = ()
+
+
 class GroupTransport(Transport):
     """Point to point over DDMA groups (see the module)."""
 
     overlaps = True
 
     @abstractmethod
-    def send_over(
-        self, plan: Plan, src_rank: int, shards: wire.SrcGetter, version: int,
-        dtype: torch.dtype, pg: dist.ProcessGroup | None, dst_ranks: Sequence[int],
-        device: str | torch.device,
-    ) -> TransferStats:  # fmt: skip
-        """Send this trainer rank's buckets of ``plan`` to the group ranks ``dst_ranks``; a
-        rank that fails is reported in ``lost`` (or raises :class:`TransferError`)."""
+    def send_over(self, hop: Hop, shards: wire.SrcGetter) -> TransferStats:
+        """Send this trainer rank's buckets of ``hop.plan`` to the group ranks ``hop.peers``;
+        a rank that fails is reported in ``lost`` (or raises :class:`TransferError`)."""
 
     @abstractmethod
-    def receive_over(
-        self, plan: Plan, dst_rank: int, tensors: wire.DstGetter, version: int,
-        dtype: torch.dtype, pg: dist.ProcessGroup | None, src_ranks: Sequence[int],
-        device: str | torch.device, replica: int, dst_ranks: Sequence[int],
-    ) -> TransferStats:  # fmt: skip
-        """Receive, verify and scatter this server rank's buckets into ``tensors`` (in a
-        relay plan as ``replica``, forwarding to its children among ``dst_ranks``)."""
+    def receive_over(self, hop: Hop, tensors: wire.DstGetter) -> TransferStats:
+        """Receive, verify and scatter this server rank's buckets into ``tensors`` from
+        ``hop.peers`` (in a relay plan as ``hop.replica``, forwarding to its children among
+        ``hop.forward_to``)."""
 
     def groups(self, servers: list[int], relaying: Relaying) -> list[list[int]]:
         return [servers] if relaying.kind != "none" else [[i] for i in servers]
@@ -87,10 +99,11 @@ class GroupTransport(Transport):
         # Where the buckets land (bucket_device): on a GPU only when both ends are.
         device = group.local(str(ctl.get("device", "cpu")))
         inbound.writing()
-        self.receive_over(_relay_plan(plan, route), inbound.rank, inbound.into,
-                          inbound.version, inbound.dtype, group.find(ctl["group"]),
-                          list(range(plan.src.world)), device, replica,
-                          route.dst_ranks(plan))  # fmt: skip
+        hop = Hop(plan=_relay_plan(plan, route), rank=inbound.rank, version=inbound.version,
+                  dtype=inbound.dtype, pg=group.find(ctl["group"]),
+                  peers=list(range(plan.src.world)), device=device, replica=replica,
+                  forward_to=route.dst_ranks(plan))  # fmt: skip
+        self.receive_over(hop, inbound.into)
         return [b.index for b in plan.receives(inbound.rank)]
 
 
@@ -149,9 +162,10 @@ class GroupSending(Sending):
         for name, route, members in self.transport.routes(plan, self.where, which,
                                                           link.relaying):  # fmt: skip
             try:
-                s = self.transport.send_over(route.plan(plan), link.rank, shards, version,
-                                             link.dtype, self.groups[name],
-                                             route.dst_ranks(plan), link.device)  # fmt: skip
+                hop = Hop(plan=route.plan(plan), rank=link.rank, version=version,
+                          dtype=link.dtype, pg=self.groups[name], peers=route.dst_ranks(plan),
+                          device=link.device)  # fmt: skip
+                s = self.transport.send_over(hop, shards)
             except TransferError as e:  # p2p_shm: a server could not map the rings
                 lost += members
                 total.error = total.error or str(e)

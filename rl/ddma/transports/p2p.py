@@ -7,18 +7,13 @@ through host memory. The only transport whose servers relay buckets to other ser
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from rl.ddma.grouped import GroupTransport
+from rl.ddma.grouped import GroupTransport, Hop
 
 if TYPE_CHECKING:
-    import torch
-    import torch.distributed as dist
-
     from rl.ddma import wire
     from rl.ddma.engine import TransferStats
-    from rl.ddma.plan import Plan
 
 
 class P2P(GroupTransport):
@@ -26,24 +21,18 @@ class P2P(GroupTransport):
     summary = "point to point over a process group (gloo, or NCCL GPU to GPU); any hosts"
     relays = True
 
-    def send_over(
-        self, plan: Plan, src_rank: int, shards: wire.SrcGetter, version: int,
-        dtype: torch.dtype, pg: dist.ProcessGroup | None, dst_ranks: Sequence[int],
-        device: str | torch.device,
-    ) -> TransferStats:  # fmt: skip
+    def send_over(self, hop: Hop, shards: wire.SrcGetter) -> TransferStats:
         from rl.ddma import engine
 
-        return engine.send(plan, src_rank, shards, version, dtype, pg, dst_ranks, device)
+        return engine.send(hop.plan, hop.rank, shards, hop.version, hop.dtype, hop.pg,
+                           hop.peers, hop.device)  # fmt: skip
 
-    def receive_over(
-        self, plan: Plan, dst_rank: int, tensors: wire.DstGetter, version: int,
-        dtype: torch.dtype, pg: dist.ProcessGroup | None, src_ranks: Sequence[int],
-        device: str | torch.device, replica: int, dst_ranks: Sequence[int],
-    ) -> TransferStats:  # fmt: skip
+    def receive_over(self, hop: Hop, tensors: wire.DstGetter) -> TransferStats:
         from rl.ddma import engine
 
-        return engine.receive(plan, dst_rank, tensors, version, dtype, pg, src_ranks, device,
-                              replica=replica, dst_ranks=dst_ranks)  # fmt: skip
+        return engine.receive(hop.plan, hop.rank, tensors, hop.version, hop.dtype, hop.pg,
+                              hop.peers, hop.device, replica=hop.replica,
+                              dst_ranks=hop.forward_to)  # fmt: skip
 
 
 TRANSPORT = P2P()

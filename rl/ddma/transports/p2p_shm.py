@@ -8,18 +8,13 @@ relayed: every server maps the trainer ranks' rings itself.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from rl.ddma.grouped import GroupTransport
+from rl.ddma.grouped import GroupTransport, Hop
 
 if TYPE_CHECKING:
-    import torch
-    import torch.distributed as dist
-
     from rl.ddma import wire
     from rl.ddma.engine import TransferStats
-    from rl.ddma.plan import Plan
 
 
 class P2PShm(GroupTransport):
@@ -28,25 +23,19 @@ class P2PShm(GroupTransport):
     one_host = True
     host_buckets = True
 
-    def send_over(
-        self, plan: Plan, src_rank: int, shards: wire.SrcGetter, version: int,
-        dtype: torch.dtype, pg: dist.ProcessGroup | None, dst_ranks: Sequence[int],
-        device: str | torch.device,
-    ) -> TransferStats:  # fmt: skip
+    def send_over(self, hop: Hop, shards: wire.SrcGetter) -> TransferStats:
         from rl.ddma import shm
 
-        return shm.send(plan, src_rank, shards, version, dtype, pg, dst_ranks, device)
+        return shm.send(hop.plan, hop.rank, shards, hop.version, hop.dtype, hop.pg, hop.peers,
+                        hop.device)  # fmt: skip
 
-    def receive_over(
-        self, plan: Plan, dst_rank: int, tensors: wire.DstGetter, version: int,
-        dtype: torch.dtype, pg: dist.ProcessGroup | None, src_ranks: Sequence[int],
-        device: str | torch.device, replica: int, dst_ranks: Sequence[int],
-    ) -> TransferStats:  # fmt: skip
+    def receive_over(self, hop: Hop, tensors: wire.DstGetter) -> TransferStats:
         from rl.ddma import shm
 
-        if replica or len(dst_ranks) > plan.dst.tp:
+        if hop.replica or len(hop.forward_to) > hop.plan.dst.tp:
             raise ValueError(f"a relay sync runs over a relaying transport, not {self.name}")
-        return shm.receive(plan, dst_rank, tensors, version, dtype, pg, src_ranks, device)
+        return shm.receive(hop.plan, hop.rank, tensors, hop.version, hop.dtype, hop.pg,
+                           hop.peers, hop.device)  # fmt: skip
 
 
 TRANSPORT = P2PShm()

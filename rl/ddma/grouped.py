@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 
 
 @dataclass(frozen=True, kw_only=True)
-class Hop:
+class GroupHop:
     """One version over one DDMA group ``pg`` as one rank moves it: ``plan`` (a relay plan
     for a relayed sync), this rank's index there (``rank``: a source rank sending, a
     destination rank receiving), the group ranks at the other end (``peers``), and, for a
@@ -55,12 +55,12 @@ class GroupTransport(Transport):
     overlaps = True
 
     @abstractmethod
-    def send_over(self, hop: Hop, shards: wire.SrcGetter) -> TransferStats:
+    def send_over(self, hop: GroupHop, shards: wire.SrcGetter) -> TransferStats:
         """Send this trainer rank's buckets of ``hop.plan`` to the group ranks ``hop.peers``;
         a rank that fails is reported in ``lost`` (or raises :class:`TransferError`)."""
 
     @abstractmethod
-    def receive_over(self, hop: Hop, tensors: wire.DstGetter) -> TransferStats:
+    def receive_over(self, hop: GroupHop, tensors: wire.DstGetter) -> TransferStats:
         """Receive, verify and scatter this server rank's buckets into ``tensors`` from
         ``hop.peers`` (in a relay plan as ``hop.replica``, forwarding to its children among
         ``hop.forward_to``)."""
@@ -99,7 +99,7 @@ class GroupTransport(Transport):
         # Where the buckets land (bucket_device): on a GPU only when both ends are.
         device = group.local(str(ctl.get("device", "cpu")))
         inbound.writing()
-        hop = Hop(plan=_relay_plan(plan, route), rank=inbound.rank, version=inbound.version,
+        hop = GroupHop(plan=_relay_plan(plan, route), rank=inbound.rank, version=inbound.version,
                   dtype=inbound.dtype, pg=group.find(ctl["group"]),
                   peers=list(range(plan.src.world)), device=device, replica=replica,
                   forward_to=route.dst_ranks(plan))  # fmt: skip
@@ -162,7 +162,7 @@ class GroupSending(Sending):
         for name, route, members in self.transport.routes(plan, self.where, which,
                                                           link.relaying):  # fmt: skip
             try:
-                hop = Hop(plan=route.plan(plan), rank=link.rank, version=version,
+                hop = GroupHop(plan=route.plan(plan), rank=link.rank, version=version,
                           dtype=link.dtype, pg=self.groups[name], peers=route.dst_ranks(plan),
                           device=link.device)  # fmt: skip
                 s = self.transport.send_over(hop, shards)

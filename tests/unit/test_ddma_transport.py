@@ -14,7 +14,7 @@ import torch
 
 from rl.config import ConfigError
 from rl.ddma import transport, transports, wire
-from rl.ddma.grouped import GroupTransport, Hop
+from rl.ddma.grouped import GroupHop, GroupTransport
 from rl.ddma.plan import DstLayout, SrcLayout, make_plan
 from rl.ddma.staged import Slots, StagedTransport
 from rl.generator.weight_payload import serialize, use_file_system_sharing
@@ -133,6 +133,6 @@ def test_p2p_shm_refuses_a_relay_plan():
     t = transport.get("p2p_shm")
     assert isinstance(t, GroupTransport)
     with pytest.raises(ValueError, match="relay sync runs over a relaying transport, not p2p_shm"):
-        hop = Hop(plan=PLAN, rank=0, version=1, dtype=torch.float32, pg=None, peers=[0],
+        hop = GroupHop(plan=PLAN, rank=0, version=1, dtype=torch.float32, pg=None, peers=[0],
                   device="cpu", replica=1, forward_to=[1, 2])  # fmt: skip
         t.receive_over(hop, lambda n: torch.empty(0))

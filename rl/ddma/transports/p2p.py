@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from rl.ddma.grouped import GroupTransport, Hop
+from rl.ddma.grouped import GroupHop, GroupTransport
 
 if TYPE_CHECKING:
     from rl.ddma import wire
@@ -21,13 +21,13 @@ class P2P(GroupTransport):
     summary = "point to point over a process group (gloo, or NCCL GPU to GPU); any hosts"
     relays = True
 
-    def send_over(self, hop: Hop, shards: wire.SrcGetter) -> TransferStats:
+    def send_over(self, hop: GroupHop, shards: wire.SrcGetter) -> TransferStats:
         from rl.ddma import engine
 
         return engine.send(hop.plan, hop.rank, shards, hop.version, hop.dtype, hop.pg,
                            hop.peers, hop.device)  # fmt: skip
 
-    def receive_over(self, hop: Hop, tensors: wire.DstGetter) -> TransferStats:
+    def receive_over(self, hop: GroupHop, tensors: wire.DstGetter) -> TransferStats:
         from rl.ddma import engine
 
         return engine.receive(hop.plan, hop.rank, tensors, hop.version, hop.dtype, hop.pg,

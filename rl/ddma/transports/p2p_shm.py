@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from rl.ddma.grouped import GroupTransport, Hop
+from rl.ddma.grouped import GroupHop, GroupTransport
 
 if TYPE_CHECKING:
     from rl.ddma import wire
@@ -23,13 +23,13 @@ class P2PShm(GroupTransport):
     one_host = True
     host_buckets = True
 
-    def send_over(self, hop: Hop, shards: wire.SrcGetter) -> TransferStats:
+    def send_over(self, hop: GroupHop, shards: wire.SrcGetter) -> TransferStats:
         from rl.ddma import shm
 
         return shm.send(hop.plan, hop.rank, shards, hop.version, hop.dtype, hop.pg, hop.peers,
                         hop.device)  # fmt: skip
 
-    def receive_over(self, hop: Hop, tensors: wire.DstGetter) -> TransferStats:
+    def receive_over(self, hop: GroupHop, tensors: wire.DstGetter) -> TransferStats:
         from rl.ddma import shm
 
         if hop.replica or len(hop.forward_to) > hop.plan.dst.tp:

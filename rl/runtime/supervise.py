@@ -165,8 +165,7 @@ class Supervisor:
 
     def _keep(self) -> frozenset[int]:
         """Descendants that are not the job's (the ranks and what carries their mark are)."""
-        pid = tree.resource_tracker_pid()
-        keep = {pid} if pid is not None else set()
+        keep = set(tree.multiprocessing_servers())
         ranks = self._pids()
         for p in tree.descendants():
             if p.pid in ranks:

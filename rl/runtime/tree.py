@@ -90,9 +90,15 @@ def reap(keep: frozenset[int] = frozenset()) -> None:
                     os.waitpid(p.pid, os.WNOHANG)
 
 
-def resource_tracker_pid() -> int | None:
-    """This process's multiprocessing resource tracker: it exits by itself once every
-    holder of its pipe is gone, and killing it early makes it warn about leaks."""
-    from multiprocessing import resource_tracker
+def multiprocessing_servers() -> frozenset[int]:
+    """This process's multiprocessing helpers, which outlive each job: the resource
+    tracker (it exits by itself once every holder of its pipe is gone, and killing it early
+    makes it warn about leaks) and the fork server the CPU ranks are forked from
+    (:mod:`rl.runtime.preload`; it exits when this process does)."""
+    from multiprocessing import forkserver, resource_tracker
 
-    return getattr(resource_tracker._resource_tracker, "_pid", None)
+    pids = (
+        getattr(resource_tracker._resource_tracker, "_pid", None),
+        getattr(forkserver._forkserver, "_forkserver_pid", None),
+    )
+    return frozenset(p for p in pids if p is not None)

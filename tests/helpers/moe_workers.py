@@ -229,8 +229,9 @@ def _forward_loss(dispatcher: str) -> float:
 
 
 def patch_checks() -> dict:
-    """One rank (spawned with ``setup=False``): the MoE failures without the three MoE
-    patches, then each patch applied twice, then the same calls with them applied."""
+    """One rank, spawned ``fresh`` with ``setup=False`` (nothing patched): the MoE failures
+    without the three MoE patches, then each patch applied twice, then the same calls with
+    them applied."""
     from datetime import timedelta
 
     import torch.distributed as dist

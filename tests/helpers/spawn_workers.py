@@ -28,6 +28,22 @@ def _leave_children(run_dir: str, rank: int) -> None:
     _KEEP.append(manager)  # alive past this frame
 
 
+def started_as(var: str) -> dict:
+    """What a rank found when its function began: ``var`` in its environment, whether
+    Megatron-Core was imported and patched already, and whether its parent is the
+    launcher's fork server."""
+    import megatron_patches
+    from rl.runtime import tree
+
+    return {
+        "value": os.environ.get(var),
+        "megatron": "megatron.core" in sys.modules,
+        "patched": bool(megatron_patches.applied()),
+        "parent": os.getppid(),
+        "servers": sorted(tree.multiprocessing_servers()),
+    }
+
+
 def fail(run_dir: str, victim: int, how: str) -> int:
     """Rank ``victim`` dies ``how`` after printing a line; the others wait (as ranks in a
     collective would) and would finish only after 120 s."""

@@ -24,7 +24,7 @@ RTOL = 1e-5
 
 @pytest.fixture(scope="module")
 def checks() -> dict:
-    return spawn(patch_checks, 1, setup=False)[0]
+    return spawn(patch_checks, 1, setup=False, fresh=True)[0]  # nothing patched yet
 
 
 def test_without_the_moe_patches_moe_fails(checks: dict) -> None:

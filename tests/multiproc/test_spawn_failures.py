@@ -16,7 +16,7 @@ import pytest
 
 from rl.runtime import tree
 from rl.runtime.launch import RankFailed, spawn
-from tests.helpers.spawn_workers import fail, finish_leaving_children
+from tests.helpers.spawn_workers import fail, finish_leaving_children, started_as
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -69,7 +69,7 @@ def test_a_dying_rank_fails_the_job_in_seconds_with_its_name_and_last_lines(tmp_
     # The victim's Manager and grandchild (orphans once it died) went with it.
     assert len(_children(tmp_path)) == 2
     _assert_gone(_children(tmp_path))
-    assert not tree.descendants(frozenset({tree.resource_tracker_pid() or -1}))
+    assert not tree.descendants(tree.multiprocessing_servers())
 
 
 def test_a_finished_job_returns_at_once_and_leaves_nothing(tmp_path):
@@ -78,6 +78,24 @@ def test_a_finished_job_returns_at_once_and_leaves_nothing(tmp_path):
     assert time.monotonic() - t0 < 20
     assert len(_children(tmp_path)) == 4
     _assert_gone(_children(tmp_path))
+
+
+def test_cpu_ranks_fork_ready_with_the_launchers_environment_of_now(monkeypatch):
+    """CPU ranks come from the fork server with Megatron imported and patched, yet see the
+    launcher's environment as it is when they start, not as it was when the server did."""
+    var = "MSRL_TEST_RANK_ENV"
+    monkeypatch.setenv(var, "before")
+    spawn(started_as, 1, var)  # the fork server is up, with "before" in its environment
+    monkeypatch.setenv(var, "now")
+    forked = spawn(started_as, 2, var, setup=False)
+    assert [r["value"] for r in forked] == ["now", "now"]
+    assert all(r["megatron"] and r["patched"] for r in forked), forked
+    assert all(r["parent"] == forked[0]["parent"] for r in forked)
+    monkeypatch.delenv(var)
+    (fresh,) = spawn(started_as, 1, var, setup=False, fresh=True)
+    assert fresh["value"] is None  # unset in the launcher: unset in the rank
+    assert not fresh["megatron"] and not fresh["patched"]
+    assert fresh["parent"] == os.getpid()
 
 
 def _waiting_job(run_dir: Path) -> subprocess.Popen:
@@ -116,6 +134,24 @@ def test_a_signal_to_the_launcher_stops_every_rank_with_one_line(tmp_path, sig, 
     )
     assert took < 5, took
     _assert_gone([p.pid for p in ranks] + _children(tmp_path))
+
+
+def test_a_launcher_killed_alone_takes_its_ranks_with_it(tmp_path):
+    """SIGKILL to the launcher only (no handler runs): its fork server sees it gone and
+    exits, and each rank, forked from that server, gets SIGTERM from the kernel, and its
+    Manager goes with it. (A plain grandchild outlives it: no subreaper is left to sweep.)"""
+    proc = _waiting_job(tmp_path)
+    sleepers = {int(f.read_text().split()[1]) for f in tmp_path.glob("children.*")}
+    job = [p.pid for p in psutil.Process(proc.pid).children(recursive=True)]
+    assert len(job) >= 9  # resource tracker, fork server, 3 ranks, their Managers, sleepers
+    proc.kill()
+    proc.wait(timeout=10)  # not communicate(): the sleepers hold its output pipes open
+    try:
+        _assert_gone([p for p in job if p not in sleepers], timeout=10)
+    finally:
+        for pid in sleepers:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                psutil.Process(pid).kill()
 
 
 def test_a_job_killed_whole_leaves_nothing_in_dev_shm(tmp_path):

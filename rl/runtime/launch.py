@@ -191,6 +191,17 @@ def _leave_fork_server() -> None:
     server._forkserver_alive_fd = server._forkserver_address = server._forkserver_pid = None
 
 
+def _title_settable() -> None:
+    """Let setproctitle find, now, the memory it writes a process title into: it looks
+    where the environment sits after argv, and once the environment is replaced (as
+    :func:`_child` does next) it finds none, so a rank's title ("msrl:trainer:1") never
+    showed. Optional: without setproctitle ranks keep their command line."""
+    with contextlib.suppress(ImportError):
+        import setproctitle
+
+        setproctitle.getproctitle()
+
+
 def _child(
     env: dict[str, str],  # the launcher's environment now, not the fork server's at its start
     rank: int,
@@ -208,6 +219,7 @@ def _child(
     mark: str = "",
 ) -> None:
     _leave_fork_server()
+    _title_settable()
     os.environ.clear()
     os.environ.update(env)
     # A group of its own: a terminal's Ctrl-C goes to the launcher alone, which then ends

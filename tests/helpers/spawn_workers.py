@@ -31,11 +31,16 @@ def _leave_children(run_dir: str, rank: int) -> None:
 def started_as(var: str) -> dict:
     """What a rank found when its function began: ``var`` in its environment, whether
     Megatron-Core was imported and patched already, and whether its parent is the
-    launcher's fork server."""
+    launcher's fork server; and its command line once it titled itself as rl.train's
+    ranks do (``ps`` shows the title)."""
+    import setproctitle
+
     import megatron_patches
     from rl.runtime import tree
 
+    setproctitle.setproctitle("msrl:test:0")
     return {
+        "title": Path("/proc/self/cmdline").read_bytes().split(b"\0")[0].decode(),
         "value": os.environ.get(var),
         "megatron": "megatron.core" in sys.modules,
         "patched": bool(megatron_patches.applied()),

@@ -91,11 +91,12 @@ def test_cpu_ranks_fork_ready_with_the_launchers_environment_of_now(monkeypatch)
     assert [r["value"] for r in forked] == ["now", "now"]
     assert all(r["megatron"] and r["patched"] for r in forked), forked
     assert all(r["parent"] == forked[0]["parent"] for r in forked)
+    assert all(r["title"] == "msrl:test:0" for r in forked)
     monkeypatch.delenv(var)
     (fresh,) = spawn(started_as, 1, var, setup=False, fresh=True)
     assert fresh["value"] is None  # unset in the launcher: unset in the rank
     assert not fresh["megatron"] and not fresh["patched"]
-    assert fresh["parent"] == os.getpid()
+    assert fresh["parent"] == os.getpid() and fresh["title"] == "msrl:test:0"
 
 
 def _waiting_job(run_dir: Path) -> subprocess.Popen:

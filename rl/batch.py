@@ -33,6 +33,7 @@ class TrainBatch:
     # rl/algorithms/reuse.py); None with one update per batch, where pi_old is pi.
     old_logprobs: torch.Tensor | None = None
     values: torch.Tensor | None = None  # [B, S] a critic's value of each token (GAE)
+    returns: torch.Tensor | None = None  # [B, S] the critic's regression targets (GAE)
 
     @property
     def rows(self) -> int:

@@ -26,6 +26,7 @@ from rl.config import ConfigError, composition_error
 from rl.config.prelaunch import prelaunch
 from rl.config.schema import RootConfig
 from rl.config.validate import validate
+from rl.critic import settings as critic_checks
 from rl.ddma import plan, transport
 from rl.models.checks import validate_model, validate_trainer
 from rl.tasks import checks as task_checks
@@ -45,7 +46,9 @@ def check(cfg: RootConfig, world_size: int | None = None) -> None:
     validate_trainer(cfg.trainer, cfg.model)
     validate(cfg, world_size)
     task_checks.check(cfg)
-    algorithms.check_config(cfg.algorithm, cfg.rollout.sampling.max_new_tokens)
+    critic_checks.check(cfg)
+    critic = bool(cfg.critic.enabled)
+    algorithms.check_config(cfg.algorithm, cfg.rollout.sampling.max_new_tokens, critic)
     plan.check_config(cfg)
     transport.check(cfg)
 

@@ -76,6 +76,12 @@ def run(cfg: RootConfig) -> dict[str, float | None]:
 
             serve_generator(gen.settings(cfg), job, model_path=partial(gen.model_path, cfg))
             return {}
+        if job.role == "critic":
+            from rl.critic import settings as critic
+            from rl.critic.service import serve as serve_critic
+
+            serve_critic(critic.settings(cfg), job)
+            return {}
         from rl.reward.service import serve as serve_reward
 
         serve_reward(cfg.reward, job, output_dir=cfg.run.output_dir)

@@ -126,7 +126,8 @@ def loss_from_config(a: AlgorithmConfig, max_response_tokens: int = 0) -> LossFn
 
 
 def with_advantages(a: AlgorithmConfig, batch: TrainBatch) -> tuple[TrainBatch, dict[str, float]]:
-    """``batch`` with the advantages of the estimator ``a`` names, and the step's figures: the
+    """``batch`` with the advantages of the estimator ``a`` names (and a critic's returns,
+    from an estimator that gives them), and the step's figures: the
     estimator's own and the advantages' mean, std and zero fraction over the loss-mask tokens,
     each as ``adv_<name>``."""
     from rl.algorithms.estimator import summary
@@ -134,9 +135,10 @@ def with_advantages(a: AlgorithmConfig, batch: TrainBatch) -> tuple[TrainBatch, 
     batch.require("loss_mask")
     assert batch.loss_mask is not None
     e = estimator(a)
-    adv, stats, _returns = e.estimate(a.advantage, a, batch)
+    adv, stats, returns = e.estimate(a.advantage, a, batch)
     figures = {**stats, **summary(adv, batch.loss_mask)}
-    return replace(batch, advantages=adv), {f"adv_{k}": v for k, v in figures.items()}
+    batch = replace(batch, advantages=adv, returns=returns)
+    return batch, {f"adv_{k}": v for k, v in figures.items()}
 
 
 def check_config(a: AlgorithmConfig, max_response_tokens: int, critic: bool = False) -> None:
@@ -160,3 +162,8 @@ def check_config(a: AlgorithmConfig, max_response_tokens: int, critic: bool = Fa
         ok, what = provided[need]
         if not ok:
             raise ConfigError(f"{chosen_as} needs {what}")
+    if critic and "values" not in e.needs:
+        raise ConfigError(
+            f"critic.enabled=true but {chosen_as} uses no critic: the critic learns the "
+            "returns of an estimator that uses its values (algorithm/advantage=gae)"
+        )

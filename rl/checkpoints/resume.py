@@ -32,6 +32,13 @@ class ResumePoint:
     # The controller's rollout state saved with the checkpoint (rl/controller/rollout_state.py),
     # relative to the run dir; None in states written before it was saved.
     rollouts: str | None = None
+    # Other executors' checkpoints of the same step (a critic's), kept, recovered and
+    # replaced exactly as ``checkpoint`` is.
+    companions: tuple[str, ...] = ()
+
+    @property
+    def checkpoints(self) -> tuple[str, ...]:
+        return (self.checkpoint, *self.companions)
 
 
 class ResumeError(ValueError):
@@ -56,17 +63,20 @@ def read(out_dir: str | os.PathLike, mode: str = "auto") -> ResumePoint | None:
             "or rl.resume=auto to continue that run"
         )
     try:
-        point = ResumePoint(**json.loads(path.read_text()))
+        fields = json.loads(path.read_text())
+        fields["companions"] = tuple(fields.get("companions", ()))
+        point = ResumePoint(**fields)
     except (json.JSONDecodeError, TypeError) as e:
         raise ResumeError(f"{path}: unreadable resume state ({e}); delete it to start over") from e
-    try:  # a kill mid-save leaves the recorded checkpoint under .old, or a .tmp behind
-        for what in ckpt_files.recover(point.checkpoint, point.step):
-            print(f"resume: {what}", flush=True)
-    except FileNotFoundError:
-        raise ResumeError(
-            f"{path}: step {point.step}'s checkpoint {point.checkpoint!r} is missing or "
-            "incomplete; delete the state file to start over"
-        ) from None
+    for ckpt in point.checkpoints:
+        try:  # a kill mid-save leaves the recorded checkpoint under .old, or a .tmp behind
+            for what in ckpt_files.recover(ckpt, point.step):
+                print(f"resume: {what}", flush=True)
+        except FileNotFoundError:
+            raise ResumeError(
+                f"{path}: step {point.step}'s checkpoint {ckpt!r} is missing or "
+                "incomplete; delete the state file to start over"
+            ) from None
     if point.rollouts is not None and not (Path(out_dir) / point.rollouts).is_file():
         raise ResumeError(
             f"{path}: step {point.step}'s rollout state {point.rollouts!r} is missing; "
@@ -78,12 +88,14 @@ def read(out_dir: str | os.PathLike, mode: str = "auto") -> ResumePoint | None:
 def write(out_dir: str | os.PathLike, point: ResumePoint) -> None:
     """Record ``point`` atomically (after its checkpoint is complete on disk); then the
     checkpoint it replaces (``<checkpoint>.old``) goes."""
-    ckpt_files.mark(point.checkpoint, point.step)  # first: read() tells the two apart
+    for ckpt in point.checkpoints:  # first: read() tells the two apart
+        ckpt_files.mark(ckpt, point.step)
     path = Path(out_dir) / STATE
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(asdict(point), indent=1) + "\n")
     os.replace(tmp, path)
-    ckpt_files.drop_previous(point.checkpoint)
+    for ckpt in point.checkpoints:
+        ckpt_files.drop_previous(ckpt)
 
 
 def describe(out_dir: str | os.PathLike) -> str:

@@ -1,6 +1,6 @@
 """Where a LoRA checkpoint's frozen base lives, and proof that it is the same base.
 
-A LoRA checkpoint (rl/trainer/checkpoint.py) saves the adapters and their optimizer state
+A LoRA checkpoint (rl/engine/checkpoint.py) saves the adapters and their optimizer state
 only: the base weights never change while the adapters train, so writing them into every
 checkpoint would copy the whole model each time (16 GB at 8B in bf16, for ~100 MB of
 adapters). Instead its common state names the base checkpoint it was trained on:

@@ -167,6 +167,22 @@ class TrainerConfig:
 
 
 @dataclass
+class CriticConfig:
+    """The critic executor (rl/critic): a scalar-head copy of the policy's architecture on
+    ranks of its own (``critic.trainer``: its layout, batch, optimizer and dtype), trained
+    on each RL batch beside the policy with the clipped value loss; its values of every
+    token are what ``algorithm/advantage=gae`` needs. Off unless a ``critic=`` preset
+    (conf/critic/) turns it on."""
+
+    enabled: bool = False
+    # policy: the policy's weights as the RL stage starts (its warm-up's checkpoint), with
+    # a fresh scalar head
+    init: str = "policy"
+    clip: float | None = 0.2  # the value loss's clip around the scored values; null: none
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+
+
+@dataclass
 class TaskConfig:
     """What the loop trains and evaluates on (rl/tasks): the fields every task has. Each
     task's module in rl/tasks/kinds/ subclasses this with its own fields, and ``task=<name>``
@@ -422,6 +438,9 @@ class RLConfig:
     # (1: greedy pass@1 only).
     eval_k: int = 1
     save_hf: bool = False  # also export each RL checkpoint as an HF directory
+    # Every step's batch as the trainer got it (tokens, masks, rewards, a critic's values)
+    # to <run.output_dir>/batches/step_NNNNNN.pt: torch.load(path) gives a dict of tensors.
+    save_batches: bool = False
     log_every: int = 1
     save_interval: int = 0  # RL checkpoints every N steps (0: at the end only)
     # auto: a run dir holding a resume point (rl_state.json: the last RL checkpoint, its
@@ -544,6 +563,7 @@ class RootConfig:
     sft: SFTConfig = field(default_factory=SFTConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     env: EnvConfig = field(default_factory=EnvConfig)
     rl: RLConfig = field(default_factory=RLConfig)
@@ -569,4 +589,5 @@ def register() -> None:
     cs.store(group="rollout", name="rollout_schema", node=RolloutConfig)
     cs.store(group="algorithm", name="algorithm_schema", node=AlgorithmConfig)
     cs.store(group="cluster", name="cluster_schema", node=ClusterConfig)
+    cs.store(group="critic", name="critic_schema", node=CriticConfig)
     _REGISTERED = True

@@ -22,6 +22,7 @@ from rl.tasks import build_task
 
 if TYPE_CHECKING:
     from rl.config.schema import RootConfig
+    from rl.critic.service import CriticHandle
     from rl.generator.service import GeneratorHandle
     from rl.reward.service import RewardHandle
     from rl.runtime.job import Job
@@ -49,7 +50,7 @@ def controller(cfg: RootConfig, job: Job) -> dict[str, float | None]:
                         resume_step=after, wandb_run=WandbRun.from_config(cfg),
                         redo_phases=redo)  # fmt: skip
     trainer = TrainerHandle(job)
-    handles: list[TrainerHandle | GeneratorHandle | RewardHandle] = [trainer]
+    handles: list[TrainerHandle | GeneratorHandle | RewardHandle | CriticHandle] = [trainer]
     try:
         ready = trainer.wait_ready(log)  # the warm-up's lines are logged as it runs
         if cfg.rl.steps == 0:
@@ -60,6 +61,9 @@ def controller(cfg: RootConfig, job: Job) -> dict[str, float | None]:
             return {"warmup_accuracy": acc if acc is not None else float("nan")}
         gen, reward = GeneratorHandle(job), RewardHandle(job)
         handles += [gen, reward]
+        critic = _critic(cfg, job, ready.begin, point)
+        if critic is not None:
+            handles.append(critic)
         task = build_task(cfg)  # the controller's one task (the executors' are their own)
         run = RLRun(
             cfg,
@@ -67,6 +71,7 @@ def controller(cfg: RootConfig, job: Job) -> dict[str, float | None]:
             trainer,
             gen,
             reward=reward,
+            critic=critic,
             log=log,
             warmup_accuracy=ready.warmup_accuracy,
             point=point,
@@ -83,3 +88,18 @@ def controller(cfg: RootConfig, job: Job) -> dict[str, float | None]:
         for handle in handles:
             handle.stop()
         log.close()
+
+
+def _critic(
+    cfg: RootConfig, job: Job, policy: str | None, point: resume.ResumePoint | None
+) -> CriticHandle | None:
+    """The critic, started from the policy's starting weights (a fresh head), or from its
+    own checkpoint of the resumed step; None without one."""
+    if not cfg.critic.enabled:
+        return None
+    from rl.critic.service import CriticHandle
+    from rl.critic.settings import checkpoint_of
+
+    critic = CriticHandle(job)
+    critic.init(policy, checkpoint_of(point.checkpoint) if point is not None else None)
+    return critic

@@ -8,7 +8,8 @@ A step, in order (:meth:`RLRun.step` is these calls):
    thread while the last step trained;
 2. ask the prefetch thread for the next step's batch (not across a save: a save snapshots
    the stream);
-3. train on the batch (the trainer computes the advantages and the loss);
+3. train on the batch (the trainer computes the advantages and the loss); with a critic,
+   first its values of the batch, then it trains on the batch while the policy does;
 4. in lockstep (``rl.deterministic``), wait for the round's last segments;
 5. push the new weights into every live server (DDMA) as the next version; the weight
    sync's listeners hear of it (see :data:`LISTENERS`);
@@ -45,6 +46,8 @@ from rl.controller.recovery import ServerRecovery
 from rl.controller.rollouts import Group, RolloutStream, StreamState
 from rl.controller.staleness import StalenessGate
 from rl.controller.weight_sync import SyncResult, WeightSync
+from rl.critic.service import with_values
+from rl.critic.settings import checkpoint_of
 from rl.runtime.channel import rejected_total
 from rl.tasks import Task
 
@@ -52,6 +55,7 @@ if TYPE_CHECKING:
     from concurrent.futures import Future
 
     from rl.config.schema import RootConfig
+    from rl.critic.service import CriticHandle
     from rl.generator.client import GeneratorClient
     from rl.generator.service import GeneratorHandle
     from rl.metrics import MetricsLogger
@@ -123,8 +127,10 @@ class RLRun:
         log: MetricsLogger,
         warmup_accuracy: float | None,
         point: resume.ResumePoint | None = None,
+        critic: CriticHandle | None = None,
     ) -> None:
         self.cfg, self.task, self.trainer, self.gen, self.reward = cfg, task, trainer, gen, reward
+        self.critic = critic
         self.log, self.warmup_accuracy, self.point = log, warmup_accuracy, point
         self.out, self.steps = Path(cfg.run.output_dir), cfg.rl.steps
         self.first = point.step + 1 if point else 1
@@ -245,7 +251,10 @@ class RLRun:
             t_train = time.perf_counter()
             if step < self.steps and not self._saves(step):  # 2.
                 self.fetch.request(version + 1)  # the version this step's push publishes
-            m.update(self.trainer.train(step, batch))  # 3.
+            batch = self._critic_step(step, batch, m)  # 3.
+            m.update(self.trainer.train(step, batch))
+            if self.critic is not None:
+                m.update(self.critic.trained())
             m["round_wait_s"] = self.stream.finish_round()  # 4. (0 outside lockstep)
             t_push = time.perf_counter()
             m.update(self.push().metrics())  # 5. listeners: route, stream
@@ -258,6 +267,17 @@ class RLRun:
         if self._saves(step):  # 10. a resume point follows every record up to its step
             self.books.drain()
             self.save(step, str(self.out / "checkpoint"), ledger.held)
+
+    def _critic_step(self, step: int, batch: TrainBatch, m: dict[str, float]) -> TrainBatch:
+        """With a critic: the batch with its values, and the critic's step on it sent (it
+        trains while the policy does; :meth:`step` collects it)."""
+        if self.critic is None:
+            return batch
+        t0 = time.perf_counter()
+        batch = with_values(batch, self.critic.values(batch))
+        m["critic_values_s"] = time.perf_counter() - t0
+        self.critic.train(step, batch)
+        return batch
 
     def _counters(self) -> dict[str, float]:
         """The run's totals at this step: server restarts, reward failures and timeouts,
@@ -319,6 +339,8 @@ class RLRun:
         if ev is not None:
             self.log.log(step, ev, phase="rl_eval", echo=False)
         echo = step % self.cfg.rl.log_every == 0 or step == self.steps
+        if self.cfg.rl.save_batches:
+            save_batch(self.out / "batches" / f"step_{step:06d}.pt", batch)
         m = {**m, **batch_metrics(groups, batch, self.cfg.reward.pass_threshold)}
         self.log.log(step, m, phase="rl", echo=echo, show=SHOW)
 
@@ -332,10 +354,12 @@ class RLRun:
         then the resume point naming both."""
         assert self.stream is not None, "save before setup"
         self.trainer.save(path, export_hf=self.cfg.rl.save_hf, step=step)
+        companions = (self.critic.save(checkpoint_of(path)),) if self.critic is not None else ()
         state = rollout_state.save(self.out, step, held or self.stream.snapshot())
         point = resume.ResumePoint(
-            step, path, self.start_accuracy, self.warmup_accuracy, rollouts=state
-        )
+            step, path, self.start_accuracy, self.warmup_accuracy, rollouts=state,
+            companions=companions,
+        )  # fmt: skip
         resume.write(self.out, point)
         rollout_state.prune(self.out, keep=state)
 
@@ -366,3 +390,13 @@ def batch_metrics(groups: list[Group], batch: TrainBatch, threshold: float) -> d
     out.update({f"reward_{k}": sum(v) / len(v) for k, v in extra.items()})
     out.update(episode_metrics([r for g in groups for r in g.rollouts]))
     return out
+
+
+def save_batch(path: Path, batch: TrainBatch) -> None:
+    """``rl.save_batches``: the batch's tensors by field name, written atomically."""
+    import torch
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    torch.save(batch.tensors(), tmp)
+    tmp.replace(path)

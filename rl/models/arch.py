@@ -41,6 +41,11 @@ GATE_UP = "gate_up"  # [gate ; up]; each TP shard is [gate_r ; up_r]
 ROW = "row"  # TP splits dim 1 (row-parallel linear)
 VOCAB = "vocab"  # TP splits dim 0 of the padded vocabulary
 
+# A model with a scalar head (a reward model, a critic) is named by HF's class for one:
+# ``LlamaForSequenceClassification`` is ``LlamaForCausalLM``'s decoder with a ``score``
+# linear of one output in place of the LM head.
+CAUSAL, SCORE = "ForCausalLM", "ForSequenceClassification"
+
 EMBED = "embedding.word_embeddings.weight"
 OUTPUT = "output_layer.weight"
 FINAL_NORM = "decoder.final_layernorm.weight"
@@ -92,6 +97,11 @@ class Dims:
     shared_ffn: int = 0  # the shared expert's intermediate size (0: none)
     shared_gate: bool = False  # a sigmoid gate on the shared expert's output
     arch: str = "LlamaForCausalLM"
+
+    @property
+    def score_head(self) -> bool:
+        """A scalar head (``score.weight``, ``[1, hidden]``) in place of the LM head."""
+        return has_score_head(self.arch)
 
     @classmethod
     def of(cls, m: ModelShape) -> Dims:
@@ -241,7 +251,12 @@ def global_tensors(d: Dims) -> list[TensorSpec]:
         TensorSpec(FINAL_NORM, ("model.norm.weight",), "model.norm.weight", REPLICATED, shape=_norm,
                    per_layer=False),
     ]  # fmt: skip
-    if not d.tied:
+    if d.score_head:  # replicated: one row, on every TP rank whole
+        out.append(
+            TensorSpec(OUTPUT, ("score.weight",), None, REPLICATED, shape=lambda d: (1, d.hidden),
+                       per_layer=False)
+        )  # fmt: skip
+    elif not d.tied:
         out.append(
             TensorSpec(
                 OUTPUT, ("lm_head.weight",), "lm_head.weight", VOCAB, shape=vocab, per_layer=False
@@ -269,6 +284,17 @@ def for_expert(name: str, e: int) -> str:
 def template(key: str) -> str:
     """``mlp.experts.3.linear_fc1.weight`` -> ``mlp.experts.{e}.linear_fc1.weight``."""
     return _EXPERT_INDEX.sub(".experts.{e}.", key, count=1)
+
+
+def has_score_head(architecture: str) -> bool:
+    return architecture.endswith(SCORE)
+
+
+def causal_class(architecture: str) -> str:
+    """The family's own (causal LM) class of an HF class name with either head."""
+    if has_score_head(architecture):
+        return architecture[: -len(SCORE)] + CAUSAL
+    return architecture
 
 
 # ------------------------------------------------------------------ shape arithmetic
@@ -322,3 +348,8 @@ class Arch:
 
     def tensors(self, d: Dims) -> list[TensorSpec]:
         return decoder_tensors(d)
+
+    @property
+    def score_class(self) -> str:
+        """The HF class of this family's decoder with a scalar head."""
+        return self.hf_class[: -len(CAUSAL)] + SCORE

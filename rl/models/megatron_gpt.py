@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from megatron_patches import cuda_to_cpu
 from rl.config.dtypes import torch_dtype
+from rl.models.arch import has_score_head
 from rl.models.shapes import kv_channels, padded_vocab_size, sequence_parallel
 
 if TYPE_CHECKING:  # Megatron is imported only after megatron_patches.apply_all
@@ -173,10 +174,13 @@ def build_gpt(
     """The model chunk for this pipeline stage (all layers of the stage, one chunk).
 
     ``initialize=False`` skips random init (weights are about to be overwritten, e.g. by a
-    checkpoint converter), which matters for large models on CPU.
+    checkpoint converter), which matters for large models on CPU. A scalar-head
+    architecture (``*ForSequenceClassification``) gets a :mod:`rl.models.score_head` in
+    place of the LM head, and outputs ``[b, s, 1]`` values.
     """
     from megatron.core.models.gpt import GPTModel
 
+    score = has_score_head(m.architecture)
     rs = m.rope_scaling  # validate_model checked it against Megatron's fixed constants
     config = transformer_config(m, t, initialize)
     # Tied embeddings under PP move the shared weight with .cuda() while building.
@@ -189,12 +193,16 @@ def build_gpt(
             pre_process=pre_process,
             post_process=post_process,
             parallel_output=True,
-            share_embeddings_and_output_weights=m.tie_embeddings,
+            share_embeddings_and_output_weights=m.tie_embeddings and not score,
             position_embedding_type="rope",
             rotary_base=int(m.rotary_base),
             rope_scaling=rs is not None,
             rope_scaling_factor=rs.factor if rs is not None else 8.0,
             pg_collection=pg_collection,
         )
+    if score:
+        from rl.models import score_head
+
+        score_head.attach(model, m.init_method_std, t.seed)
     norms_in_compute_dtype(model, config.params_dtype)
     return model

@@ -10,7 +10,7 @@ from __future__ import annotations
 from functools import cache
 
 from rl.models import families
-from rl.models.arch import Arch, Dims, TensorSpec, spec_numel
+from rl.models.arch import Arch, Dims, TensorSpec, causal_class, spec_numel
 from rl.plugins import discover
 
 
@@ -29,7 +29,9 @@ def supported() -> str:
 
 
 def get(hf_class: str, field: str = "model.architecture") -> Arch:
-    arch = architectures().get(hf_class)
+    """The family of an HF class name, with the LM head or a scalar one
+    (``LlamaForSequenceClassification`` is the llama family's)."""
+    arch = architectures().get(causal_class(hf_class))
     if arch is None:
         raise UnknownArchitecture(
             f"{field}={hf_class!r} is not supported (supported: {supported()})"

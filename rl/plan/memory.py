@@ -3,7 +3,7 @@
 Why: a layout that does not fit is found out at step 1 on a few hundred GPUs, after the
 queue wait and minutes of start-up. These estimates are deliberately simple, each term a
 formula over the config (below), so a reader can check them by hand; they model what this
-project's trainer actually builds (rl/models/megatron_gpt.py, rl/trainer/trainer.py).
+project's trainer actually builds (rl/models/megatron_gpt.py, rl/engine/trainer.py).
 
 Trainer GPU of pipeline stage p (P = its parameters, on this TP rank):
 
@@ -68,7 +68,7 @@ if TYPE_CHECKING:
 
 GIB = 1 << 30
 MIB = 1 << 20
-GRAD_BYTES = 4  # rl/trainer/trainer.py: DistributedDataParallelConfig(grad_reduce_in_fp32=True)
+GRAD_BYTES = 4  # rl/engine/trainer.py: DistributedDataParallelConfig(grad_reduce_in_fp32=True)
 TRAINER_OVERHEAD = 4 * GIB  # CUDA context, NCCL communicators, allocator fragmentation
 # SGLang 0.5's static-memory heuristic (sglang/srt/arg_groups/memory_hook.py) on an 80 GB
 # GPU: 512 MiB + 1.5 MiB per chunked-prefill token (8192) + tp/8 GiB + 2 MiB per CUDA-graph

@@ -217,6 +217,14 @@ def place(cfg: RootConfig) -> Placement:
         node_of[g] = nodes[0]
     for i, rank in enumerate(roles.ranks("reward")):
         node_of[rank] = first_gen + i % gen_nodes if split and gen_nodes else 0
+    critic = roles.ranks("critic")
+    refuse(
+        not (critic and (gpus or split)),
+        f"critic.enabled=true with {len(critic)} critic ranks: the planner places a critic on "
+        "one CPU node only (its GPUs and memory are not planned yet)",
+    )
+    for rank in critic:
+        node_of[rank] = 0
     return Placement(
         cluster=c.name,
         nodes=c.nodes,
@@ -240,6 +248,8 @@ def check_cpus(cfg: RootConfig, placement: Placement) -> dict[int, int]:
             node = placement.node_of[rank]
             if role == "trainer":
                 busy[node] += cfg.trainer.threads_per_rank
+            elif role == "critic":
+                busy[node] += cfg.critic.trainer.threads_per_rank
             elif role == "reward":
                 busy[node] += 1 + cfg.reward.workers
             else:

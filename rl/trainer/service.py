@@ -26,8 +26,8 @@ from typing import TYPE_CHECKING, Protocol, TypeVar
 import torch
 
 from rl.batch import TrainBatch
+from rl.engine.determinism import deterministic_kernels
 from rl.runtime.channel import Failed
-from rl.trainer.determinism import deterministic_kernels
 from rl.trainer.settings import TrainerSettings
 
 if TYPE_CHECKING:
@@ -102,6 +102,7 @@ class Log:
 class Ready:
     warmup_accuracy: float | None
     checkpoint: str | None  # where the warm-up was saved
+    begin: str | None = None  # the checkpoint the RL stage's policy started from
 
 
 @dataclass
@@ -205,8 +206,8 @@ def serve(
     answer = reply.put if lead else (lambda msg: None)
     try:
         log = _ChannelLog(reply) if lead else MetricsLogger("", enabled=False)
-        tr, ref, acc, ckpt = start(log)
-        answer(Ready(acc, ckpt))
+        tr, ref, acc, ckpt, begin = start(log)
+        answer(Ready(acc, ckpt, begin))
         a, rollout = settings.algorithm, settings.rollout
         loss_fn = loss_from_config(a, rollout.sampling.max_new_tokens)
         reuse = Reuse(a.epochs, a.minibatches, t.seed)

@@ -24,18 +24,20 @@ from rl.trainer.settings import TrainerSettings
 
 if TYPE_CHECKING:
     from rl.config.schema import RootConfig
-    from rl.trainer.trainer import MegatronTrainer
+    from rl.engine.trainer import MegatronTrainer
     from rl.trainer.warmup import MetricsSink
 
 
 class Start(NamedTuple):
-    """The RL stage's trainer, its frozen KL reference (None without a KL penalty), and
-    the warm-up's final accuracy and checkpoint (None without one)."""
+    """The RL stage's trainer, its frozen KL reference (None without a KL penalty), the
+    warm-up's final accuracy and checkpoint (None without one), and the checkpoint the RL
+    stage's policy started from (None: a fresh initialisation)."""
 
     policy: MegatronTrainer
     reference: MegatronTrainer | None
     warmup_accuracy: float | None
     checkpoint: str | None
+    begin: str | None = None
 
 
 def settings(cfg: RootConfig) -> TrainerSettings:
@@ -54,8 +56,8 @@ def start(cfg: RootConfig, log: MetricsSink) -> Start:
     fresh trainer (optimizer state and LR schedule of its own) loaded from the warm-up,
     and, with a KL penalty, a frozen copy of that starting policy as the reference."""
     from rl.checkpoints import resume
+    from rl.engine.trainer import build_trainer
     from rl.tasks import build_task
-    from rl.trainer.trainer import build_trainer
     from rl.trainer.warmup import evaluator, supervised_warmup
 
     s = settings(cfg)
@@ -78,7 +80,7 @@ def start(cfg: RootConfig, log: MetricsSink) -> Start:
         acc = supervised_warmup(tr, task, sft, log, score, ckpt, t.save_interval)
         tr.save(ckpt)
         if warm_only:
-            return Start(tr, None, acc, ckpt)
+            return Start(tr, None, acc, ckpt, ckpt)
         del tr
         gc.collect()
         begin = ckpt
@@ -99,7 +101,7 @@ def start(cfg: RootConfig, log: MetricsSink) -> Start:
     elif begin:  # the warm-up's optimizer state is not RL's (t.load_optimizer: a load_dir's)
         tr.load(begin, t.load_optimizer and begin == t.load_dir)
     tr.temperature = temperature
-    return Start(tr, ref, acc, ckpt)
+    return Start(tr, ref, acc, ckpt, begin)
 
 
 def _from_hf(s: TrainerSettings) -> str:

@@ -27,7 +27,7 @@ from rl.tasks.scoring import RewardFn, ScoreItem, call
 
 if TYPE_CHECKING:
     from rl.config.schema import RewardConfig, SFTConfig
-    from rl.trainer.trainer import MegatronTrainer
+    from rl.engine.trainer import MegatronTrainer
 
 
 class MetricsSink(Protocol):

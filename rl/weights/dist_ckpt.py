@@ -3,7 +3,7 @@
 Model weights are stored as sharded tensors with their global shapes, so a checkpoint
 written at TP=2/PP=2 loads at TP=1/PP=1 (or any other layout). Next to the tensors, the
 common state carries a format version and the model config, which a reader checks against
-the model it builds. The trainer (rl/trainer/checkpoint.py, which adds optimizer state) and
+the model it builds. The trainer (rl/engine/checkpoint.py, which adds optimizer state) and
 the converters (rl/weights/convert.py) both write through :func:`write`: a sibling
 temporary directory that rank 0 renames once every rank has written, so a crash never
 leaves a half-written checkpoint under the final name. Every read goes through torch

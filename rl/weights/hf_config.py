@@ -21,7 +21,7 @@ from typing import Any
 
 from rl.config.schema import ModelConfig, RopeScalingConfig
 from rl.models import registry
-from rl.models.arch import Arch
+from rl.models.arch import Arch, has_score_head
 from rl.models.hf_fields import HFConfigError, fail, flag, positive_float, positive_int, required
 
 __all__ = ["HFConfigError", "hf_config_from_model", "model_config_from_hf", "supported"]
@@ -109,6 +109,21 @@ def _rope(hf: dict) -> tuple[float, RopeScalingConfig | None]:
     )
 
 
+def _head(hf: dict, arch: Arch) -> str:
+    """The model's HF class: the family's causal LM, or its scalar-head class, whose one
+    label is the score (HF's default of two labels is a classifier, not a reward model)."""
+    if not has_score_head(hf["architectures"][0]):
+        return arch.hf_class
+    labels = hf.get("id2label") or {}
+    n = len(labels) if isinstance(labels, dict) and labels else hf.get("num_labels", 2)
+    if n != 1:
+        fail(
+            f"num_labels={n} (id2label) is not supported for {arch.score_class}: a reward "
+            "model or critic has one label, its score (num_labels=1)"
+        )
+    return arch.score_class
+
+
 def model_config_from_hf(
     hf: dict, name: str = "hf", make_vocab_size_divisible_by: int = 128
 ) -> ModelConfig:
@@ -145,7 +160,7 @@ def model_config_from_hf(
     theta, scaling = _rope(hf)
     fields: dict[str, Any] = dict(
         name=name,
-        architecture=arch.hf_class,
+        architecture=_head(hf, arch),
         num_layers=ints["num_hidden_layers"],
         hidden_size=hidden,
         ffn_hidden_size=ints["intermediate_size"],
@@ -201,8 +216,9 @@ def hf_config_from_model(
             "original_max_position_embeddings": int(rs.original_max_position_embeddings),
         }
 
+    head = architecture or m.architecture
     out: dict[str, Any] = {
-        "architectures": [arch.hf_class],
+        "architectures": [arch.score_class if has_score_head(head) else arch.hf_class],
         "model_type": arch.model_type,
         "hidden_size": m.hidden_size,
         "intermediate_size": m.ffn_hidden_size,
@@ -219,6 +235,8 @@ def hf_config_from_model(
         "rope_parameters": rope,
         **arch.to_hf(m),
     }
+    if has_score_head(head):
+        out.update(id2label={"0": "LABEL_0"}, label2id={"LABEL_0": 0})
     out["torch_dtype"] = dtype
     out["dtype"] = dtype
     out.update(extra or {})

@@ -22,7 +22,7 @@ def steps_rank(
 ) -> dict:
     """A fresh trainer from ``ckpt``: ``len(batches)`` Adam steps; what they left."""
     from rl.algorithms.losses import nll_loss
-    from rl.trainer.determinism import deterministic_kernels
+    from rl.engine.determinism import deterministic_kernels
 
     if deterministic:
         deterministic_kernels(device)

@@ -20,8 +20,8 @@ def lora_steps(ckpt: str, m, dtype: str, batches: list[TrainBatch], device: str)
     from rl.compose import compose
     from rl.ddma.megatron_source import shard_getter, shard_map, source_rank
     from rl.ddma.plan import plan_for
+    from rl.engine.trainer import build_trainer
     from rl.models import lora
-    from rl.trainer.trainer import build_trainer
 
     cfg = compose(["trainer.tp=1", "trainer.pp=1", "trainer.micro_batch_size=1",
                    f"trainer.global_batch_size={batches[0].tokens.shape[0]}",

@@ -24,7 +24,7 @@ FP8_BLOCK = 16  # divides this model's query groups (32 rows) and MLP (176 rows)
 
 def _trainer(ckpt: str, m, dtype: str, rows: int, device: str):
     from rl.compose import compose
-    from rl.trainer.trainer import build_trainer
+    from rl.engine.trainer import build_trainer
 
     cfg = compose(["trainer.tp=1", "trainer.pp=1", "trainer.micro_batch_size=1",
                    f"trainer.global_batch_size={rows}", f"trainer.params_dtype={dtype}",

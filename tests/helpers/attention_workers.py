@@ -130,8 +130,8 @@ def module_cases() -> dict:
 
 def _trainer(overrides: list[str], old_norms: bool):
     from rl.compose import compose
+    from rl.engine.trainer import build_trainer
     from rl.models import megatron_gpt
-    from rl.trainer.trainer import build_trainer
 
     batching = ["trainer.micro_batch_size=2", "trainer.global_batch_size=4"]
     optim = ["trainer.optim.lr=1e-2", "trainer.optim.warmup_steps=0"]

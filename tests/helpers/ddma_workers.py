@@ -176,8 +176,8 @@ def train_then_sync(
     from rl.compose import compose
     from rl.ddma.megatron_source import shard_getter, source_rank
     from rl.ddma.plan import DstLayout, SrcLayout, make_plan
+    from rl.engine.trainer import build_trainer
     from rl.generator.ddma_target import SGLangTarget
-    from rl.trainer.trainer import build_trainer
     from rl.weights.keymap import Dims
 
     world = dist.get_world_size()

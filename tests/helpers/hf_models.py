@@ -43,9 +43,12 @@ def tiny_models() -> dict[str, Arch]:
 KINDS = tuple(tiny_models())
 
 
-def make_model(kind: str, path: Path, dtype: torch.dtype = torch.float32, seed: int = 0) -> Path:
+def make_model(
+    kind: str, path: Path, dtype: torch.dtype = torch.float32, seed: int = 0, score: bool = False
+) -> Path:
     """The tiny random model ``kind`` (a family's ``Arch.tiny``: the shared tiny shape, the
-    MoE shape for an MoE family, then the kind's own fields), saved in ``path``.
+    MoE shape for an MoE family, then the kind's own fields), saved in ``path``; with
+    ``score``, the family's ``*ForSequenceClassification`` of one label (a reward model).
 
     Expert weights are random (transformers 5 initialises its stacked expert parameters with
     normal(0, initializer_range)); norms and biases get the random perturbation below."""
@@ -54,8 +57,10 @@ def make_model(kind: str, path: Path, dtype: torch.dtype = torch.float32, seed: 
     arch = tiny_models()[kind]
     torch.manual_seed(seed)
     fields = {**SHAPES, **(MOE_SHAPES if arch.moe else {}), **arch.tiny[kind]}
+    if score:
+        fields.update(num_labels=1, pad_token_id=0)
     conf = transformers.AutoConfig.for_model(arch.model_type, **fields)
-    model = getattr(transformers, arch.hf_class)(conf)
+    model = getattr(transformers, arch.score_class if score else arch.hf_class)(conf)
     with torch.no_grad():  # random, non-trivial norms and biases (defaults are 1 and 0)
         for name, p in model.named_parameters():
             if name.endswith("norm.weight") or name.endswith(".bias"):

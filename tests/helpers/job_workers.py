@@ -9,7 +9,7 @@ def checkpoint_logits(hf_dir: str, ckpt: str, tokens, extra: list[str]):
     """Logits of the Megatron checkpoint ``ckpt`` (of the model in ``hf_dir``) at TP=1."""
     from rl.checks import resolve_model
     from rl.compose import compose
-    from rl.trainer.trainer import build_trainer
+    from rl.engine.trainer import build_trainer
 
     rows = tokens.shape[0]
     cfg = compose([f"model.hf_checkpoint={hf_dir}", "trainer.tp=1", *extra,

@@ -1,13 +1,22 @@
-"""Process checks for the tests: did every process of a server's group go away?"""
+"""Process checks for the tests: did every process of a server's group go away? And a
+tagged RL job run as a user runs it, for the tests that stop or kill one."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
+import sys
+import threading
 import time
+import uuid
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 
 import psutil
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def live_group_members(pgid: int) -> list[str]:
@@ -108,3 +117,79 @@ def assert_tagged_gone(key: str, value: str, timeout: float = 5.0) -> None:
     while alive := live_tagged(key, value):
         assert time.monotonic() < deadline, f"processes of the job outlived it: {alive}"
         time.sleep(0.2)
+
+
+class TaggedJob:
+    """One `python -m rl.train *args` in a session of its own, every process of it tagged
+    in its environment (``key``); its output read as it comes."""
+
+    def __init__(self, out: Path, args: list[str], key: str):
+        self.tag, self.key = uuid.uuid4().hex, key
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "rl.train", *args, f"run.output_dir={out}"],
+            cwd=ROOT,
+            env={**os.environ, "PYTHONPATH": str(ROOT), key: self.tag},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
+        self.out: list[str] = []
+        self.err: list[str] = []
+        self._readers = [
+            threading.Thread(target=self._read, args=(s, acc), daemon=True)
+            for s, acc in ((self.proc.stdout, self.out), (self.proc.stderr, self.err))
+        ]
+        for t in self._readers:
+            t.start()
+
+    @staticmethod
+    def _read(stream, acc: list[str]) -> None:
+        for line in stream:
+            acc.append(line.rstrip("\n"))
+
+    def wait_for(self, pred, what: str, timeout: float = 600) -> None:
+        deadline = time.monotonic() + timeout
+        while not pred():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.kill()
+                pytest.fail(f"{what}: not reached\n" + "\n".join(self.err[-40:]))
+            time.sleep(0.2)
+
+    def ended(self, timeout: float) -> float:
+        """Seconds until the top process exited (fails past ``timeout``)."""
+        t0 = time.monotonic()
+        try:
+            self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            pytest.fail(f"the job did not end within {timeout}s of the stop")
+        took = time.monotonic() - t0
+        for t in self._readers:
+            t.join(5)
+        return took
+
+    def kill(self) -> None:
+        for p in psutil.process_iter():
+            try:
+                if p.environ().get(self.key) == self.tag:
+                    p.kill()
+            except psutil.Error:
+                pass
+
+    def rank(self, title: str) -> psutil.Process:
+        for p in psutil.Process(self.proc.pid).children(recursive=True):
+            try:
+                if " ".join(p.cmdline()).startswith(title):
+                    return p
+            except psutil.Error:
+                continue
+        raise AssertionError(f"no process titled {title!r}")
+
+
+def state_step(out: Path) -> int:
+    """The RL step of the run's resume point (-1: none yet)."""
+    try:
+        return int(json.loads((out / "rl_state.json").read_text())["step"])
+    except (OSError, ValueError, KeyError):
+        return -1

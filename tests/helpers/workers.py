@@ -35,7 +35,7 @@ def run_layout(
     """
     from rl.algorithms.losses import nll_loss
     from rl.compose import compose
-    from rl.trainer.trainer import build_trainer
+    from rl.engine.trainer import build_trainer
 
     cfg = compose(overrides)
     tr = build_trainer(cfg.model, cfg.trainer, total_steps=max(len(batches), 1))
@@ -71,23 +71,39 @@ def run_layout(
     return res
 
 
+def convert_then_load(
+    hf_dir: str, out: str, m, tp: int, pp: int, dtype: str, rows: int, ep: int, more: tuple = ()
+):
+    """Convert HF -> Megatron on this world, then load it into a frozen trainer (``more``:
+    further trainer overrides)."""
+    from rl.compose import compose
+    from rl.engine.trainer import build_trainer
+    from rl.weights.convert import hf_to_mcore_rank
+
+    summary = hf_to_mcore_rank(hf_dir, out, m, tp, pp, dtype, ep)
+    overrides = [f"trainer.tp={tp}", f"trainer.pp={pp}", "trainer.micro_batch_size=1"]
+    overrides += [f"trainer.ep={ep}", f"trainer.dp={ep}"]
+    overrides += [f"trainer.global_batch_size={rows}", f"trainer.params_dtype={dtype}", *more]
+    tr = build_trainer(m, compose(overrides).trainer, total_steps=1, frozen=True)
+    tr.load(out, load_optimizer=False)
+    return tr, summary
+
+
+def convert_then_values(
+    hf_dir: str, out: str, m, tp: int, pp: int, dtype: str, tokens, more: tuple = ()
+):
+    """A scalar-head model's values ``[B, S]`` after conversion at this layout."""
+    tr, _ = convert_then_load(hf_dir, out, m, tp, pp, dtype, tokens.shape[0], 1, more)
+    assert tr.config.sequence_parallel == ("trainer.sequence_parallel=true" in more)
+    return tr.values(TrainBatch(tokens))
+
+
 def convert_then_logits(
     hf_dir: str, out: str, m, tp: int, pp: int, dtype: str, tokens, temps: tuple = (), ep: int = 1
 ):
     """Convert HF -> Megatron on this world, then load it into a trainer and return logits
     (and per-token log-probs at each temperature in ``temps``)."""
-    from rl.compose import compose
-    from rl.trainer.trainer import build_trainer
-    from rl.weights.convert import hf_to_mcore_rank
-
-    summary = hf_to_mcore_rank(hf_dir, out, m, tp, pp, dtype, ep)
-    rows = tokens.shape[0]
-    overrides = [f"trainer.tp={tp}", f"trainer.pp={pp}", "trainer.micro_batch_size=1"]
-    overrides += [f"trainer.ep={ep}", f"trainer.dp={ep}"]
-    overrides += [f"trainer.global_batch_size={rows}", f"trainer.params_dtype={dtype}"]
-    cfg = compose(overrides)
-    tr = build_trainer(m, cfg.trainer, total_steps=1)
-    tr.load(out, load_optimizer=False)
+    tr, summary = convert_then_load(hf_dir, out, m, tp, pp, dtype, tokens.shape[0], ep)
     logprobs = {}
     for t in temps:
         tr.temperature = t
@@ -102,7 +118,7 @@ def budget_parity(overrides: list[str], batch: dict, budget: int) -> dict:
     how many micro-batches this rank ran."""
     from rl.algorithms.losses import nll_loss
     from rl.compose import compose
-    from rl.trainer.trainer import build_trainer
+    from rl.engine.trainer import build_trainer
 
     res: dict = {}
     for name, extra in (("plain", []), ("budget", [f"trainer.max_tokens_per_microbatch={budget}"])):
@@ -132,7 +148,7 @@ def reuse_steps(overrides: list[str], batch: TrainBatch, epochs: int, minibatche
     from rl.algorithms.registry import loss_from_config
     from rl.algorithms.reuse import Reuse
     from rl.compose import compose
-    from rl.trainer.trainer import build_trainer
+    from rl.engine.trainer import build_trainer
 
     cfg = compose(overrides)
     reuse = Reuse(epochs, minibatches, cfg.trainer.seed)
@@ -142,3 +158,28 @@ def reuse_steps(overrides: list[str], batch: TrainBatch, epochs: int, minibatche
     loss = loss_from_config(cfg.algorithm, cfg.rollout.sampling.max_new_tokens)
     m = tr.train_batch(sampled, loss, reuse, step=3)
     return {"before": before, "after": tr.logprobs(batch), "metrics": m, "step": tr.step}
+
+
+def critic_steps(
+    overrides: list[str], batches: list[TrainBatch], clip: float, init: str, save: bool
+) -> dict:
+    """A scalar-head model at the layout of ``overrides``, saved to (``save``) or loaded
+    from the checkpoint ``init``, trained one step per batch with the clipped value loss;
+    its losses and its values of the first batch before and after."""
+    from rl.algorithms.value_loss import clipped_value_loss
+    from rl.compose import compose
+    from rl.engine.trainer import build_trainer
+
+    cfg = compose(overrides)
+    tr = build_trainer(cfg.model, cfg.trainer, total_steps=len(batches))
+    if save:
+        tr.save(init)
+    else:
+        tr.load(init, load_optimizer=False)
+    res: dict = {"values": [tr.values(batches[0])], "losses": [], "clipfrac": []}
+    for b in batches:
+        m = tr.train_step(b, clipped_value_loss(clip))
+        res["losses"].append(m["loss"])
+        res["clipfrac"].append(m.get("vf_clipfrac", 0.0))
+    res["values"].append(tr.values(batches[0]))
+    return res

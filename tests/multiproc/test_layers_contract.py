@@ -47,7 +47,7 @@ def test_the_package_keeps_its_contracts(copy: Path) -> None:
     [
         ("rl/weights/keymap.py", "import rl.trainer", "rl.weights.keymap -> rl.trainer"),
         ("rl/ddma/plan.py", "import rl.serving.launcher", "rl.ddma.plan -> rl.serving"),
-        ("rl/trainer/trainer.py", "import rl.reward.service", "rl.trainer.trainer -> rl.reward"),
+        ("rl/engine/trainer.py", "import rl.reward.service", "rl.engine.trainer -> rl.reward"),
     ],
     ids=["keymap-imports-trainer", "ddma-imports-serving", "trainer-imports-reward"],
 )

@@ -57,8 +57,8 @@ def lora_rank(overrides: list[str], batches: list, load: str = "", save_init: st
     from rl.algorithms.losses import nll_loss
     from rl.compose import compose
     from rl.ddma.plan import plan_for
+    from rl.engine.trainer import build_trainer
     from rl.models.shapes import lora_layer_params
-    from rl.trainer.trainer import build_trainer
 
     cfg = compose(overrides)
     tr = build_trainer(cfg.model, cfg.trainer, total_steps=max(len(batches), 1))

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from rl.batch import TrainBatch
+from rl.engine.trainer import MegatronTrainer, pack_by_tokens, row_extents
 from rl.runtime.launch import spawn
-from rl.trainer.trainer import MegatronTrainer, pack_by_tokens, row_extents
 from tests.helpers.workers import budget_parity
 
 SEQ = 24

@@ -22,7 +22,7 @@ def test_wheel_contains_packages_and_requirements(tmp_path):
         names = set(z.namelist())
         meta = next(n for n in names if n.endswith("METADATA"))
         metadata = z.read(meta).decode()
-    assert "rl/trainer/trainer.py" in names
+    assert "rl/engine/trainer.py" in names
     assert "megatron_patches/__init__.py" in names
     assert not any(n.startswith("tests/") for n in names)
     assert "Requires-Dist: torch==2.14.1" in metadata

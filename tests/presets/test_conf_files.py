@@ -31,6 +31,8 @@ FITTING_OVERRIDES: dict[str, list[str]] = {
     # Two nodes split training from generation: only a transport that crosses hosts fits.
     "cluster/slurm": ["rollout.weight_sync.transport=p2p"],
     "cluster/slurm_cpu": ["rollout.weight_sync.transport=p2p"],
+    # A critic learns GAE's returns: PPO's estimator, one sample per prompt.
+    "critic/tiny": ["algorithm/advantage=gae", "algorithm.group_size=1", "rl.prompts_per_step=64"],
 }
 
 
@@ -49,14 +51,17 @@ def _compose_file(path: Path) -> tuple[DictConfig, list[str]]:
     return compose(overrides), overrides
 
 
-def _assert_contains(expected: Any, actual: Any, where: str) -> None:  # YAML values
-    """Every value the YAML file sets appears, unchanged, in the composed config."""
+def _assert_contains(expected: Any, actual: Any, where: str, cfg: DictConfig) -> None:
+    """Every value the YAML file sets appears, unchanged, in the composed config (a
+    ``${key}`` value as the value of ``key``)."""
     if isinstance(expected, dict):
         for key, value in expected.items():
             assert key in actual, f"{where}.{key} missing from the composed config"
-            _assert_contains(value, actual[key], f"{where}.{key}")
-    else:
-        assert actual == expected, f"{where}: composed {actual!r}, file says {expected!r}"
+            _assert_contains(value, actual[key], f"{where}.{key}", cfg)
+        return
+    if isinstance(expected, str) and expected.startswith("${") and expected.endswith("}"):
+        expected = OmegaConf.select(cfg, expected[2:-1])
+    assert actual == expected, f"{where}: composed {actual!r}, file says {expected!r}"
 
 
 def test_conf_discovery_finds_known_presets() -> None:
@@ -100,10 +105,10 @@ def test_every_conf_file_composes_and_validates(path: Path) -> None:
     container = OmegaConf.to_container(cfg, resolve=False)
     rel = path.relative_to(CONF_DIR)
     if rel.parent == Path(".") or "@package _global_" in text:
-        _assert_contains(body, container, "<root>")
+        _assert_contains(body, container, "<root>", cfg)
     else:
         group = rel.parent.as_posix().replace("/", ".")
-        _assert_contains(body, OmegaConf.select(cfg, group), group)
+        _assert_contains(body, OmegaConf.select(cfg, group), group, cfg)
 
 
 def _registered() -> list[tuple[str, str, type]]:

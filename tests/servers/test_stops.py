@@ -17,20 +17,15 @@ run's metrics hold each RL step once.
 from __future__ import annotations
 
 import json
-import os
 import signal
-import subprocess
-import sys
-import threading
 import time
-import uuid
 from collections import Counter
 from pathlib import Path
 
-import psutil
 import pytest
 
-from tests.helpers.procs import assert_tagged_gone
+from tests.helpers.procs import TaggedJob, assert_tagged_gone
+from tests.helpers.procs import state_step as _state_step
 
 ROOT = Path(__file__).resolve().parents[2]
 TAG = "MSRL_TEST_STOPS"
@@ -41,78 +36,8 @@ ARGS = [
 STOP_S = 10.0  # "within seconds", with room for a machine busy with other tests
 
 
-class Job:
-    """One `python -m rl.train` in a session of its own; its output read as it comes."""
-
-    def __init__(self, out: Path):
-        self.tag = uuid.uuid4().hex
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "rl.train", *ARGS, f"run.output_dir={out}"],
-            cwd=ROOT,
-            env={**os.environ, "PYTHONPATH": str(ROOT), TAG: self.tag},
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            start_new_session=True,
-        )
-        self.out: list[str] = []
-        self.err: list[str] = []
-        self._readers = [
-            threading.Thread(target=self._read, args=(s, acc), daemon=True)
-            for s, acc in ((self.proc.stdout, self.out), (self.proc.stderr, self.err))
-        ]
-        for t in self._readers:
-            t.start()
-
-    @staticmethod
-    def _read(stream, acc: list[str]) -> None:
-        for line in stream:
-            acc.append(line.rstrip("\n"))
-
-    def wait_for(self, pred, what: str, timeout: float = 600) -> None:
-        deadline = time.monotonic() + timeout
-        while not pred():
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.kill()
-                pytest.fail(f"{what}: not reached\n" + "\n".join(self.err[-40:]))
-            time.sleep(0.2)
-
-    def ended(self, timeout: float) -> float:
-        """Seconds until the top process exited (fails past ``timeout``)."""
-        t0 = time.monotonic()
-        try:
-            self.proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            self.kill()
-            pytest.fail(f"the job did not end within {timeout}s of the stop")
-        took = time.monotonic() - t0
-        for t in self._readers:
-            t.join(5)
-        return took
-
-    def kill(self) -> None:
-        for p in psutil.process_iter():
-            try:
-                if p.environ().get(TAG) == self.tag:
-                    p.kill()
-            except psutil.Error:
-                pass
-
-    def rank(self, title: str) -> psutil.Process:
-        for p in psutil.Process(self.proc.pid).children(recursive=True):
-            try:
-                if " ".join(p.cmdline()).startswith(title):
-                    return p
-            except psutil.Error:
-                continue
-        raise AssertionError(f"no process titled {title!r}")
-
-
-def _state_step(out: Path) -> int:
-    try:
-        return int(json.loads((out / "rl_state.json").read_text())["step"])
-    except (OSError, ValueError, KeyError):
-        return -1
+def Job(out: Path) -> TaggedJob:
+    return TaggedJob(out, ARGS, TAG)
 
 
 def _rl_steps(out: Path) -> list[int]:

@@ -4,6 +4,7 @@ any moment of a save: it always names a complete checkpoint of the step it recor
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -90,3 +91,19 @@ def test_describe_says_what_a_stopped_run_leaves(tmp_path) -> None:
     assert resume.describe(tmp_path).startswith("saved: the warm-up checkpoint")
     final = _save(tmp_path, 6)
     assert resume.describe(tmp_path) == f"saved: RL step 6 in {final} (a restart resumes there)"
+
+
+def test_a_companion_checkpoint_is_kept_and_recovered_as_the_checkpoint_is(tmp_path) -> None:
+    """A critic's checkpoint of the step (``companions``) is marked, its previous one
+    dropped once the state names it, and a kill mid-save of it resumes its previous one."""
+    policy, critic = _ckpt(tmp_path / "checkpoint", "step 2"), _ckpt(tmp_path / "c", "step 2")
+    resume.write(tmp_path, ResumePoint(2, str(policy), 0.1, 0.2, companions=(str(critic),)))
+    assert ckpt_files.marked_step(critic) == 2
+    critic.rename(ckpt_files.old_of(critic))  # the next save of it, killed half-way
+    _ckpt(ckpt_files.tmp_of(critic), "step 4, half")
+    point = resume.read(tmp_path)
+    assert point is not None and point.companions == (str(critic),)
+    assert _tag(critic) == "step 2" and not ckpt_files.tmp_of(critic).exists()
+    shutil.rmtree(critic)
+    with pytest.raises(ResumeError, match=r"step 2's checkpoint '.*/c' is missing"):
+        resume.read(tmp_path)

@@ -10,11 +10,12 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-EXECUTORS = ("trainer", "generator", "reward")
+EXECUTORS = ("trainer", "generator", "reward", "critic")
 # The one module per executor that reads the whole job's config: it splits off the
 # executor's settings at the entry point, and builds what needs the task (the trainer's
-# warm-up, the generator's start-up directory).
-READS_ROOT_CONFIG = {"rl/trainer/startup.py", "rl/generator/startup.py"}
+# warm-up, the generator's start-up directory) or checks the executor's part before launch
+# (the critic's).
+READS_ROOT_CONFIG = {"rl/trainer/startup.py", "rl/generator/startup.py", "rl/critic/settings.py"}
 MAX_POSITIONAL = 4
 
 

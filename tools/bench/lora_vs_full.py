@@ -79,8 +79,8 @@ def case(ckpt: str, m, dtype: str, device: str, lora: bool, steps: int, reps: in
     from rl.ddma import wire
     from rl.ddma.megatron_source import shard_getter, source_rank
     from rl.ddma.plan import plan_for
+    from rl.engine.trainer import build_trainer
     from rl.plan.memory import trainer_gpu
-    from rl.trainer.trainer import build_trainer
 
     cfg = compose([
         "trainer.tp=1", "trainer.pp=1", f"trainer.micro_batch_size={MICRO}",

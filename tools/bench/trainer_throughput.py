@@ -173,8 +173,8 @@ def sync(device: str) -> None:
 def measure(args: argparse.Namespace, v: Variant, peak: float | None) -> dict:
     from rl.algorithms.registry import loss_from_config
     from rl.compose import compose
+    from rl.engine.trainer import build_trainer
     from rl.models.parallel import destroy_model_parallel
-    from rl.trainer.trainer import build_trainer
 
     cfg = compose(overrides(args, v))
     t0 = time.perf_counter()

@@ -2,6 +2,8 @@
 
     PYTHONPATH=. $(tools/setup_env.sh)/bin/python tools/bench/estimators.py
         [--runs grpo rloo dr_grpo gspo] [--steps 400] [hydra overrides for every run]
+    # PPO with a critic against GRPO: tools/bench/results/ppo_critic_cpu.json
+    ... estimators.py --runs grpo_clip ppo_gae --out tools/bench/results/ppo_critic_cpu.json
 
 Each run is the README's `make run` job (the tiny arithmetic default: Megatron trainer
 TP=2, one SGLang server, DDMA, async with one version of lag, AIPO's correction) from the
@@ -28,8 +30,29 @@ RUNS = {
     "dr_grpo": ["algorithm/advantage=dr_grpo"],  # its loss_agg: seq_mean_token_sum_norm
     "gspo": ["algorithm/objective=gspo", "algorithm/correction=none"],
     "reinforce_pp": ["algorithm/advantage=reinforce_pp"],
+    # GRPO as the paper runs it (PPO's clipped ratio, group-normalised advantages) against
+    # PPO with a critic: the same objective, GAE's advantages from the critic's values, one
+    # sample per prompt and 8x the prompts (the same 256 rows a step).
+    "grpo_clip": ["algorithm=grpo"],
+    "ppo_gae": [
+        "algorithm=grpo",
+        "algorithm/advantage=gae",
+        "algorithm.group_size=1",
+        "rl.prompts_per_step=256",
+        "critic=tiny",
+    ],
 }
-FIGURES = ("adv_mean", "adv_std", "adv_zero_frac", "seq_clipped_frac", "truncated_frac")
+FIGURES = (
+    "adv_mean",
+    "adv_std",
+    "adv_zero_frac",
+    "seq_clipped_frac",
+    "truncated_frac",
+    "critic_loss",
+    "critic_value_error",
+    "critic_vf_clipfrac",
+    "critic_step_seconds",
+)
 
 
 def figures(out: Path) -> dict[str, float]:

@@ -185,7 +185,7 @@ def _leave_fork_server() -> None:
     launcher); and forget the server, so that a rank which forks servers starts its own."""
     from multiprocessing import forkserver
 
-    server: Any = forkserver._forkserver
+    server: Any = forkserver._forkserver  # its fields are private: typeshed has none
     if server._forkserver_alive_fd is not None:
         os.close(server._forkserver_alive_fd)
     server._forkserver_alive_fd = server._forkserver_address = server._forkserver_pid = None

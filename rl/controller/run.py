@@ -20,10 +20,11 @@ A step, in order (:meth:`RLRun.step` is these calls):
 10. at a save point, wait for the records, then save checkpoint, stream state and resume
     point.
 
-Only training and the push sit on the critical path. What runs beside the steps is
-started in :meth:`RLRun.setup` and named in :data:`THREADS`; nothing else acts during a
-step. Everything the run touches is a handle to an executor (trainer, generator, reward)
-or the task protocol; it knows no concrete task, model or transport.
+Only training and the push sit on the critical path (and, with a critic, its values of
+the batch). What runs beside the steps is started in :meth:`RLRun.setup` and named in
+:data:`THREADS`; nothing else acts during a step. Everything the run touches is a handle
+to an executor (trainer, generator, reward, critic) or the task protocol; it knows no
+concrete task, model or transport.
 """
 
 from __future__ import annotations

@@ -49,6 +49,7 @@ from rl.runtime.supervise import MARK_ENV, RankFailed, Supervisor
 
 if TYPE_CHECKING:
     from multiprocessing.connection import Connection
+    from multiprocessing.context import ForkServerContext, SpawnContext
     from types import FrameType, TracebackType
 
 R = TypeVar("R")
@@ -167,7 +168,7 @@ def _print_error(text: str) -> None:
     print(text, file=sys.stderr, flush=True)
 
 
-def _context(device: str, fresh: bool) -> Any:
+def _context(device: str, fresh: bool) -> SpawnContext | ForkServerContext:
     """How ranks start: CPU ranks are forked from a server that imported torch and the
     patched Megatron-Core once (:mod:`rl.runtime.preload`: 0.05 s a rank instead of 4.5 s);
     CUDA ranks, for which no CPU patch may apply, are fresh interpreters."""
@@ -185,10 +186,13 @@ def _leave_fork_server() -> None:
     launcher); and forget the server, so that a rank which forks servers starts its own."""
     from multiprocessing import forkserver
 
-    server: Any = forkserver._forkserver  # its fields are private: typeshed has none
-    if server._forkserver_alive_fd is not None:
-        os.close(server._forkserver_alive_fd)
-    server._forkserver_alive_fd = server._forkserver_address = server._forkserver_pid = None
+    server = forkserver._forkserver
+    # Private fields, which typeshed does not declare: read and reset by name.
+    alive: int | None = getattr(server, "_forkserver_alive_fd", None)
+    if alive is not None:
+        os.close(alive)
+    for field in ("_forkserver_alive_fd", "_forkserver_address", "_forkserver_pid"):
+        setattr(server, field, None)
 
 
 def _title_settable() -> None:

@@ -34,6 +34,8 @@ class TrainBatch:
     old_logprobs: torch.Tensor | None = None
     values: torch.Tensor | None = None  # [B, S] a critic's value of each token (GAE)
     returns: torch.Tensor | None = None  # [B, S] the critic's regression targets (GAE)
+    # [B, S] a teacher's log-prob of each sampled token (on-policy distillation)
+    teacher_logprobs: torch.Tensor | None = None
 
     @property
     def rows(self) -> int:

@@ -20,13 +20,13 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
+from rl import companion
 from rl.algorithms import registry as algorithms
 from rl.compose import compose
 from rl.config import ConfigError, composition_error
 from rl.config.prelaunch import prelaunch
 from rl.config.schema import RootConfig
 from rl.config.validate import validate
-from rl.critic import settings as critic_checks
 from rl.ddma import plan, transport
 from rl.models.checks import validate_model, validate_trainer
 from rl.tasks import checks as task_checks
@@ -46,7 +46,7 @@ def check(cfg: RootConfig, world_size: int | None = None) -> None:
     validate_trainer(cfg.trainer, cfg.model)
     validate(cfg, world_size)
     task_checks.check(cfg)
-    critic_checks.check(cfg)
+    companion.check(cfg)
     critic = bool(cfg.critic.enabled)
     algorithms.check_config(cfg.algorithm, cfg.rollout.sampling.max_new_tokens, critic)
     plan.check_config(cfg)

@@ -29,7 +29,7 @@ import hydra
 from omegaconf import OmegaConf
 
 from rl.compose import register
-from rl.config.roles import RoleMap
+from rl.config.roles import COMPANIONS, RoleMap
 from rl.runtime.launch import (
     RankFailed,
     Stopped,
@@ -76,11 +76,11 @@ def run(cfg: RootConfig) -> dict[str, float | None]:
 
             serve_generator(gen.settings(cfg), job, model_path=partial(gen.model_path, cfg))
             return {}
-        if job.role == "critic":
-            from rl.critic import settings as critic
-            from rl.critic.service import serve as serve_critic
+        if job.role in COMPANIONS:
+            from rl.companion import settings_of
+            from rl.companion.service import serve as serve_model
 
-            serve_critic(critic.settings(cfg), job)
+            serve_model(settings_of(cfg, job.role), job)
             return {}
         from rl.reward.service import serve as serve_reward
 

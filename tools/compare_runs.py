@@ -9,8 +9,9 @@ Three comparisons, each with the first place the runs differ:
   tokens, behaviour log-probs and versions (``trained_prompts.jsonl``);
 * the logged numbers: every ``rl`` and ``rl_eval`` record of ``metrics.jsonl``, timings
   and the counters a resumed attempt restarts left out (:data:`TIMED`);
-* the final policy: the tensor files of each run's ``checkpoint/`` (Megatron torch_dist),
-  byte for byte.
+* the final weights: the tensor files of each run's ``checkpoint/`` (Megatron torch_dist)
+  and of the checkpoints saved beside it (a critic's ``checkpoint_critic/``), byte for
+  byte.
 
 A step logged by more than one attempt (a run dir written before jobs dropped the records
 of an attempt killed before its first checkpoint) counts as its last attempt's.
@@ -43,10 +44,10 @@ def _jsonl(path: Path) -> list[dict]:
 
 
 def untimed(rec: dict) -> dict:
-    """A metrics record without its timings (``*_s``, ``*_per_s``, ``time``), the
-    counters in :data:`TIMED` and what a resumed attempt carried over (``resume_*``)."""
+    """A metrics record without its timings (``*_s``, ``*_seconds``, ``*_per_s``, ``time``),
+    the counters in :data:`TIMED` and what a resumed attempt carried over (``resume_*``)."""
     return {k: v for k, v in rec.items()
-            if not (k.endswith(("_s", "_per_s")) or k == "time" or k in TIMED
+            if not (k.endswith(("_s", "_seconds", "_per_s")) or k == "time" or k in TIMED
                     or k.startswith("resume_"))}  # fmt: skip
 
 
@@ -62,8 +63,10 @@ def metrics(run: Path) -> list[dict]:
 
 
 def tensors(run: Path) -> dict[str, bytes]:
-    """The final checkpoint's tensor files, by name."""
-    return {p.name: p.read_bytes() for p in sorted((run / "checkpoint").glob("*.distcp"))}
+    """The final checkpoint's tensor files and its companions' (``checkpoint_critic/``), by
+    directory and name."""
+    files = [*(run / "checkpoint").glob("*.distcp"), *run.glob("checkpoint_*/*.distcp")]
+    return {f"{p.parent.name}/{p.name}": p.read_bytes() for p in sorted(files)}
 
 
 def first_difference(a: list, b: list, show: Callable[[int, Any, Any], str]) -> str | None:
@@ -95,7 +98,7 @@ def compare(a: Path, b: Path) -> dict[str, str | None]:
         ckpt: str | None = f"tensor files {sorted(ta)} vs {sorted(tb)}"
     else:
         diff = [k for k in ta if ta[k] != tb[k]]
-        ckpt = f"{len(diff)} of {len(ta)} tensor files differ" if diff else None
+        ckpt = f"{len(diff)} of {len(ta)} tensor files differ, {diff[0]} first" if diff else None
     return {
         "samples": first_difference(sa, samples(b), _group) if sa else "no trained samples",
         "metrics": first_difference(metrics(a), metrics(b), _record),

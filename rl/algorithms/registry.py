@@ -136,6 +136,11 @@ def with_advantages(a: AlgorithmConfig, batch: TrainBatch) -> tuple[TrainBatch, 
     assert batch.loss_mask is not None
     e = estimator(a)
     adv, stats, returns = e.estimate(a.advantage, a, batch)
+    if a.distill_coef:
+        from rl.algorithms.distill import distill_advantages
+
+        adv, kl = distill_advantages(adv, batch, a.distill_coef, a.distill_only)
+        stats = {**stats, **kl}
     figures = {**stats, **summary(adv, batch.loss_mask)}
     batch = replace(batch, advantages=adv, returns=returns)
     return batch, {f"adv_{k}": v for k, v in figures.items()}

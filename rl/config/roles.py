@@ -4,7 +4,8 @@ One launch (our spawner, torchrun, or srun + torchrun) starts every rank of the 
 rank looks itself up here. Ranks are assigned in a fixed order, so every rank computes
 the same map from the same config without talking to anyone:
 
-    controller (1) | trainer (tp*pp*dp) | generator owners | reward | critic (its tp*pp*dp)
+    controller (1) | trainer (tp*pp*dp) | generator owners | reward | critic | reward_model |
+    teacher (each model executor: its own tp*pp*dp, when configured)
 
 The trainer ranks come right after the controller so that its role group's rank r is
 global rank r+1 on every launcher. Pure logic: no torch.distributed.
@@ -24,7 +25,9 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from rl.config.schema import RootConfig
 
-ROLES = ("controller", "trainer", "generator", "reward", "critic")
+ROLES = ("controller", "trainer", "generator", "reward", "critic", "reward_model", "teacher")
+# The model executors (rl/companion): a role each, with a config section of that name.
+COMPANIONS = ("critic", "reward_model", "teacher")
 # The environment variable launch/slurm/train.sbatch puts the planner's node ranks in.
 NODE_RANKS_ENV = "MSRL_NODE_RANKS"
 
@@ -47,14 +50,16 @@ class RoleMap:
         # A warm-up-only run (rl.steps=0) starts no generator or reward rank: nothing would
         # send them work, and idle ranks would only hold the job's end.
         rl_only = 1 if cfg.rl.steps > 0 else 0
-        c = cfg.critic.trainer
         counts = {
             "controller": 1,
             "trainer": t.tp * t.pp * t.dp,
             "generator": roles.generator * rl_only,
             "reward": roles.reward * rl_only,
-            "critic": c.tp * c.pp * c.dp * rl_only * int(cfg.critic.enabled),
         }
+        for role in COMPANIONS:
+            sec = getattr(cfg, role)
+            c = sec.trainer
+            counts[role] = c.tp * c.pp * c.dp * rl_only * int(sec.enabled)
         rl_steps = cfg.rl.steps
         if rl_steps > 0:
             for role in ("generator", "reward"):

@@ -168,17 +168,55 @@ class TrainerConfig:
 
 @dataclass
 class CriticConfig:
-    """The critic executor (rl/critic): a scalar-head copy of the policy's architecture on
-    ranks of its own (``critic.trainer``: its layout, batch, optimizer and dtype), trained
-    on each RL batch beside the policy with the clipped value loss; its values of every
-    token are what ``algorithm/advantage=gae`` needs. Off unless a ``critic=`` preset
-    (conf/critic/) turns it on."""
+    """The critic (rl/companion/critic.py): a scalar-head model on ranks of its own
+    (``critic.trainer``: its layout, batch, optimizer and dtype), trained on each RL batch
+    beside the policy with the clipped value loss; its values of every token are what
+    ``algorithm/advantage=gae`` needs. Off unless a ``critic=`` preset (conf/critic/) turns
+    it on."""
 
     enabled: bool = False
     # policy: the policy's weights as the RL stage starts (its warm-up's checkpoint), with
-    # a fresh scalar head
+    # a fresh scalar head; hf: the HF *ForSequenceClassification at critic.hf_checkpoint
+    # (a reward model: tools/train_reward_model.py), head included, of any size or family
+    # sharing the policy's tokenizer
     init: str = "policy"
+    hf_checkpoint: str | None = None
     clip: float | None = 0.2  # the value loss's clip around the scored values; null: none
+    # Passes over each RL batch, each cut into this many minibatches, one optimizer step
+    # per minibatch (as algorithm.epochs and minibatches are the policy's).
+    epochs: int = 1
+    minibatches: int = 1
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+
+
+@dataclass
+class TeacherConfig:
+    """A frozen teacher for on-policy distillation (rl/companion/teacher.py): an HF causal LM
+    sharing the policy's tokenizer, of any size or family, on ranks of its own
+    (``teacher.trainer``: its layout and dtype), giving its log-prob of every sampled token
+    (``algorithm.distill_coef`` uses them). Off unless a ``teacher=`` preset turns it on."""
+
+    enabled: bool = False
+    hf_checkpoint: str | None = None
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+
+
+@dataclass
+class RewardModelConfig:
+    """A frozen reward model (rl/companion/reward_model.py): an HF ``*ForSequenceClassification``
+    checkpoint with one label, on ranks of its own (``reward_model.trainer``: its layout and
+    dtype), scoring each (prompt + response) by its last token's value. ``reward.fn=model``
+    or ``reward.combine`` use it. Off unless a ``reward_model=`` preset turns it on."""
+
+    enabled: bool = False
+    hf_checkpoint: str | None = None
+    # How a score becomes a reward: none | standard ((s - mean) / std) | sigmoid (of the
+    # standardised score: in (0, 1), a Bradley-Terry model's odds against the mean).
+    normalize: str = "none"
+    # null: the checkpoint's reward_stats.json (tools/train_reward_model.py writes its
+    # held-out scores' mean and std there), else 0 and 1
+    mean: float | None = None
+    std: float | None = None
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
 
 
@@ -344,6 +382,11 @@ class AlgorithmConfig:
     epochs: int = 1
     minibatches: int = 1
     kl_coef: float = 0.0  # KL(pi || pi_ref) penalty; 0: no reference model
+    # On-policy distillation (rl/algorithms/distill.py; needs a ``teacher=``): each sampled
+    # token's advantage gains distill_coef * (log pi_teacher - log mu); distill_only: that
+    # term alone, without the task's advantages.
+    distill_coef: float = 0.0
+    distill_only: bool = False
     group_size: int = 8  # samples per prompt (a group estimator's baseline is their mean)
     # Off-policy bound: train on rollouts at most this many policy versions old (0: fully
     # synchronous). Older ones are dropped, or the generator is throttled at the source.
@@ -383,6 +426,16 @@ class JudgeConfig:
 
 
 @dataclass
+class RewardCombineConfig:
+    """The trained reward as a weighted sum of the rule's score (``reward.fn``'s) and the
+    reward model's (normalised), e.g. ``reward.combine.rule=1 reward.combine.model=0.5``;
+    both 0 (the default): ``reward.fn``'s alone."""
+
+    rule: float = 0.0
+    model: float = 0.0
+
+
+@dataclass
 class RewardConfig:
     """The reward executor (rl/reward): the reward function and its worker processes.
 
@@ -391,7 +444,11 @@ class RewardConfig:
     # A built-in (exact | math_verify | gsm8k | env: the episode environment's reward |
     # judge: the LLM judge below), a dotted path ``pkg.module:fn`` or a file
     # ``path/to/rewards.py:fn``; fn(prompt, response, label, metadata) -> float | dict.
+    # model: the reward model's score (``reward_model=``) alone; the held-out evaluation
+    # and the logged accuracy then use ``eval_fn``.
     fn: str = "exact"
+    eval_fn: str = "exact"  # the rule that scores evaluation when fn=model
+    combine: RewardCombineConfig = field(default_factory=RewardCombineConfig)
     workers: int = 1
     timeout_s: float = 5.0  # per item; an overrun scores 0 and is counted
     pass_threshold: float = 1.0  # a response passes (pass@k) when its score reaches this
@@ -518,10 +575,12 @@ class ClusterConfig:
     gpu_memory_gb: float = 80.0  # per GPU; a plan needing more is refused
     cpus_per_node: int | None = None  # null: not checked
     host_memory_gb: float | None = None  # per node (staging=host copies); null: not checked
-    # Nodes for the trainer (tp*pp*dp GPUs) and for the SGLang servers (servers*rollout.tp
-    # GPUs); they must add up to nodes. 0 and 0: every executor shares every node (local).
+    # Nodes for the trainer (tp*pp*dp GPUs), for the SGLang servers (servers*rollout.tp
+    # GPUs) and for the model executors (a critic, a reward model, a teacher: each its
+    # tp*pp*dp GPUs); they must add up to nodes. All 0: every executor shares every node.
     train_nodes: int = 0
     generation_nodes: int = 0
+    model_nodes: int = 0
     # Network bandwidth per GPU (its NIC), for the planner's DDMA time estimate.
     interconnect_gbps: float = 400.0
     # What the step-time simulator assumes of each GPU (python -m rl.simulate).
@@ -564,6 +623,8 @@ class RootConfig:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     critic: CriticConfig = field(default_factory=CriticConfig)
+    reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
+    teacher: TeacherConfig = field(default_factory=TeacherConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     env: EnvConfig = field(default_factory=EnvConfig)
     rl: RLConfig = field(default_factory=RLConfig)
@@ -590,4 +651,6 @@ def register() -> None:
     cs.store(group="algorithm", name="algorithm_schema", node=AlgorithmConfig)
     cs.store(group="cluster", name="cluster_schema", node=ClusterConfig)
     cs.store(group="critic", name="critic_schema", node=CriticConfig)
+    cs.store(group="reward_model", name="reward_model_schema", node=RewardModelConfig)
+    cs.store(group="teacher", name="teacher_schema", node=TeacherConfig)
     _REGISTERED = True

@@ -260,7 +260,7 @@ def validate_cluster(c: ClusterConfig) -> None:
     and generation (the placement itself is the planner's, rl/plan)."""
     require(c.name in CLUSTERS, f"cluster.name={c.name!r} must be one of {CLUSTERS}")
     at_least("cluster", c, 1, "nodes")
-    at_least("cluster", c, 0, "gpus_per_node", "train_nodes", "generation_nodes")
+    at_least("cluster", c, 0, "gpus_per_node", "train_nodes", "generation_nodes", "model_nodes")
     for name in ("gpu_memory_gb", "interconnect_gbps"):
         v = getattr(c, name)
         require(v > 0, f"cluster.{name}={v} must be > 0")
@@ -271,7 +271,7 @@ def validate_cluster(c: ClusterConfig) -> None:
         f"cluster.nodes={c.nodes} but cluster.name=local runs every rank on this machine "
         "(use cluster=slurm for several nodes)",
     )
-    split = c.train_nodes + c.generation_nodes
+    split = c.train_nodes + c.generation_nodes + c.model_nodes
     if split == 0:
         require(
             c.nodes == 1,
@@ -280,11 +280,10 @@ def validate_cluster(c: ClusterConfig) -> None:
             " and generation",
         )
         return
-    require(
-        split == c.nodes,
-        f"cluster.train_nodes + generation_nodes = {c.train_nodes} + {c.generation_nodes} = "
-        f"{split} != cluster.nodes={c.nodes}",
-    )
+    names, counts = "train_nodes + generation_nodes", f"{c.train_nodes} + {c.generation_nodes}"
+    if c.model_nodes:
+        names, counts = f"{names} + model_nodes", f"{counts} + {c.model_nodes}"
+    require(split == c.nodes, f"cluster.{names} = {counts} = {split} != cluster.nodes={c.nodes}")
     require(c.train_nodes >= 1, f"cluster.train_nodes={c.train_nodes} must be >= 1")
 
 

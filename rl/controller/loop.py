@@ -21,8 +21,9 @@ from rl.metrics import (
 from rl.tasks import build_task
 
 if TYPE_CHECKING:
+    from rl.companion.service import CompanionHandle
     from rl.config.schema import RootConfig
-    from rl.critic.service import CriticHandle
+    from rl.controller.model_reward import ModelReward
     from rl.generator.service import GeneratorHandle
     from rl.reward.service import RewardHandle
     from rl.runtime.job import Job
@@ -50,7 +51,7 @@ def controller(cfg: RootConfig, job: Job) -> dict[str, float | None]:
                         resume_step=after, wandb_run=WandbRun.from_config(cfg),
                         redo_phases=redo)  # fmt: skip
     trainer = TrainerHandle(job)
-    handles: list[TrainerHandle | GeneratorHandle | RewardHandle | CriticHandle] = [trainer]
+    handles: list[TrainerHandle | GeneratorHandle | RewardHandle | CompanionHandle] = [trainer]
     try:
         ready = trainer.wait_ready(log)  # the warm-up's lines are logged as it runs
         if cfg.rl.steps == 0:
@@ -65,6 +66,12 @@ def controller(cfg: RootConfig, job: Job) -> dict[str, float | None]:
         if critic is not None:
             handles.append(critic)
         task = build_task(cfg)  # the controller's one task (the executors' are their own)
+        model_reward = _reward_model(cfg, job, task.codec.pad_id)
+        if model_reward is not None:
+            handles.append(model_reward.handle)
+        teacher = _frozen(cfg, job, "teacher")
+        if teacher is not None:
+            handles.append(teacher)
         run = RLRun(
             cfg,
             task,
@@ -72,6 +79,8 @@ def controller(cfg: RootConfig, job: Job) -> dict[str, float | None]:
             gen,
             reward=reward,
             critic=critic,
+            model_reward=model_reward,
+            teacher=teacher,
             log=log,
             warmup_accuracy=ready.warmup_accuracy,
             point=point,
@@ -92,14 +101,51 @@ def controller(cfg: RootConfig, job: Job) -> dict[str, float | None]:
 
 def _critic(
     cfg: RootConfig, job: Job, policy: str | None, point: resume.ResumePoint | None
-) -> CriticHandle | None:
-    """The critic, started from the policy's starting weights (a fresh head), or from its
-    own checkpoint of the resumed step; None without one."""
+) -> CompanionHandle | None:
+    """The critic, started from the policy's starting weights (a fresh head) or from its HF
+    checkpoint (``critic.init=hf``, converted once and cached), or from its own checkpoint
+    of the resumed step; None without one."""
     if not cfg.critic.enabled:
         return None
-    from rl.critic.service import CriticHandle
-    from rl.critic.settings import checkpoint_of
+    from rl.companion import critic as c
+    from rl.companion.service import CompanionHandle, Init
 
-    critic = CriticHandle(job)
-    critic.init(policy, checkpoint_of(point.checkpoint) if point is not None else None)
-    return critic
+    handle = CompanionHandle(job, c.ROLE)
+    if point is not None:
+        handle.init(Init(c.checkpoint_of(point.checkpoint), "resume"))
+    elif cfg.critic.init == "hf":
+        cache = str(Path(cfg.run.output_dir) / "hf_cache")
+        handle.init(Init(cfg.critic.hf_checkpoint, "hf", cache))
+    else:
+        handle.init(Init(policy, "decoder"))
+    return handle
+
+
+def _frozen(cfg: RootConfig, job: Job, role: str) -> CompanionHandle | None:
+    """The frozen model of ``role`` (a reward model, a teacher), loaded from its HF
+    directory (converted once to its layout, cached under the run's ``hf_cache``); None
+    when that role is not configured."""
+    section = getattr(cfg, role)
+    if not section.enabled:
+        return None
+    from rl.companion.service import CompanionHandle, Init
+
+    handle = CompanionHandle(job, role)
+    handle.init(Init(section.hf_checkpoint, "hf", str(Path(cfg.run.output_dir) / "hf_cache")))
+    return handle
+
+
+def _reward_model(cfg: RootConfig, job: Job, pad_id: int) -> ModelReward | None:
+    """The reward model and the scorer that combines it with the rule; None without one."""
+    r = cfg.reward_model
+    if not r.enabled:
+        return None
+    from rl.companion import reward_model as rm
+    from rl.controller.model_reward import ModelReward
+
+    handle = _frozen(cfg, job, rm.ROLE)
+    assert handle is not None
+    t = r.trainer
+    rows = t.dp if t.max_tokens_per_microbatch else t.micro_batch_size * t.dp
+    norm, weights = rm.Normaliser.from_config(r), rm.weights(cfg.reward)
+    return ModelReward(handle, norm, weights, pad_id=pad_id, rows_multiple=rows)

@@ -8,8 +8,9 @@ A step, in order (:meth:`RLRun.step` is these calls):
    thread while the last step trained;
 2. ask the prefetch thread for the next step's batch (not across a save: a save snapshots
    the stream);
-3. train on the batch (the trainer computes the advantages and the loss); with a critic,
-   first its values of the batch, then it trains on the batch while the policy does;
+3. train on the batch (the trainer computes the advantages and the loss); with a teacher,
+   first its log-probs of the batch's tokens; with a critic, its values of the batch, then
+   it trains on the batch while the policy does;
 4. in lockstep (``rl.deterministic``), wait for the round's last segments;
 5. push the new weights into every live server (DDMA) as the next version; the weight
    sync's listeners hear of it (see :data:`LISTENERS`);
@@ -20,11 +21,12 @@ A step, in order (:meth:`RLRun.step` is these calls):
 10. at a save point, wait for the records, then save checkpoint, stream state and resume
     point.
 
-Only training and the push sit on the critical path (and, with a critic, its values of
-the batch). What runs beside the steps is started in :meth:`RLRun.setup` and named in
-:data:`THREADS`; nothing else acts during a step. Everything the run touches is a handle
-to an executor (trainer, generator, reward, critic) or the task protocol; it knows no
-concrete task, model or transport.
+Only training and the push sit on the critical path (and a teacher's log-probs and a
+critic's values of the batch; a reward model scores each group as it is generated). What
+runs beside the steps is started in :meth:`RLRun.setup` and named in :data:`THREADS`;
+nothing else acts during a step. Everything the run touches is a handle
+to an executor (trainer, generator, reward, the model executors: a critic, a reward model,
+a teacher) or the task protocol; it knows no concrete task, model or transport.
 """
 
 from __future__ import annotations
@@ -34,8 +36,11 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
 
+import torch
+
 from rl.batch import TrainBatch
 from rl.checkpoints import resume
+from rl.companion.critic import checkpoint_of, with_values
 from rl.config.sampling import SamplingParams
 from rl.controller import rollout_state
 from rl.controller.batch import build_batch, no_signal
@@ -47,16 +52,15 @@ from rl.controller.recovery import ServerRecovery
 from rl.controller.rollouts import Group, RolloutStream, StreamState
 from rl.controller.staleness import StalenessGate
 from rl.controller.weight_sync import SyncResult, WeightSync
-from rl.critic.service import with_values
-from rl.critic.settings import checkpoint_of
 from rl.runtime.channel import rejected_total
 from rl.tasks import Task
 
 if TYPE_CHECKING:
     from concurrent.futures import Future
 
+    from rl.companion.service import CompanionHandle
     from rl.config.schema import RootConfig
-    from rl.critic.service import CriticHandle
+    from rl.controller.model_reward import ModelReward
     from rl.generator.client import GeneratorClient
     from rl.generator.service import GeneratorHandle
     from rl.metrics import MetricsLogger
@@ -75,6 +79,8 @@ THREADS = {
     "generator-client": "the event loop of the client's requests to the servers",
     "ddma-control": "the weight sync's calls to each server (rl/generator/ddma_target.py)",
     "env": "multi-turn episodes: tool calls and observations (rl/controller/episodes.py)",
+    "reward-model": "a reward model's scores of each group, beside the rule's "
+    "(rl/controller/model_reward.py)",
 }
 # Told of every version the weight sync commits (in step 5 and at setup's first push).
 LISTENERS = {
@@ -128,10 +134,12 @@ class RLRun:
         log: MetricsLogger,
         warmup_accuracy: float | None,
         point: resume.ResumePoint | None = None,
-        critic: CriticHandle | None = None,
+        critic: CompanionHandle | None = None,
+        model_reward: ModelReward | None = None,
+        teacher: CompanionHandle | None = None,
     ) -> None:
         self.cfg, self.task, self.trainer, self.gen, self.reward = cfg, task, trainer, gen, reward
-        self.critic = critic
+        self.critic, self.model_reward, self.teacher = critic, model_reward, teacher
         self.log, self.warmup_accuracy, self.point = log, warmup_accuracy, point
         self.out, self.steps = Path(cfg.run.output_dir), cfg.rl.steps
         self.first = point.step + 1 if point else 1
@@ -214,7 +222,8 @@ class RLRun:
 
         def score(g: Group) -> Future[list[ScoreResult]]:
             items = score_items(self.task, [g.item] * len(g.rollouts), g.rollouts)
-            return self.reward.score(items)
+            rule = self.reward.score(items)
+            return self.model_reward.score(g.rollouts, rule) if self.model_reward else rule
 
         def uniform(g: Group) -> bool:
             return no_signal(g.rollouts, g.rewards, a.overlong, a.overlong_penalty)
@@ -252,7 +261,7 @@ class RLRun:
             t_train = time.perf_counter()
             if step < self.steps and not self._saves(step):  # 2.
                 self.fetch.request(version + 1)  # the version this step's push publishes
-            batch = self._critic_step(step, batch, m)  # 3.
+            batch = self._critic_step(step, self._teacher(batch, m), m)  # 3.
             m.update(self.trainer.train(step, batch))
             if self.critic is not None:
                 m.update(self.critic.trained())
@@ -269,13 +278,23 @@ class RLRun:
             self.books.drain()
             self.save(step, str(self.out / "checkpoint"), ledger.held)
 
+    def _teacher(self, batch: TrainBatch, m: dict[str, float]) -> TrainBatch:
+        """With a teacher: the batch with its log-prob of every sampled token."""
+        if self.teacher is None:
+            return batch
+        t0 = time.perf_counter()
+        lp = self.teacher.forward(TrainBatch(batch.tokens))
+        m["teacher_logprobs_s"] = time.perf_counter() - t0
+        mask = batch.loss_mask
+        return replace(batch, teacher_logprobs=lp * mask if mask is not None else lp)
+
     def _critic_step(self, step: int, batch: TrainBatch, m: dict[str, float]) -> TrainBatch:
         """With a critic: the batch with its values, and the critic's step on it sent (it
         trains while the policy does; :meth:`step` collects it)."""
         if self.critic is None:
             return batch
         t0 = time.perf_counter()
-        batch = with_values(batch, self.critic.values(batch))
+        batch = with_values(batch, self.critic.forward(batch))
         m["critic_values_s"] = time.perf_counter() - t0
         self.critic.train(step, batch)
         return batch
@@ -366,7 +385,9 @@ class RLRun:
 
     def close(self) -> None:
         """Stop what setup started (the stream's state stays readable for the final save)."""
-        for part in (self.books, self.recovery, self.stream, self.episodes, self.client):
+        parts = (self.books, self.recovery, self.stream, self.model_reward, self.episodes,
+                 self.client)  # fmt: skip
+        for part in parts:
             if part is not None:
                 part.close()
 
@@ -388,6 +409,12 @@ def batch_metrics(groups: list[Group], batch: TrainBatch, threshold: float) -> d
         for res in g.results or ():
             for k, v in res.metrics.items():
                 extra.setdefault(k, []).append(v)
+    if rule := extra.get("rule"):  # a reward model's run: the accuracy is the rule's
+        out["accuracy"] = sum(x >= threshold for x in rule) / len(rule)
+    if model := extra.pop("model", None):
+        t = torch.tensor(model, dtype=torch.float64)
+        out["reward_model_mean"] = t.mean().item()
+        out["reward_model_std"] = t.std(correction=0).item()
     out.update({f"reward_{k}": sum(v) / len(v) for k, v in extra.items()})
     out.update(episode_metrics([r for g in groups for r in g.rollouts]))
     return out

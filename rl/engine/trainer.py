@@ -436,11 +436,13 @@ class MegatronTrainer:
     ) -> dict[str, float]:
         """``reuse.updates`` optimizer steps on RL step ``step``'s batch, one per minibatch
         of each epoch (rl/algorithms/reuse.py), pi_old's log-probs scored first when there
-        are several; returns their combined metrics, identical on all ranks."""
+        are several (not for a scalar head: a critic's old values come with the batch);
+        returns their combined metrics, identical on all ranks."""
         if reuse.updates == 1:
             return combine([self.train_step(batch, loss_fn)])
         t0 = time.perf_counter()
-        batch = replace(batch, old_logprobs=self.logprobs(batch))
+        if not self.score:
+            batch = replace(batch, old_logprobs=self.logprobs(batch))
         scored = time.perf_counter() - t0
         parts = [
             self.train_step(batch.map(partial(_rows, sel=rows)), loss_fn)

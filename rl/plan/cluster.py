@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import KW_ONLY, dataclass, field
 from typing import TYPE_CHECKING
 
+from rl.config.roles import COMPANIONS
 from rl.config.validate import validate_rollout
 from rl.ddma import transport
 from rl.models.checks import validate_model, validate_trainer
@@ -26,6 +27,7 @@ from rl.plan.memory import (
     GeneratorGPU,
     TrainerGPU,
     generator_gpu,
+    model_gpu,
     sequence_length,
     trainer_gpu,
 )
@@ -53,6 +55,8 @@ class ClusterPlan:
     problems: list[str] = field(default_factory=list)
     # Host memory of the busiest node's staging copies (rollout.weight_sync.staging=host).
     host_staging: int = 0
+    # Each model executor's GPUs (a critic, a reward model, a teacher): one per stage.
+    models: dict[str, list[TrainerGPU]] = field(default_factory=dict)
 
     @property
     def fits(self) -> bool:
@@ -77,6 +81,17 @@ def _trainer_problem(cfg: RootConfig, g: TrainerGPU, budget: int) -> str | None:
     return (
         f"trainer GPU (pipeline stage {g.stage}) needs {_gb(g.total)} > "
         f"cluster.gpu_memory_gb={cfg.cluster.gpu_memory_gb:g}: {hint}"
+    )
+
+
+def _model_problem(cfg: RootConfig, role: str, g: TrainerGPU, budget: int) -> str | None:
+    if g.total <= budget:
+        return None
+    t = getattr(cfg, role).trainer
+    return (
+        f"{role} GPU (pipeline stage {g.stage}) needs {_gb(g.total)} > "
+        f"cluster.gpu_memory_gb={cfg.cluster.gpu_memory_gb:g}: raise {role}.trainer.tp={t.tp} "
+        f"or {role}.trainer.pp={t.pp}"
     )
 
 
@@ -183,6 +198,7 @@ def plan_cluster(cfg: RootConfig, strict: bool = True) -> ClusterPlan:
         params=param_count(cfg.model),
         placement=placement,
         trainer=[trainer_gpu(cfg, p) for p in range(cfg.trainer.pp)],
+        models=_models(cfg, placement),
         generator=gen,
         transfer=sync,
         gpu_bytes=budget,
@@ -195,12 +211,31 @@ def plan_cluster(cfg: RootConfig, strict: bool = True) -> ClusterPlan:
             _trainer_problem(cfg, plan.busiest_trainer, budget),
             _generator_problem(cfg, gen, budget, seq) if gen else None,
             _host_problem(cfg, host_staging),
+            *(
+                _model_problem(cfg, role, max(gs, key=lambda g: g.total), budget)
+                for role, gs in plan.models.items()
+            ),
         ):
             if problem:
                 plan.problems.append(problem)
     if strict:
         plan.check()
     return plan
+
+
+def _models(cfg: RootConfig, placement: Placement) -> dict[str, list[TrainerGPU]]:
+    """Each placed model executor's memory per GPU, stage by stage."""
+    from rl.companion import TRAINED, model_of
+    from rl.models.arch import has_score_head
+
+    out = {}
+    for role in COMPANIONS:
+        if placement.ranks.get(role):
+            m, t = model_of(cfg, role), getattr(cfg, role).trainer
+            score = has_score_head(str(m.architecture))
+            out[role] = [model_gpu(cfg, m, t, p, trained=role in TRAINED, score=score)
+                         for p in range(t.pp)]  # fmt: skip
+    return out
 
 
 __all__ = ["ClusterPlan", "PlanRefused", "plan_cluster", "suggested_staging"]

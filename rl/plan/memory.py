@@ -37,6 +37,14 @@ Trainer GPU of pipeline stage p (P = its parameters, on this TP rank):
 * a frozen reference copy ``P * w`` when ``algorithm.kl_coef > 0``; two DDMA buckets;
   and a fixed 4 GiB for the CUDA context, NCCL buffers and allocator fragmentation.
 
+A model executor's GPU (a critic, a reward model, a teacher: rl/companion) is a trainer
+GPU of its own model and layout (``<role>.trainer``), without DDMA buckets or a
+reference: a trained one (the critic) as above; a frozen one (a reward model, a teacher)
+holds its weights, no grads and no Adam, and a forward without grad keeps one layer's
+activations at a time, ``tokens * a`` (``tokens``: its micro-batch, or its
+``max_tokens_per_microbatch``), plus its head's output: the LM head's logits as above,
+nothing for a scalar head.
+
 Generator GPU (one SGLang TP rank): its weight shards in ``rollout.dtype`` (linear weights
 1 byte plus a float32 scale per 128x128 block with ``weight_sync.fp8_block``), the DDMA
 receiver's staging of an incoming version (``weight_sync.staging``: ``device`` a second
@@ -48,11 +56,13 @@ GB in this package means GiB (2**30 bytes), as ``nvidia-smi`` reports. Pure logi
 
 from __future__ import annotations
 
-from dataclasses import KW_ONLY, dataclass
-from typing import TYPE_CHECKING
+from dataclasses import KW_ONLY, dataclass, replace
+from typing import TYPE_CHECKING, cast
+
+from omegaconf import DictConfig, OmegaConf
 
 from rl.config import dtypes
-from rl.models.arch import Dims
+from rl.models.arch import Dims, has_score_head
 from rl.models.registry import expert_count
 from rl.models.shapes import (
     LORA_SHAPES,
@@ -136,7 +146,9 @@ def stage_params(m: ModelConfig, tp: int, pp: int, stage: int, ep: int = 1) -> i
         n += vocab
     if stage == pp - 1:
         n += h  # final norm
-        if not m.tie_embeddings or pp > 1:  # tied: the last stage keeps its own copy
+        if has_score_head(m.architecture):  # a scalar head: [1, h], on every TP rank
+            n += h
+        elif not m.tie_embeddings or pp > 1:  # tied: the last stage keeps its own copy
             n += vocab
     return n
 
@@ -225,6 +237,34 @@ def trainer_gpu(cfg: RootConfig, stage: int, dp: int | None = None) -> TrainerGP
         buffers=(2 * cfg.rollout.weight_sync.bucket_mb * MIB + merged * w) if syncing else 0,
         overhead=TRAINER_OVERHEAD if t.device == "cuda" else 0,
     )
+
+
+def model_gpu(
+    cfg: RootConfig, m: ModelConfig | DictConfig, t: TrainerConfig, stage: int, *,
+    trained: bool, score: bool,
+) -> TrainerGPU:  # fmt: skip
+    """A model executor's GPU of pipeline stage ``stage``: model ``m`` on layout ``t``,
+    trained (a critic) or frozen, with a scalar head (``score``) or an LM head."""
+    # Resolved first: the role's fields may name the policy's (``${trainer.tp}``).
+    layout = {"model": _resolved(m), "trainer": _resolved(t), "algorithm": {"kl_coef": 0.0}}
+    own = cast("RootConfig", OmegaConf.merge(cfg, layout))
+    g = replace(trainer_gpu(own, stage), buffers=0)
+    if score:
+        g = replace(g, logits=0)
+    if trained:
+        return g
+    mm, w = own.model, dtypes.itemsize(t.params_dtype)
+    tokens = t.max_tokens_per_microbatch or t.micro_batch_size * sequence_length(own)
+    a = activation_bytes_per_token_layer(
+        mm, t.tp, w, sequence_parallel(mm, t.tp, t.sequence_parallel)
+    )
+    last = stage == t.pp - 1 and not score
+    logits = tokens * (padded_vocab_size(mm) // t.tp) * (w + 8) if last else 0
+    return replace(g, grads=0, optimizer=0, activations=tokens * a, logits=logits)
+
+
+def _resolved(node: object) -> object:
+    return OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else node
 
 
 def _merged_shards(m: ModelConfig, t: TrainerConfig) -> list[int]:

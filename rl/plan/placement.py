@@ -17,11 +17,15 @@ Split mode (``cluster.train_nodes + cluster.generation_nodes == cluster.nodes``)
   rank g owns servers [g*k, (g+1)*k) (k = rollout.servers / cluster.roles.generator) and
   must share their node, since it starts them as subprocesses;
 * the controller runs on node 0 next to trainer ranks, reward ranks round-robin on the
-  generation nodes (they score what those nodes generate); both are CPU-only.
+  generation nodes (they score what those nodes generate); both are CPU-only;
+* the model executors (a critic, a reward model, a teacher: rl/config/roles.py:COMPANIONS),
+  in role order, each rank on one GPU of the model nodes (``cluster.model_nodes``, after
+  the generation nodes), TP fastest as the trainer's, each TP group inside one node.
 
-Shared mode (``train_nodes == generation_nodes == 0``): one machine, every rank on node 0
-(the local CPU job). With ``gpus_per_node == 0`` ranks are CPU processes and GPU
-arithmetic is skipped. Pure logic: no torch.
+Shared mode (``train_nodes == generation_nodes == model_nodes == 0``): one machine, every
+rank on node 0 (the local CPU job), the model executors' GPUs after the servers'. With
+``gpus_per_node == 0`` ranks are CPU processes and GPU arithmetic is skipped. Pure logic:
+no torch.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from dataclasses import KW_ONLY, dataclass, field
 from typing import TYPE_CHECKING
 
 from rl.config.errors import ConfigError
-from rl.config.roles import RoleError, RoleMap
+from rl.config.roles import COMPANIONS, RoleError, RoleMap
 from rl.config.validate import validate_cluster
 
 if TYPE_CHECKING:
@@ -79,6 +83,7 @@ class Placement:
     node_of: dict[int, int]  # global rank -> node
     stages: list[Stage] = field(default_factory=list)
     servers: list[Server] = field(default_factory=list)
+    gpu_of: dict[int, int] = field(default_factory=dict)  # a model executor's rank -> GPU
 
     @property
     def world_size(self) -> int:
@@ -102,6 +107,9 @@ def _check_devices(cfg: RootConfig, gpus: int) -> None:
     checks = [("trainer.device", cfg.trainer.device)]
     if cfg.rl.steps > 0:
         checks.append(("rollout.device", cfg.rollout.device))
+        for role in COMPANIONS:
+            if getattr(cfg, role).enabled:
+                checks.append((f"{role}.trainer.device", getattr(cfg, role).trainer.device))
     for name, device in checks:
         refuse(
             device == want,
@@ -130,7 +138,7 @@ def place(cfg: RootConfig) -> Placement:
         roles = RoleMap.from_config(cfg)
     except RoleError as e:
         raise PlanRefused(str(e)) from None
-    gpus, split = c.gpus_per_node, c.train_nodes + c.generation_nodes > 0
+    gpus, split = c.gpus_per_node, c.train_nodes + c.generation_nodes + c.model_nodes > 0
     generating = cfg.rl.steps > 0
     _check_devices(cfg, gpus)
     trainer_gpus, servers = t.tp * t.pp * t.dp, r.servers if generating else 0
@@ -217,14 +225,7 @@ def place(cfg: RootConfig) -> Placement:
         node_of[g] = nodes[0]
     for i, rank in enumerate(roles.ranks("reward")):
         node_of[rank] = first_gen + i % gen_nodes if split and gen_nodes else 0
-    critic = roles.ranks("critic")
-    refuse(
-        not (critic and (gpus or split)),
-        f"critic.enabled=true with {len(critic)} critic ranks: the planner places a critic on "
-        "one CPU node only (its GPUs and memory are not planned yet)",
-    )
-    for rank in critic:
-        node_of[rank] = 0
+    gpu_of = _place_models(cfg, roles, node_of, trainer_gpus + servers * r.tp)
     return Placement(
         cluster=c.name,
         nodes=c.nodes,
@@ -236,7 +237,50 @@ def place(cfg: RootConfig) -> Placement:
         node_of=node_of,
         stages=stages,
         servers=placed,
+        gpu_of=gpu_of,
     )
+
+
+def _place_models(
+    cfg: RootConfig, roles: RoleMap, node_of: dict[int, int], shared_offset: int
+) -> dict[int, int]:
+    """Each model executor's ranks on the model nodes (split) or after the first
+    ``shared_offset`` GPUs of the one node: ``node_of`` filled in, the GPU of each rank
+    returned (none on a CPU cluster)."""
+    c = cfg.cluster
+    gpus, split = c.gpus_per_node, c.train_nodes + c.generation_nodes + c.model_nodes > 0
+    first = c.train_nodes + c.generation_nodes if split else 0
+    at = 0 if split else shared_offset
+    gpu_of: dict[int, int] = {}
+    placed = []
+    for role in COMPANIONS:
+        ranks, t = roles.ranks(role), getattr(cfg, role).trainer
+        if not ranks:
+            continue
+        placed.append(f"{role}.trainer.tp*pp*dp = {len(ranks)}")
+        refuse(
+            not (split and gpus and not c.model_nodes),
+            f"{role}.enabled=true needs GPUs of its own on a cluster of separate nodes: set "
+            f"cluster.model_nodes (and cluster.nodes) for its {len(ranks)} GPU(s)",
+        )
+        if not gpus:
+            for rank in ranks:
+                node_of[rank] = first if c.model_nodes else 0
+            continue
+        _check_tp_fits_node(f"{role}.trainer.tp", t.tp, gpus)
+        at = -(-at // t.tp) * t.tp  # a TP group starts on a multiple of tp: one node
+        for rank in ranks:
+            node_of[rank], gpu_of[rank] = first + at // gpus, at % gpus
+            at += 1
+    have = (c.model_nodes if split else 1) * gpus
+    refuse(
+        not gpu_of or at <= have,
+        f"{' + '.join(placed)} GPUs"
+        + (f" after the trainer's and the servers' {shared_offset}" if not split else "")
+        + f" > {'cluster.model_nodes*gpus_per_node' if split else 'cluster.gpus_per_node'}"
+        f" = {have}",
+    )
+    return gpu_of
 
 
 def check_cpus(cfg: RootConfig, placement: Placement) -> dict[int, int]:
@@ -248,8 +292,8 @@ def check_cpus(cfg: RootConfig, placement: Placement) -> dict[int, int]:
             node = placement.node_of[rank]
             if role == "trainer":
                 busy[node] += cfg.trainer.threads_per_rank
-            elif role == "critic":
-                busy[node] += cfg.critic.trainer.threads_per_rank
+            elif role in COMPANIONS:
+                busy[node] += getattr(cfg, role).trainer.threads_per_rank
             elif role == "reward":
                 busy[node] += 1 + cfg.reward.workers
             else:

@@ -108,6 +108,7 @@ def render(plan: ClusterPlan, cfg: RootConfig) -> str:
             f"  reward     ranks {_ranks(p.ranks['reward'])} on node(s) {_ranks(nodes)} "
             f"(CPU, {cfg.reward.workers} scorer process(es) each)"
         )
+    out += _model_lines(plan, cfg)
     if plan.transfer is not None:
         x = plan.transfer
         fp8 = f", linear weights FP8 block {x.fp8_block}" if x.fp8_block else ""
@@ -153,6 +154,17 @@ def render(plan: ClusterPlan, cfg: RootConfig) -> str:
         f"{fmt_bytes(g.reference)} + DDMA buckets {fmt_bytes(g.buffers)} + overhead "
         f"{fmt_bytes(g.overhead)} = {fmt_bytes(g.total)}",
     ]
+    for role, gs in plan.models.items():
+        m = max(gs, key=lambda g: (g.total, -g.stage))
+        parts = [f"weights {fmt_bytes(m.weights)}"]
+        if m.grads:
+            parts += [f"grads {fmt_bytes(m.grads)}", f"Adam {fmt_bytes(m.optimizer)}"]
+        parts += [f"activations {fmt_bytes(m.activations)}", f"logits {fmt_bytes(m.logits)}",
+                  f"overhead {fmt_bytes(m.overhead)}"]  # fmt: skip
+        out += [
+            f"memory per {role}{budget}, busiest: stage {m.stage}, {_params(m.params)} params",
+            f"  {' + '.join(parts)} = {fmt_bytes(m.total)}",
+        ]
     if plan.generator is not None:
         k = plan.generator
         seqs = k.kv_tokens // plan.sequence
@@ -178,6 +190,25 @@ def render(plan: ClusterPlan, cfg: RootConfig) -> str:
     return "\n".join(out)
 
 
+def _model_lines(plan: ClusterPlan, cfg: RootConfig) -> list[str]:
+    """Each model executor's ranks, GPUs and layout."""
+    from rl.companion import TRAINED, model_of
+
+    p, out = plan.placement, []
+    for role in plan.models:
+        t, ranks = getattr(cfg, role).trainer, p.ranks[role]
+        nodes = sorted({p.node_of[x] for x in ranks})
+        where = f"node(s) {_ranks(nodes)}"
+        if p.gpus_per_node:
+            where += f" ({len(ranks)} GPUs)"
+        mode = "trained" if role in TRAINED else "frozen"
+        out.append(
+            f"  {role:<10} {where}: {model_of(cfg, role).architecture}, Megatron TP{t.tp} x "
+            f"PP{t.pp} x DP{t.dp}, {t.params_dtype}, {mode}, global ranks {_ranks(ranks)}"
+        )
+    return out
+
+
 def to_json(plan: ClusterPlan) -> dict[str, Any]:
     p = plan.placement
     nodes = []
@@ -185,6 +216,9 @@ def to_json(plan: ClusterPlan) -> dict[str, Any]:
         kind = "shared"
         if p.split:
             kind = "train" if p.train_nodes[0] <= n <= p.train_nodes[1] else "generation"
+            gen = p.generation_nodes
+            if n > p.train_nodes[1] and (gen is None or n > gen[1]):
+                kind = "model"
         nodes.append(
             {
                 "node": n,
@@ -222,6 +256,7 @@ def to_json(plan: ClusterPlan) -> dict[str, Any]:
             "node_of": {str(k): v for k, v in sorted(p.node_of.items())},
             "stages": [asdict(s) for s in p.stages],
             "servers": [asdict(s) for s in p.servers],
+            "gpu_of": {str(k): v for k, v in sorted(p.gpu_of.items())},
             "nodes_detail": nodes,
         },
         "ddma": ddma,
@@ -233,6 +268,10 @@ def to_json(plan: ClusterPlan) -> dict[str, Any]:
                 if plan.generator
                 else None
             ),
+            "models": {
+                role: [{**asdict(g), "total": g.total} for g in gs]
+                for role, gs in plan.models.items()
+            },
         },
         "host_staging_per_node": plan.host_staging,
         "fits": plan.fits,

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Protocol, cast
 
 from rl.runtime.channel import ChannelTimeout, Failed, ProtocolError
-from rl.tasks.scoring import JUDGE, ScoreItem, ScoreResult
+from rl.tasks.scoring import JUDGE, ScoreItem, ScoreResult, rule_fn
 
 if TYPE_CHECKING:
     from rl.config.schema import RewardConfig
@@ -73,7 +73,7 @@ class Scorer(Protocol):
 
 
 def _scorer(r: RewardConfig, output_dir: str, job: Job) -> Scorer:
-    if r.fn.strip() == JUDGE:
+    if rule_fn(r).strip() == JUDGE:
         from rl.reward.judge import JudgeScorer
         from rl.serving.server_api import job_keys
 
@@ -81,7 +81,7 @@ def _scorer(r: RewardConfig, output_dir: str, job: Job) -> Scorer:
         return JudgeScorer(r.judge, job_keys(), logs)
     from rl.reward.executor import RewardExecutor
 
-    return RewardExecutor(r.fn, r.workers, r.timeout_s)
+    return RewardExecutor(rule_fn(r), r.workers, r.timeout_s)
 
 
 def serve(reward: RewardConfig, job: Job, *, output_dir: str) -> None:

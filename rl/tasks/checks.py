@@ -31,12 +31,13 @@ def check(cfg: RootConfig) -> None:
     except TaskError as e:
         raise ConfigError(str(e)) from None
     try:
-        scoring.check(cfg.reward.fn)
+        scoring.check(scoring.rule_fn(cfg.reward))
     except scoring.RewardFnError as e:
-        raise ConfigError(f"reward.{e}") from None
+        field = "eval_" if cfg.reward.fn.strip() == scoring.MODEL else ""
+        raise ConfigError(f"reward.{field}{e}") from None
     if episode_setup.enabled(cfg.env):
         check_env(cfg)
-    judged = cfg.reward.fn.strip() == scoring.JUDGE
+    judged = scoring.rule_fn(cfg.reward).strip() == scoring.JUDGE
     if judged or cfg.reward.judge.model_path:
         check_judge(cfg)
 
@@ -46,7 +47,7 @@ def check_judge(cfg: RootConfig) -> None:
     prompt template, the parser and the numbers (no server is started)."""
     j = cfg.reward.judge
     require(
-        cfg.reward.fn.strip() == scoring.JUDGE,
+        scoring.rule_fn(cfg.reward).strip() == scoring.JUDGE,
         f"reward.judge.model_path is set but reward.fn={cfg.reward.fn!r}: set reward.fn=judge "
         "to score with the judge",
     )

@@ -28,9 +28,12 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from decimal import Decimal, InvalidOperation
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rl.plugins import absolute_spec, load_object
+
+if TYPE_CHECKING:
+    from rl.config.schema import RewardConfig
 
 RewardFn = Callable[[str, str, Any, dict], float | dict]
 
@@ -217,6 +220,13 @@ def _check_signature(spec: str, fn: Callable[..., object]) -> None:
 
 
 JUDGE = "judge"  # reward.fn=judge: the LLM judge on the reward ranks (rl/reward/judge.py)
+MODEL = "model"  # reward.fn=model: the reward model's score (rl/companion/reward_model.py)
+
+
+def rule_fn(r: RewardConfig) -> str:
+    """The rule function that scores evaluation (and, unless ``reward.fn=model``, training):
+    ``reward.fn``, or ``reward.eval_fn`` when the trained reward is the model's alone."""
+    return r.eval_fn if r.fn.strip() == MODEL else r.fn
 
 
 def load(spec: str) -> RewardFn:

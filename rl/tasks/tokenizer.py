@@ -92,3 +92,18 @@ class HFCodec:
                 break
         # One sequence of ids decodes to one string (the return type also covers batches).
         return cast(str, self.tok.decode(ids, skip_special_tokens=True))
+
+
+def vocab_mismatch(a: str, b: str) -> str | None:
+    """Why the tokenizers of the directories ``a`` and ``b`` give tokens other ids (the first
+    token that differs), or None when their vocabularies are the same."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import AutoTokenizer
+
+    va, vb = (AutoTokenizer.from_pretrained(p, local_files_only=True).get_vocab() for p in (a, b))
+    if len(va) != len(vb):
+        return f"{len(va)} tokens against {len(vb)}"
+    for token, i in sorted(va.items(), key=lambda kv: kv[1]):
+        if vb.get(token) != i:
+            return f"token {token!r} is id {i} against {vb.get(token)}"
+    return None

@@ -89,11 +89,11 @@ def evaluator(
     the first evaluation: a warm-up that evaluates nothing needs no function here, as with
     the judge, which scores on the reward ranks only); responses of up to the task's answer
     length, else ``max_new_tokens``."""
-    from rl.tasks.scoring import load
+    from rl.tasks.scoring import load, rule_fn
 
     new = task.answer_tokens or max_new_tokens
     return lambda examples: greedy_accuracy(
-        trainer, task, examples, load(reward.fn), new, reward.pass_threshold
+        trainer, task, examples, load(rule_fn(reward)), new, reward.pass_threshold
     )
 
 

@@ -44,11 +44,17 @@ KINDS = tuple(tiny_models())
 
 
 def make_model(
-    kind: str, path: Path, dtype: torch.dtype = torch.float32, seed: int = 0, score: bool = False
+    kind: str,
+    path: Path,
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+    score: bool = False,
+    extra: dict[str, object] | None = None,
 ) -> Path:
     """The tiny random model ``kind`` (a family's ``Arch.tiny``: the shared tiny shape, the
     MoE shape for an MoE family, then the kind's own fields), saved in ``path``; with
-    ``score``, the family's ``*ForSequenceClassification`` of one label (a reward model).
+    ``score``, the family's ``*ForSequenceClassification`` of one label (a reward model);
+    ``extra``: HF config fields over all of those.
 
     Expert weights are random (transformers 5 initialises its stacked expert parameters with
     normal(0, initializer_range)); norms and biases get the random perturbation below."""
@@ -59,6 +65,7 @@ def make_model(
     fields = {**SHAPES, **(MOE_SHAPES if arch.moe else {}), **arch.tiny[kind]}
     if score:
         fields.update(num_labels=1, pad_token_id=0)
+    fields.update(extra or {})
     conf = transformers.AutoConfig.for_model(arch.model_type, **fields)
     model = getattr(transformers, arch.score_class if score else arch.hf_class)(conf)
     with torch.no_grad():  # random, non-trivial norms and biases (defaults are 1 and 0)

@@ -558,3 +558,66 @@ def test_cli_shows_expert_parallelism(capsys: pytest.CaptureFixture[str]) -> Non
         "fits: yes",
     ):
         assert fragment in out, f"{fragment!r} not in:\n{out}"
+
+
+def test_a_critic_and_a_teacher_get_gpus_and_memory_by_hand(tmp_path: Path) -> None:
+    """The 8B preset with a critic (the policy's decoder and a scalar head, TP2 x DP4,
+    trained) and a Llama 3.1 70B teacher (TP8, frozen) on two model nodes after the
+    generation nodes: their ranks follow the others', each on a GPU of its node, and their
+    memory is the formulas of rl/plan/memory.py written out."""
+    from omegaconf import OmegaConf
+
+    from rl.config.schema import ModelConfig
+    from rl.weights.hf_config import hf_config_from_model
+
+    teacher = tmp_path / "llama3_70b"
+    teacher.mkdir()
+    m70 = OmegaConf.to_object(_cfg("model=llama3_70b").model)
+    assert isinstance(m70, ModelConfig)
+    (teacher / "config.json").write_text(json.dumps(hf_config_from_model(m70, dtype="bfloat16")))
+    (teacher / "model.safetensors").write_bytes(b"")  # the planner reads config.json only
+    cfg = _cfg("experiment=llama3_8b_256gpu", "critic=gpu", "algorithm/advantage=gae",
+               "critic.trainer.dp=4", "teacher=gpu", f"teacher.hf_checkpoint={teacher}",
+               "algorithm.distill_coef=1", "cluster.nodes=34", "cluster.model_nodes=2")  # fmt: skip
+    plan = plan_cluster(cfg)
+    p = plan.placement
+    first = 1 + 64 + 24 + 8  # controller, trainer, generator and reward ranks
+    assert p.ranks["critic"] == list(range(first, first + 8))
+    assert p.ranks["teacher"] == list(range(first + 8, first + 16))
+    assert {p.node_of[r] for r in p.ranks["critic"]} == {32}
+    assert {p.node_of[r] for r in p.ranks["teacher"]} == {33}
+    assert [p.gpu_of[r] for r in p.ranks["teacher"]] == list(range(8))
+
+    # The critic: the 8B decoder at TP2 with a scalar head [1, h] on every rank instead of
+    # the LM head's vocab rows; bf16 weights, fp32 grads, Adam over DP4; no logits.
+    n, h, vocab, norms = _llama3_8b_params(), 4096, 128256, 32 * 2 * 4096 + 4096
+    params = (n - norms - vocab * h) // 2 + norms + h
+    (c,) = plan.models["critic"]
+    assert c.params == params
+    assert (c.weights, c.grads, c.optimizer) == (2 * params, 4 * params, math.ceil(12 * params / 4))
+    assert c.activations == 1 * 8192 * 32 * 1 * 86016 and c.logits == 0
+    assert (c.reference, c.buffers, c.overhead) == (0, 0, 4 * GIB)
+
+    # The teacher: Llama 3.1 70B at TP8, frozen: its weights, one layer's activations of a
+    # 16384-token micro-batch, the LM head's logits (and fp32 softmax) over 16384 tokens.
+    h, kv, f, layers = 8192, 1024, 28672, 80
+    per_layer = h * (h + 2 * kv) + h * h + 3 * h * f + 2 * h
+    n70, norms70 = 2 * vocab * h + layers * per_layer + h, layers * 2 * h + h
+    (t,) = plan.models["teacher"]
+    assert t.params == (n70 - norms70) // 8 + norms70
+    assert (t.weights, t.grads, t.optimizer) == (2 * t.params, 0, 0)
+    assert t.activations == 16384 * 2 * (4 * h + (2 * h + 2 * kv + 3 * f) // 8)
+    assert t.logits == 16384 * (vocab // 8) * (2 + 8)
+    assert plan.fits
+
+    from rl.plan.report import render
+
+    text = render(plan, cfg)
+    for line in (
+        "  critic     node(s) 32 (8 GPUs): LlamaForSequenceClassification, Megatron TP2 x PP1 "
+        "x DP4, bfloat16, trained, global ranks 97-104",
+        "  teacher    node(s) 33 (8 GPUs): LlamaForCausalLM, Megatron TP8 x PP1 x DP1, bfloat16, "
+        "frozen, global ranks 105-112",
+        "memory per teacher GPU (of 80.0 GB), busiest: stage 0, 8.82B params",
+    ):
+        assert line in text, text

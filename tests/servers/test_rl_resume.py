@@ -245,11 +245,13 @@ def test_resume_never_refuses_a_run_dir_that_holds_a_resume_point(tmp_path):
 # A deterministic run (rl.deterministic): async with lag 1, two servers, 2-token segments.
 # After 5 warm-up steps no answer is right; a response cut at max_new_tokens (~40%) is
 # penalised, so groups carry a signal and every step moves the weights, and groups
-# without one are replaced.
+# without one are replaced. A critic trains beside the policy (PPO's GAE from its values):
+# its checkpoint is resumed and compared too.
 DETERMINISTIC = ["sft.steps=5", "sft.eval_every=5", "task.eval_size=32",
                  "rl.prompts_per_step=8", "rl.steps=4", "rl.eval_every=2", "rl.save_interval=2",
                  "rollout.segment_tokens=2", "rollout.servers=2", "algorithm.overlong=penalise",
-                 "algorithm.drop_uniform_groups=true", "rl.deterministic=true"]  # fmt: skip
+                 "algorithm.drop_uniform_groups=true", "rl.deterministic=true", "critic=tiny",
+                 "algorithm/advantage=gae"]  # fmt: skip
 
 
 @pytest.mark.long(
@@ -261,7 +263,7 @@ def test_a_deterministic_job_repeats_and_resumes_bit_for_bit(tmp_path):
     """Two runs of the same job, the second killed right after step 2's checkpoint (while
     samples are cut mid-response) and resumed: every step trains the same prompts on the
     same samples (tokens, log-probs, versions), logs the same numbers (timings aside), and
-    the final weights are bit-equal."""
+    the final weights, the policy's and the critic's, are bit-equal."""
     a, b = tmp_path / "a", tmp_path / "b"
     whole = _start(a, tmp_path / "a.log", DETERMINISTIC)
     _kill_at(_start(b, tmp_path / "b1.log", DETERMINISTIC), b, tmp_path / "b1.log", step=2)
@@ -277,10 +279,12 @@ def test_a_deterministic_job_repeats_and_resumes_bit_for_bit(tmp_path):
         _kill_leftovers(a), _kill_leftovers(b)
     assert "resuming from RL step 2" in (tmp_path / "b2.log").read_text()
     from compare_runs import compare, metrics  # tools/compare_runs.py
+    from compare_runs import tensors as compare_files
 
     steps = [r for r in metrics(a) if r["phase"] == "rl"]
     assert [r["step"] for r in steps] == [1, 2, 3, 4]
-    assert all(r["grad_norm"] > 0 for r in steps)  # the weights move every step
+    assert all(r["grad_norm"] > 0 and r["critic_grad_norm"] > 0 for r in steps)  # both move
+    assert {k.split("/")[0] for k in compare_files(a)} == {"checkpoint", "checkpoint_critic"}
     assert compare(a, b) == {"samples": None, "metrics": None, "checkpoint": None}
     # The resumed attempt's carried-over groups: samples cut mid-response by the kill.
     resumed = [r for rec in _jsonl(b / "trained_prompts.jsonl") for g in rec["groups"]

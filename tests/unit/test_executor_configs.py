@@ -10,12 +10,16 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-EXECUTORS = ("trainer", "generator", "reward", "critic")
+EXECUTORS = ("trainer", "generator", "reward", "companion")
 # The one module per executor that reads the whole job's config: it splits off the
 # executor's settings at the entry point, and builds what needs the task (the trainer's
 # warm-up, the generator's start-up directory) or checks the executor's part before launch
-# (the critic's).
-READS_ROOT_CONFIG = {"rl/trainer/startup.py", "rl/generator/startup.py", "rl/critic/settings.py"}
+# (each model executor's use: a critic, a reward model; the package picks the use's).
+READS_ROOT_CONFIG = {
+    "rl/trainer/startup.py", "rl/generator/startup.py", "rl/companion/__init__.py",
+    "rl/companion/critic.py", "rl/companion/reward_model.py", "rl/companion/teacher.py",
+    "rl/companion/settings.py",
+}  # fmt: skip
 MAX_POSITIONAL = 4
 
 

@@ -196,3 +196,49 @@ def _name(i: int, lag: int, correction: str, corrections: int) -> str:
 
 if __name__ == "__main__":
     main()
+
+
+def rl_records(out: Path, phase: str = "rl") -> list[dict]:
+    """The ``phase`` records of a run's metrics.jsonl, in order."""
+    recs = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in recs if r["phase"] == phase]
+
+
+def export_hf(checkpoint: Path, out: Path) -> Path:
+    """A run's Megatron checkpoint as an HF directory (tools/convert_mcore_to_hf.py)."""
+    cmd = [sys.executable, str(ROOT / "tools/convert_mcore_to_hf.py"), "--ckpt",
+           str(checkpoint), "--out", str(out)]  # fmt: skip
+    subprocess.run(cmd, check=True, cwd=ROOT, capture_output=True)
+    return out
+
+
+def plot_run(
+    curve: list, records: list[dict], right: dict[str, str], titles: tuple[str, str],
+    path: Path, hline: tuple[float, str] | None = None,
+) -> None:  # fmt: skip
+    """Two panels: the held-out accuracy curve (``hline``: a reference level and its
+    label), and each ``right`` metric (key: label) of the RL steps."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(10, 4))
+    xs, ys = zip(*curve, strict=True)
+    ax.plot(xs, [100 * y for y in ys], marker="o", label="held-out accuracy (exact match)")
+    if hline is not None:
+        ax.axhline(100 * hline[0], color="gray", ls="--", label=hline[1])
+    ax.set_xlabel("RL step")
+    ax.set_ylabel("%")
+    ax.set_title(titles[0])
+    ax.grid(alpha=0.3)
+    ax.legend()
+    steps = [r["step"] for r in records]
+    for key, label in right.items():
+        bx.plot(steps, [r[key] for r in records], label=label)
+    bx.set_xlabel("RL step")
+    bx.set_title(titles[1])
+    bx.grid(alpha=0.3)
+    bx.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)

@@ -1,0 +1,124 @@
+"""The reward model (``reward_model=``): a frozen HF ``*ForSequenceClassification``
+checkpoint with one label, scoring each sample (prompt + response) by its last token's
+value, as HF's sequence classifier pools it.
+
+It runs on the model executor (rl/companion/service.py), on ranks and a layout of its own
+(``reward_model.trainer``), converted once from HF to that layout and cached. Its scores
+reach the trainer as rewards (``reward.fn=model``, or weighted with the rule's:
+``reward.combine``), after :func:`normalise`; the held-out evaluation stays the rule's.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from rl.companion.settings import CompanionSettings, check_layout, check_shares_tokenizer, hf_model
+from rl.config.errors import ConfigError
+from rl.tasks.scoring import MODEL
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+    import torch
+
+    from rl.config.schema import ModelConfig, RewardConfig, RewardModelConfig, RootConfig
+
+ROLE = "reward_model"
+NORMALIZE = ("none", "standard", "sigmoid")
+STATS = "reward_stats.json"  # the scores' mean and std, beside the checkpoint
+
+
+def model(cfg: RootConfig) -> ModelConfig:
+    """The reward model's architecture, from its checkpoint's config.json."""
+    return hf_model(cfg.reward_model.hf_checkpoint, ROLE)
+
+
+def settings(cfg: RootConfig) -> CompanionSettings:
+    r = cfg.reward_model
+    return CompanionSettings(
+        role=ROLE, model=model(cfg), trainer=r.trainer, steps=1,
+        deterministic=cfg.rl.deterministic,
+    )  # fmt: skip
+
+
+def weights(r: RewardConfig) -> dict[str, float]:
+    """The trained reward as a weighted sum of ``rule`` and ``model`` scores."""
+    c = r.combine
+    if c.rule or c.model:
+        return {"rule": float(c.rule), MODEL: float(c.model)}
+    return {MODEL: 1.0} if r.fn.strip() == MODEL else {"rule": 1.0}
+
+
+@dataclass(frozen=True)
+class Normaliser:
+    """``reward_model.normalize`` with its mean and std."""
+
+    mode: str = "none"
+    mean: float = 0.0
+    std: float = 1.0
+
+    @classmethod
+    def from_config(cls, r: RewardModelConfig) -> Normaliser:
+        stats = {}
+        path = Path(r.hf_checkpoint or "") / STATS
+        if r.hf_checkpoint and path.is_file():
+            stats = json.loads(path.read_text())
+        mean = r.mean if r.mean is not None else float(stats.get("mean", 0.0))
+        std = r.std if r.std is not None else float(stats.get("std", 1.0))
+        return cls(r.normalize, mean, std)
+
+    def __call__(self, score: float) -> float:
+        if self.mode == "none":
+            return score
+        z = (score - self.mean) / self.std
+        return z if self.mode == "standard" else 1.0 / (1.0 + math.exp(-z))
+
+
+def sequence_scores(values: torch.Tensor, lengths: Sequence[int]) -> list[float]:
+    """Each row's score: the value at its last token (row ``i`` holds ``lengths[i]``)."""
+    return [float(values[i, n - 1]) for i, n in enumerate(lengths)]
+
+
+def check(cfg: RootConfig) -> None:
+    """The reward model's fields, its checkpoint's head and vocabulary against the
+    policy's, its layout, and the reward's use of it, each in one line."""
+    r, rw = cfg.reward_model, cfg.reward
+    uses = {k: w for k, w in weights(rw).items() if w}
+    if rw.combine.rule and rw.fn.strip() == MODEL:
+        raise ConfigError(
+            f"reward.combine.rule={rw.combine.rule} with reward.fn=model: there is no rule "
+            "to weigh (set reward.fn to the rule, e.g. exact)"
+        )
+    if not r.enabled:
+        if MODEL in uses:
+            why = "reward.fn=model" if rw.fn.strip() == MODEL else (
+                f"reward.combine.model={rw.combine.model}")  # fmt: skip
+            raise ConfigError(
+                f"{why} needs a reward model: set reward_model=cpu reward_model.hf_checkpoint=DIR"
+            )
+        return
+    if MODEL not in uses:
+        raise ConfigError(
+            "reward_model.enabled=true but the reward does not use it: set reward.fn=model or "
+            "reward.combine.model"
+        )
+    if r.normalize not in NORMALIZE:
+        raise ConfigError(
+            f"reward_model.normalize={r.normalize!r} is not one of {', '.join(NORMALIZE)}"
+        )
+    if r.std is not None and not r.std > 0:
+        raise ConfigError(f"reward_model.std={r.std} must be > 0")
+    m = model(cfg)
+    from rl.models.arch import has_score_head
+
+    if not has_score_head(m.architecture):
+        raise ConfigError(
+            f"reward_model.hf_checkpoint={r.hf_checkpoint!r} is a {m.architecture}: a reward "
+            "model needs a classification head (*ForSequenceClassification, num_labels=1)"
+        )
+    check_shares_tokenizer(cfg, m, ROLE, "scores")
+    check_layout(ROLE, r.trainer, m, "the reward model's ")

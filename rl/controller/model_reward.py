@@ -1,0 +1,96 @@
+"""Rewards from a reward model (``reward.fn=model`` or ``reward.combine``), beside the rule's.
+
+A group's samples go to the reward model (rl/companion/reward_model.py) as one batch, on a
+thread of this module's own, while its rule scores come from the reward ranks and the
+generator keeps generating: scoring is off the step's critical path as the rule's is. A
+sample's trained reward is the weighted sum of the rule's score and the model's normalised
+score; both stay in its metrics (``rule``, ``model``), and the held-out evaluation and the
+logged accuracy are the rule's alone.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING, TypeVar
+
+import torch
+
+from rl.batch import TrainBatch
+from rl.companion.reward_model import Normaliser, sequence_scores
+from rl.tasks.scoring import ScoreResult
+
+if TYPE_CHECKING:
+    from rl.companion.service import CompanionHandle
+    from rl.generator.types import Rollout
+
+A = TypeVar("A")
+B = TypeVar("B")
+C = TypeVar("C")
+
+
+class ModelReward:
+    """:meth:`score` a group: its rule scores (a future) combined with the model's."""
+
+    def __init__(
+        self,
+        handle: CompanionHandle,
+        norm: Normaliser,
+        weights: dict[str, float],
+        *,
+        pad_id: int,
+        rows_multiple: int = 1,
+    ):
+        """``rows_multiple``: the model's batches are padded with empty rows to a multiple
+        of it (its micro-batch rows times its DP size)."""
+        self.handle, self.norm, self.weights, self.pad_id = handle, norm, weights, pad_id
+        self.rows_multiple = rows_multiple
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="reward-model")
+
+    def scores(self, rollouts: Sequence[Rollout]) -> list[float]:
+        """The model's raw score of each (prompt + response)."""
+        seqs = [[*r.prompt_ids, *r.output_ids] for r in rollouts]
+        width, rows = max(len(s) for s in seqs), -(-len(seqs) // self.rows_multiple)
+        tokens = torch.full((rows * self.rows_multiple, width), self.pad_id, dtype=torch.long)
+        for i, s in enumerate(seqs):
+            tokens[i, : len(s)] = torch.tensor(s, dtype=torch.long)
+        values = self.handle.forward(TrainBatch(tokens))
+        return sequence_scores(values, [len(s) for s in seqs])
+
+    def score(
+        self, rollouts: Sequence[Rollout], rule: Future[list[ScoreResult]]
+    ) -> Future[list[ScoreResult]]:
+        model = self._pool.submit(self.scores, list(rollouts))
+        return _both(rule, model, self._combine)
+
+    def _combine(self, rule: list[ScoreResult], model: list[float]) -> list[ScoreResult]:
+        w_rule, w_model = self.weights.get("rule", 0.0), self.weights.get("model", 0.0)
+        out = []
+        for r, raw in zip(rule, model, strict=True):
+            s = self.norm(raw)
+            metrics = {**r.metrics, "rule": r.score, "model": s, "model_raw": raw}
+            out.append(ScoreResult(w_rule * r.score + w_model * s, metrics, r.failed))
+        return out
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _both(a: Future[A], b: Future[B], fn: Callable[[A, B], C]) -> Future[C]:
+    """A future of ``fn(a.result(), b.result())``, or of the first exception."""
+    out: Future[C] = Future()
+    lock = threading.Lock()
+
+    def done(_: object) -> None:
+        with lock:
+            if out.done() or not (a.done() and b.done()):
+                return
+            try:
+                out.set_result(fn(a.result(), b.result()))
+            except BaseException as e:
+                out.set_exception(e)
+
+    a.add_done_callback(done)
+    b.add_done_callback(done)
+    return out

@@ -256,8 +256,8 @@ DETERMINISTIC = ["sft.steps=5", "sft.eval_every=5", "task.eval_size=32",
 
 @pytest.mark.long(
     reason="one deterministic job and a second one SIGKILLed after a checkpoint and "
-    "resumed: three starts of the ranks and two SGLang servers, the first two side by "
-    "side on two cores: 111 s measured, near the budget on a busier machine"
+    "resumed, each with a critic rank: three starts of the ranks and two SGLang servers, "
+    "the first two side by side on two cores: 120 s measured, at the budget"
 )
 def test_a_deterministic_job_repeats_and_resumes_bit_for_bit(tmp_path):
     """Two runs of the same job, the second killed right after step 2's checkpoint (while

@@ -16,13 +16,12 @@ from rl.algorithms.reuse import Reuse
 from rl.companion.settings import (
     CompanionSettings,
     Training,
+    check_hf_model,
     check_layout,
-    check_shares_tokenizer,
     hf_model,
     with_head,
 )
 from rl.config.errors import ConfigError
-from rl.models.arch import has_score_head
 
 if TYPE_CHECKING:
     import torch
@@ -110,13 +109,8 @@ def check(cfg: RootConfig) -> None:
             "each RL batch whole"
         )
     if c.init == "hf":
-        m = model(cfg)
-        if not has_score_head(m.architecture):
-            raise ConfigError(
-                f"critic.hf_checkpoint={c.hf_checkpoint!r} is a {m.architecture}: a critic "
-                "starts from a scalar head (*ForSequenceClassification, num_labels=1)"
-            )
-        check_shares_tokenizer(cfg, m, ROLE, "values")
+        needs = "a critic starts from a scalar head (*ForSequenceClassification, num_labels=1)"
+        check_hf_model(cfg, model(cfg), ROLE, score=True, needs=needs, what="values")
     elif c.hf_checkpoint:
         raise ConfigError(
             f"critic.hf_checkpoint is set but critic.init={c.init}: set critic.init=hf to "

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from rl.companion.settings import CompanionSettings, check_layout, check_shares_tokenizer, hf_model
+from rl.companion.settings import CompanionSettings, check_hf_model, check_layout, hf_model
 from rl.config.errors import ConfigError
 from rl.tasks.scoring import MODEL
 
@@ -113,12 +113,6 @@ def check(cfg: RootConfig) -> None:
     if r.std is not None and not r.std > 0:
         raise ConfigError(f"reward_model.std={r.std} must be > 0")
     m = model(cfg)
-    from rl.models.arch import has_score_head
-
-    if not has_score_head(m.architecture):
-        raise ConfigError(
-            f"reward_model.hf_checkpoint={r.hf_checkpoint!r} is a {m.architecture}: a reward "
-            "model needs a classification head (*ForSequenceClassification, num_labels=1)"
-        )
-    check_shares_tokenizer(cfg, m, ROLE, "scores")
+    needs = "a reward model needs a classification head (*ForSequenceClassification, num_labels=1)"
+    check_hf_model(cfg, m, ROLE, score=True, needs=needs, what="scores")
     check_layout(ROLE, r.trainer, m, "the reward model's ")

@@ -84,15 +84,21 @@ def hf_model(path: str | None, section: str) -> ModelConfig:
         raise ConfigError(str(e).replace("model.", f"{section}.", 1)) from None
 
 
-def check_shares_tokenizer(
-    cfg: RootConfig, m: ModelConfig | DictConfig, section: str, what: str
-) -> None:
-    """``{section}.hf_checkpoint`` (its model ``m``) has the policy's vocabulary: its size,
-    and, where both directories hold a tokenizer, its tokens' ids."""
+def check_hf_model(
+    cfg: RootConfig, m: ModelConfig | DictConfig, section: str, *, score: bool, needs: str,
+    what: str,
+) -> None:  # fmt: skip
+    """``{section}.hf_checkpoint`` (its model ``m``) has a scalar head (``score``) or an LM
+    head, else a ConfigError ending in ``needs``; and the policy's vocabulary (it ``what``
+    the policy's token ids): its size, and, where both directories hold a tokenizer, its
+    tokens' ids."""
+    from rl.models.arch import has_score_head
     from rl.tasks.tokenizer import check_tokenizer_dir, vocab_mismatch
 
     other = getattr(cfg, section).hf_checkpoint
     field = f"{section}.hf_checkpoint={other!r}"
+    if has_score_head(str(m.architecture)) != score:
+        raise ConfigError(f"{field} is a {m.architecture}: {needs}")
     if m.vocab_size != cfg.model.vocab_size:
         raise ConfigError(
             f"{field} has vocab_size={m.vocab_size}, the policy {cfg.model.vocab_size}: it "

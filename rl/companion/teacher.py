@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from rl.companion.settings import CompanionSettings, check_layout, check_shares_tokenizer, hf_model
+from rl.companion.settings import CompanionSettings, check_hf_model, check_layout, hf_model
 from rl.config.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -64,12 +64,6 @@ def check(cfg: RootConfig) -> None:
             "(set algorithm.distill_coef > 0)"
         )
     m = model(cfg)
-    from rl.models.arch import has_score_head
-
-    if has_score_head(m.architecture):
-        raise ConfigError(
-            f"teacher.hf_checkpoint={t.hf_checkpoint!r} is a {m.architecture}: a teacher needs "
-            "an LM head (*ForCausalLM)"
-        )
-    check_shares_tokenizer(cfg, m, ROLE, "scores")
+    needs = "a teacher needs an LM head (*ForCausalLM)"
+    check_hf_model(cfg, m, ROLE, score=False, needs=needs, what="scores")
     check_layout(ROLE, t.trainer, m, "the teacher's ")

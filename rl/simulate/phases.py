@@ -24,6 +24,13 @@ a reference model's forward and +2 for pi_old's when a batch takes several updat
 the trainer's GPUs at ``train_mfu``, stretched by the 1F1B pipeline bubble (pp - 1) /
 micro-batches of one update.
 
+The model executors (async; rl/companion): each is 2·N per token of the step's batch for a
+forward, 6·N per pass for a trained one's step, over its own GPUs at ``train_mfu``, N
+its active parameters with its head (the vocabulary's rows, or one for a scalar head). A
+teacher's log-probs and a critic's values come before the policy's step; the critic's
+step runs beside the policy's (the longer of the two counts); a reward model scores each
+group as it is generated, so only the last group's scoring waits, as the rule's does.
+
 Weight sync (async): the DDMA plan's busiest sender or receiver (rl.plan.transfer) at the
 NIC's line rate times ``network_efficiency``. Reward: ``reward_s_per_sample`` on every
 reward worker; synchronous it follows generation, asynchronous only the last group does.
@@ -146,6 +153,24 @@ def train_s(cfg: RootConfig, w: Workload, gpus: int, dp: int) -> float:
     return passes * w.active_params * w.tokens / (gpus * tflops(hw, False) * hw.train_mfu) * bubble
 
 
+def model_s(cfg: RootConfig, role: str, tokens: float) -> tuple[float, float]:
+    """(forward, training step) seconds of the model executor ``role`` over ``tokens``
+    (its step 0 for a frozen one)."""
+    from rl.companion import TRAINED, model_of
+    from rl.models.arch import has_score_head
+
+    section, hw = getattr(cfg, role), cfg.cluster.hardware
+    t, m = section.trainer, model_of(cfg, role)
+    head = 1 if has_score_head(str(m.architecture)) else padded_vocab_size(m)  # output rows
+    n = m.num_layers * active_count(Dims.of(m), m.moe_router_topk or 1) + head * m.hidden_size
+    rate = t.tp * t.pp * t.dp * tflops(hw, False) * hw.train_mfu
+    forward = 2 * n * tokens / rate
+    if role not in TRAINED:
+        return forward, 0.0
+    passes = (6 + 2 * (t.recompute == "full")) * section.epochs
+    return forward, passes * n * tokens / rate
+
+
 def reward_s(cfg: RootConfig, samples: int) -> float:
     workers = max(1, cfg.cluster.roles.reward * cfg.reward.workers)
     return math.ceil(samples / workers) * cfg.cluster.hardware.reward_s_per_sample
@@ -182,10 +207,20 @@ def async_phases(cfg: RootConfig, plan: ClusterPlan, w: Workload) -> Phases:
     sent = max(plan.transfer.per_trainer_rank.values(), default=0)
     received = max(plan.transfer.per_server_gpu.values(), default=0)
     rate = cfg.cluster.interconnect_gbps * 1e9 / 8 * hw.network_efficiency
+    train, before, beside, scored = train_s(cfg, w, t.tp * t.pp * t.dp, t.dp), 0.0, 0.0, 0.0
+    group = w.tokens * cfg.algorithm.group_size / w.samples
+    for role in ("critic", "teacher", "reward_model"):
+        if getattr(cfg, role).enabled:
+            forward, step = model_s(cfg, role, group if role == "reward_model" else w.tokens)
+            if role == "reward_model":
+                scored = forward
+            else:
+                before, beside = before + forward, max(beside, step)
     return Phases(
         generate=streaming_s(e, hw, per_server, server_slots(cfg, plan, w), w.prompt, w.lengths),
-        reward=reward_s(cfg, cfg.algorithm.group_size),  # the last group's scoring
-        train=train_s(cfg, w, t.tp * t.pp * t.dp, t.dp),
+        # the last group's scoring: the rule's and the reward model's at once
+        reward=max(reward_s(cfg, cfg.algorithm.group_size), scored),
+        train=before + max(train, beside),
         sync=max(sent, received) / rate,
         overhead=hw.step_overhead_s,
     )

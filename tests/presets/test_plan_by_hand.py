@@ -560,11 +560,10 @@ def test_cli_shows_expert_parallelism(capsys: pytest.CaptureFixture[str]) -> Non
         assert fragment in out, f"{fragment!r} not in:\n{out}"
 
 
-def test_a_critic_and_a_teacher_get_gpus_and_memory_by_hand(tmp_path: Path) -> None:
-    """The 8B preset with a critic (the policy's decoder and a scalar head, TP2 x DP4,
-    trained) and a Llama 3.1 70B teacher (TP8, frozen) on two model nodes after the
-    generation nodes: their ranks follow the others', each on a GPU of its node, and their
-    memory is the formulas of rl/plan/memory.py written out."""
+def _with_critic_and_teacher(tmp_path: Path) -> DictConfig:
+    """The 8B preset with a critic (TP2 x DP4) and a Llama 3.1 70B teacher (TP8) on two
+    model nodes; the teacher's directory holds its config.json only (the planner and the
+    simulator read nothing else)."""
     from omegaconf import OmegaConf
 
     from rl.config.schema import ModelConfig
@@ -575,10 +574,22 @@ def test_a_critic_and_a_teacher_get_gpus_and_memory_by_hand(tmp_path: Path) -> N
     m70 = OmegaConf.to_object(_cfg("model=llama3_70b").model)
     assert isinstance(m70, ModelConfig)
     (teacher / "config.json").write_text(json.dumps(hf_config_from_model(m70, dtype="bfloat16")))
-    (teacher / "model.safetensors").write_bytes(b"")  # the planner reads config.json only
-    cfg = _cfg("experiment=llama3_8b_256gpu", "critic=gpu", "algorithm/advantage=gae",
-               "critic.trainer.dp=4", "teacher=gpu", f"teacher.hf_checkpoint={teacher}",
-               "algorithm.distill_coef=1", "cluster.nodes=34", "cluster.model_nodes=2")  # fmt: skip
+    (teacher / "model.safetensors").write_bytes(b"")
+    models = ["critic=gpu", "algorithm/advantage=gae", "critic.trainer.dp=4", "teacher=gpu",
+              f"teacher.hf_checkpoint={teacher}", "algorithm.distill_coef=1"]  # fmt: skip
+    return _cfg("experiment=llama3_8b_256gpu", *models, "cluster.nodes=34", "cluster.model_nodes=2")
+
+
+def _llama_layer(h: int, kv: int, f: int) -> int:
+    return h * (h + 2 * kv) + h * h + 3 * h * f + 2 * h
+
+
+def test_a_critic_and_a_teacher_get_gpus_and_memory_by_hand(tmp_path: Path) -> None:
+    """The 8B preset with a critic (the policy's decoder and a scalar head, TP2 x DP4,
+    trained) and a Llama 3.1 70B teacher (TP8, frozen) on two model nodes after the
+    generation nodes: their ranks follow the others', each on a GPU of its node, and their
+    memory is the formulas of rl/plan/memory.py written out."""
+    cfg = _with_critic_and_teacher(tmp_path)
     plan = plan_cluster(cfg)
     p = plan.placement
     first = 1 + 64 + 24 + 8  # controller, trainer, generator and reward ranks
@@ -601,7 +612,7 @@ def test_a_critic_and_a_teacher_get_gpus_and_memory_by_hand(tmp_path: Path) -> N
     # The teacher: Llama 3.1 70B at TP8, frozen: its weights, one layer's activations of a
     # 16384-token micro-batch, the LM head's logits (and fp32 softmax) over 16384 tokens.
     h, kv, f, layers = 8192, 1024, 28672, 80
-    per_layer = h * (h + 2 * kv) + h * h + 3 * h * f + 2 * h
+    per_layer = _llama_layer(h, kv, f)
     n70, norms70 = 2 * vocab * h + layers * per_layer + h, layers * 2 * h + h
     (t,) = plan.models["teacher"]
     assert t.params == (n70 - norms70) // 8 + norms70
@@ -621,3 +632,23 @@ def test_a_critic_and_a_teacher_get_gpus_and_memory_by_hand(tmp_path: Path) -> N
         "memory per teacher GPU (of 80.0 GB), busiest: stage 0, 8.82B params",
     ):
         assert line in text, text
+
+
+def test_the_simulator_counts_the_critic_and_the_teacher_by_hand(tmp_path: Path) -> None:
+    """The step's training phase: the teacher's and the critic's forwards over the step's
+    tokens (2 N each), then the longer of the policy's step and the critic's (6 N), each
+    over its own 8 GPUs at the hardware's MFU; N with the head the model has (the 70B
+    teacher's vocabulary rows, the critic's one)."""
+    from rl.simulate.phases import Workload, train_s
+    from rl.simulate.simulation import simulate
+
+    cfg = _with_critic_and_teacher(tmp_path)
+    w, hw = Workload.of(cfg), cfg.cluster.hardware
+    rate = 8 * hw.bf16_tflops * 1e12 * hw.train_mfu  # each has 8 GPUs
+    critic = 32 * _llama_layer(4096, 1024, 14336) + 4096
+    teacher = 80 * _llama_layer(8192, 1024, 28672) + 128256 * 8192
+    before = 2 * (critic + teacher) * w.tokens / rate
+    policy = train_s(cfg, w, 64, 32)
+    s = simulate(cfg)
+    assert s.asyn.train == pytest.approx(before + max(policy, 6 * critic * w.tokens / rate))
+    assert s.asyn.train > 10 * policy  # the 70B teacher's forward on 8 GPUs dominates

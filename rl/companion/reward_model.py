@@ -16,7 +16,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from rl.companion.settings import CompanionSettings, check_hf_model, check_layout, hf_model
+from rl.companion.settings import (
+    CompanionSettings,
+    check_hf_model,
+    check_layout,
+    frozen,
+    hf_model,
+)
 from rl.config.errors import ConfigError
 from rl.tasks.scoring import MODEL
 
@@ -38,11 +44,7 @@ def model(cfg: RootConfig) -> ModelConfig:
 
 
 def settings(cfg: RootConfig) -> CompanionSettings:
-    r = cfg.reward_model
-    return CompanionSettings(
-        role=ROLE, model=model(cfg), trainer=r.trainer, steps=1,
-        deterministic=cfg.rl.deterministic,
-    )  # fmt: skip
+    return frozen(cfg, ROLE)
 
 
 def weights(r: RewardConfig) -> dict[str, float]:

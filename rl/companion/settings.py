@@ -72,6 +72,16 @@ def check_layout(
         raise ConfigError(msg.replace("trainer.", f"{prefix}.trainer.")) from None
 
 
+def frozen(cfg: RootConfig, role: str, temperature: float = 1.0) -> CompanionSettings:
+    """The settings of the frozen model of ``role`` (its section's HF checkpoint and
+    layout): no steps to train, no training."""
+    section = getattr(cfg, role)
+    return CompanionSettings(
+        role=role, model=hf_model(section.hf_checkpoint, role), trainer=section.trainer,
+        steps=1, deterministic=cfg.rl.deterministic, temperature=temperature,
+    )  # fmt: skip
+
+
 def hf_model(path: str | None, section: str) -> ModelConfig:
     """The architecture of ``{section}.hf_checkpoint``, from its config.json."""
     from rl.weights.hf_model import hf_model_config

@@ -12,7 +12,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from rl.companion.settings import CompanionSettings, check_hf_model, check_layout, hf_model
+from rl.companion.settings import (
+    CompanionSettings,
+    check_hf_model,
+    check_layout,
+    frozen,
+    hf_model,
+)
 from rl.config.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -27,12 +33,8 @@ def model(cfg: RootConfig) -> ModelConfig:
 
 
 def settings(cfg: RootConfig) -> CompanionSettings:
-    t = cfg.teacher
-    return CompanionSettings(
-        role=ROLE, model=model(cfg), trainer=t.trainer, steps=1,
-        deterministic=cfg.rl.deterministic,
-        temperature=float(cfg.rollout.sampling.temperature),
-    )  # fmt: skip
+    # Its log-probs at the rollouts' temperature, as the policy's are taken.
+    return frozen(cfg, ROLE, float(cfg.rollout.sampling.temperature))
 
 
 def check(cfg: RootConfig) -> None:

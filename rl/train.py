@@ -47,11 +47,18 @@ def run(cfg: RootConfig) -> dict[str, float | None]:
     """One rank of the job: join it, then act as the role the role map gives this rank."""
     import threading
 
-    from rl.runtime.job import join
+    from rl.runtime.job import join, place
 
     quiet_known_warnings()
     if threading.excepthook is threading.__excepthook__:  # torchrun: our spawner sets its own
         install_thread_hook()  # a thread that dies ends this rank, so the launcher sees it
+    role, role_rank, role_size = place(cfg)
+    if role == "generator":  # its servers import SGLang while the other ranks start
+        from rl.generator import service
+        from rl.generator import startup as gen
+
+        launched = service.launch(gen.settings(cfg), role_rank, role_size,
+                                  model_path=partial(gen.model_path, cfg))  # fmt: skip
     job = join(cfg, cfg.trainer.device)
     _title(f"msrl:{job.role}:{job.role_rank}")
     if node := os.environ.get("SLURMD_NODENAME"):  # where each rank runs, for operators
@@ -71,10 +78,7 @@ def run(cfg: RootConfig) -> dict[str, float | None]:
                           make_target=SGLangTarget)  # fmt: skip
             return {}
         if job.role == "generator":
-            from rl.generator import startup as gen
-            from rl.generator.service import serve as serve_generator
-
-            serve_generator(gen.settings(cfg), job, model_path=partial(gen.model_path, cfg))
+            service.serve(gen.settings(cfg), job, launched)
             return {}
         if job.role in COMPANIONS:
             from rl.companion import settings_of
@@ -123,9 +127,12 @@ def main(cfg: RootConfig) -> None:
     print(f"starting {roles.describe()}: trainer tp={t.tp} pp={t.pp} dp={t.dp} on {t.device}")
     print(OmegaConf.to_yaml(cfg), flush=True)
     try:
+        # A generator rank needs no Megatron-Core: started fresh, it runs (and starts its
+        # servers) while the other ranks' fork server still imports it.
         spawn(run, roles.world_size, cfg, device=t.device, timeout_s=24 * 3600, setup=False,
               names=lambda r: "{} rank {}".format(*roles.role_of(r)),
-              saved=lambda: resume.describe(cfg.run.output_dir))  # fmt: skip
+              saved=lambda: resume.describe(cfg.run.output_dir),
+              fresh_ranks=roles.ranks("generator"))  # fmt: skip
     except Stopped as e:  # SIGTERM/SIGINT: every rank and server is gone; one line says so
         _leave(e.exit_code, str(e))
     except RankFailed as e:

@@ -32,12 +32,14 @@ if TYPE_CHECKING:
 Batch = tuple[list["Group"], "TrainBatch", dict[str, float]]
 
 
-class BatchPrefetch:
-    """``assemble(groups)`` builds the trainer's batch from a step's groups."""
+Assemble = Callable[[list["Group"], int, dict[str, float]], "TrainBatch"]
 
-    def __init__(
-        self, stream: RolloutStream, assemble: Callable[[list[Group]], TrainBatch]
-    ) -> None:
+
+class BatchPrefetch:
+    """``assemble(groups, trainer_version, metrics)`` builds the trainer's batch from a
+    step's groups (and may add its own timings to the stream's ``metrics``)."""
+
+    def __init__(self, stream: RolloutStream, assemble: Assemble) -> None:
         self.stream, self.assemble = stream, assemble
         self._next: Future[Batch] | None = None
         self._version: int | None = None
@@ -54,7 +56,7 @@ class BatchPrefetch:
             try:
                 groups, m = self.stream.next_batch(trainer_version)
                 t0 = time.perf_counter()
-                batch = self.assemble(groups)
+                batch = self.assemble(groups, trainer_version, m)
                 m["assemble_s"] = time.perf_counter() - t0
                 fut.set_result((groups, batch, m))
             except BaseException as e:  # handed to take(); the stream's own errors too

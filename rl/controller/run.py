@@ -8,9 +8,9 @@ A step, in order (:meth:`RLRun.step` is these calls):
    thread while the last step trained;
 2. ask the prefetch thread for the next step's batch (not across a save: a save snapshots
    the stream);
-3. train on the batch (the trainer computes the advantages and the loss); with a teacher,
-   first its log-probs of the batch's tokens; with a critic, its values of the batch, then
-   it trains on the batch while the policy does;
+3. train on the batch (the trainer computes the advantages and the loss); with a critic,
+   it trains on the batch while the policy does (a teacher's log-probs and a critic's
+   values of the batch were taken as it was assembled: rl/controller/model_steps.py);
 4. in lockstep (``rl.deterministic``), wait for the round's last segments;
 5. push the new weights into every live server (DDMA) as the next version; the weight
    sync's listeners hear of it (see :data:`LISTENERS`);
@@ -21,8 +21,9 @@ A step, in order (:meth:`RLRun.step` is these calls):
 10. at a save point, wait for the records, then save checkpoint, stream state and resume
     point.
 
-Only training and the push sit on the critical path (and a teacher's log-probs and a
-critic's values of the batch; a reward model scores each group as it is generated). What
+Only training and the push sit on the critical path (a teacher's log-probs and a
+critic's values of a batch are taken while it is assembled ahead; a reward model scores
+each group as it is generated). What
 runs beside the steps is started in :meth:`RLRun.setup` and named in :data:`THREADS`;
 nothing else acts during a step. Everything the run touches is a handle
 to an executor (trainer, generator, reward, the model executors: a critic, a reward model,
@@ -40,13 +41,14 @@ import torch
 
 from rl.batch import TrainBatch
 from rl.checkpoints import resume
-from rl.companion.critic import checkpoint_of, with_values
+from rl.companion.critic import checkpoint_of
 from rl.config.sampling import SamplingParams
 from rl.controller import rollout_state
 from rl.controller.batch import build_batch, no_signal
 from rl.controller.episodes import EpisodeDriver, episode_metrics
 from rl.controller.evaluate import Evaluator, score_items
 from rl.controller.lockstep import LockstepStream
+from rl.controller.model_steps import ModelSteps
 from rl.controller.prefetch import Background, BatchPrefetch
 from rl.controller.recovery import ServerRecovery
 from rl.controller.rollouts import Group, RolloutStream, StreamState
@@ -143,6 +145,7 @@ class RLRun:
         self.log, self.warmup_accuracy, self.point = log, warmup_accuracy, point
         self.out, self.steps = Path(cfg.run.output_dir), cfg.rl.steps
         self.first = point.step + 1 if point else 1
+        self.models = ModelSteps(critic, teacher, self.first)
         self.start_accuracy = float("nan")
         self.final_accuracy = float("nan")
         self._t_last = time.perf_counter()
@@ -245,11 +248,14 @@ class RLRun:
             print(f"rollout state of step {saved.step}: {stream.restore(saved)}", flush=True)
         return stream.start()
 
-    def _assemble(self, groups: list[Group]) -> TrainBatch:
+    def _assemble(self, groups: list[Group], step: int, m: dict[str, float]) -> TrainBatch:
+        """Step ``step``'s batch (the trainer's version at a step is the step's number:
+        setup's push makes it ``first``), with what the model executors add to it."""
         a = self.cfg.algorithm
-        return build_batch([g.rollouts for g in groups], [g.rewards for g in groups],
-                           pad_id=self.task.codec.pad_id, overlong=a.overlong,
-                           overlong_penalty=a.overlong_penalty)  # fmt: skip
+        batch = build_batch([g.rollouts for g in groups], [g.rewards for g in groups],
+                            pad_id=self.task.codec.pad_id, overlong=a.overlong,
+                            overlong_penalty=a.overlong_penalty)  # fmt: skip
+        return self.models.annotate(step, batch, m)
 
     # ------------------------------------------------------------------ one step
     def step(self, step: int) -> None:
@@ -261,10 +267,9 @@ class RLRun:
             t_train = time.perf_counter()
             if step < self.steps and not self._saves(step):  # 2.
                 self.fetch.request(version + 1)  # the version this step's push publishes
-            batch = self._critic_step(step, self._teacher(batch, m), m)  # 3.
+            self.models.train(step, batch)  # 3. a critic's step, beside the policy's
             m.update(self.trainer.train(step, batch))
-            if self.critic is not None:
-                m.update(self.critic.trained())
+            m.update(self.models.trained())
             m["round_wait_s"] = self.stream.finish_round()  # 4. (0 outside lockstep)
             t_push = time.perf_counter()
             m.update(self.push().metrics())  # 5. listeners: route, stream
@@ -277,27 +282,6 @@ class RLRun:
         if self._saves(step):  # 10. a resume point follows every record up to its step
             self.books.drain()
             self.save(step, str(self.out / "checkpoint"), ledger.held)
-
-    def _teacher(self, batch: TrainBatch, m: dict[str, float]) -> TrainBatch:
-        """With a teacher: the batch with its log-prob of every sampled token."""
-        if self.teacher is None:
-            return batch
-        t0 = time.perf_counter()
-        lp = self.teacher.forward(TrainBatch(batch.tokens))
-        m["teacher_logprobs_s"] = time.perf_counter() - t0
-        mask = batch.loss_mask
-        return replace(batch, teacher_logprobs=lp * mask if mask is not None else lp)
-
-    def _critic_step(self, step: int, batch: TrainBatch, m: dict[str, float]) -> TrainBatch:
-        """With a critic: the batch with its values, and the critic's step on it sent (it
-        trains while the policy does; :meth:`step` collects it)."""
-        if self.critic is None:
-            return batch
-        t0 = time.perf_counter()
-        batch = with_values(batch, self.critic.forward(batch))
-        m["critic_values_s"] = time.perf_counter() - t0
-        self.critic.train(step, batch)
-        return batch
 
     def _counters(self) -> dict[str, float]:
         """The run's totals at this step: server restarts, reward failures and timeouts,

@@ -17,7 +17,7 @@ import threading
 import traceback
 from dataclasses import KW_ONLY, dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 from rl.runtime.channel import Channel, ChannelTimeout, Failed
 from rl.runtime.net import host_address
@@ -25,6 +25,7 @@ from rl.runtime.net import host_address
 if TYPE_CHECKING:
     from rl.generator.settings import GeneratorSettings
     from rl.runtime.job import Job
+    from rl.serving.launcher import ServerLauncher
 
 
 @dataclass
@@ -73,33 +74,52 @@ class ModelPath(Protocol):
     def __call__(self, out: Path) -> str: ...
 
 
-def serve(settings: GeneratorSettings, job: Job, *, model_path: ModelPath) -> None:
-    """A generator rank's main loop: start its share of the servers from ``model_path``,
-    report them up, and restart any that dies until told to stop."""
+class Launched(NamedTuple):
+    """A generator rank's servers, spawned (:func:`launch`) and not yet waited for (not a
+    message: it never leaves the rank)."""
+
+    launcher: ServerLauncher
+    model_path: str  # the HF directory they start from
+
+
+def launch(
+    settings: GeneratorSettings, role_rank: int, role_size: int, *, model_path: ModelPath
+) -> Launched:
+    """Spawn generator rank ``role_rank``'s share of the servers from ``model_path``,
+    without waiting for them: called before the rank joins the job, so that SGLang's
+    imports (most of a server's start on CPU) run while the other ranks start."""
     from rl.serving.launcher import ServerConfig, ServerLauncher, fp8_serving_dir
     from rl.serving.server_api import job_keys
+
+    r = settings.rollout
+    out = Path(settings.output_dir) / "generator" / f"rank{role_rank}"
+    path = model_path(out)
+    server = ServerConfig.from_rollout(r, path)
+    block = r.weight_sync.fp8_block
+    if block is not None:  # FP8 layers, their weights and scales by DDMA
+        fp8_dir = fp8_serving_dir(path, out / "hf_fp8", block)
+        server = replace(server, model_path=str(fp8_dir), load_format="dummy")
+    # The servers' clients are the controller and the trainer's ranks. On one node they
+    # reach 127.0.0.1. With cluster.nodes > 1 the nodes are always split between
+    # training (the controller on node 0) and generation (rl/plan/placement.py), so
+    # every client is remote: listen on the one address they are given, not on all.
+    host = host_address() if settings.multi_node else "127.0.0.1"
+    server = replace(server, host=host, keys=job_keys(),
+                     batch_invariant=settings.deterministic)  # fmt: skip
+    n = r.servers // role_size
+    return Launched(ServerLauncher(server, n=n, log_dir=out / "logs").spawn(), path)
+
+
+def serve(settings: GeneratorSettings, job: Job, launched: Launched) -> None:
+    """A generator rank's main loop: wait for its servers (:func:`launch`), report them
+    up, and restart any that dies until told to stop."""
     from rl.serving.watchdog import Watchdog
 
     inbox = job.channel(f"generator/in/{job.role_rank}", Stop)
     reply = job.channel("generator/out", Up, Down, Restarted)
     try:
-        r = settings.rollout
-        out = Path(settings.output_dir) / "generator" / f"rank{job.role_rank}"
-        path = model_path(out)
-        n = r.servers // job.role_size()
-        server = ServerConfig.from_rollout(r, path)
-        block = r.weight_sync.fp8_block
-        if block is not None:  # FP8 layers, their weights and scales by DDMA
-            fp8_dir = fp8_serving_dir(path, out / "hf_fp8", block)
-            server = replace(server, model_path=str(fp8_dir), load_format="dummy")
-        # The servers' clients are the controller and the trainer's ranks. On one node they
-        # reach 127.0.0.1. With cluster.nodes > 1 the nodes are always split between
-        # training (the controller on node 0) and generation (rl/plan/placement.py), so
-        # every client is remote: listen on the one address they are given, not on all.
-        host = host_address() if settings.multi_node else "127.0.0.1"
-        server = replace(server, host=host, keys=job_keys(),
-                         batch_invariant=settings.deterministic)  # fmt: skip
-        with ServerLauncher(server, n=n, log_dir=out / "logs") as launcher:
+        r, path, n = settings.rollout, launched.model_path, len(launched.launcher.servers)
+        with launched.launcher as launcher:  # waits for them (ServerLauncher.start)
             reply.put(Up(job.role_rank, launcher.urls, path))
             stop = threading.Event()
             lost: list[BaseException] = []

@@ -100,6 +100,17 @@ def job_store(rank: int, world: int, timeout: timedelta) -> Store:
     return dist.TCPStore(host, port, world, True, timeout, master_listen_fd=fd)
 
 
+def place(cfg: RootConfig) -> tuple[str, int, int]:
+    """The role this process plays, its rank in it and the role's size, from the
+    launcher's variables alone (before it joins: a generator rank starts its servers
+    first)."""
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    roles = RoleMap.from_config(cfg)
+    roles.check_world(world)
+    role, role_rank = roles.role_of(placed_rank(roles, os.environ, rank))
+    return role, role_rank, len(roles.ranks(role))
+
+
 def join(cfg: RootConfig, device: str = "cpu") -> Job:
     """Join the job as the rank the launcher says this process is (RANK, WORLD_SIZE)."""
     import torch
@@ -110,8 +121,7 @@ def join(cfg: RootConfig, device: str = "cpu") -> Job:
     key = secret.load()  # first: a rank without the job's key must not join
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     roles = RoleMap.from_config(cfg)
-    roles.check_world(world)
-    role, role_rank = roles.role_of(placed_rank(roles, os.environ, rank))
+    role, role_rank, _ = place(cfg)
     timeout = float(cfg.rl.channel_timeout)
     store = job_store(rank, world, timedelta(seconds=timeout))
     # The trainer is the one executor with heavy collectives: NCCL on GPUs.

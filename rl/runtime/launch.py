@@ -31,7 +31,7 @@ import threading
 import time
 import traceback
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -285,6 +285,7 @@ def spawn(
     names: Callable[[int], str] | None = None,
     saved: Callable[[], str] | None = None,
     fresh: bool = False,
+    fresh_ranks: Collection[int] = (),
 ) -> list[R]:
     """Run ``fn(*args)`` on ``world_size`` new local ranks; return each rank's result.
 
@@ -296,11 +297,13 @@ def spawn(
     without, ``fn`` sets up its own (e.g. one group per executor role). A CPU rank is
     forked with torch and the CPU-patched Megatron-Core imported; ``fresh`` starts each
     rank as a new interpreter instead, with nothing imported or patched (a CUDA rank
-    always is).
+    always is), and ``fresh_ranks`` only those ranks: ranks that need no Megatron-Core
+    then run while the fork server is still importing it.
     """
     name = names or (lambda r: f"rank {r}")
     _quiet_resource_tracker()
     ctx = _context(device, fresh)
+    ctx_of = [_context(device, fresh or r in fresh_ranks) for r in range(world_size)]
     # A pipe per rank, not one multiprocessing Queue: a Queue is three named semaphores in
     # /dev/shm that only the resource tracker unlinks, and a job SIGKILLed as a whole,
     # tracker included, left them behind. A pipe leaves nothing.
@@ -313,7 +316,7 @@ def spawn(
     procs: list[Any] = []
     sup = Supervisor(procs, outputs, [r for r, _ in pipes], name)
     procs += [
-        ctx.Process(
+        ctx_of[r].Process(
             target=_child,
             args=(
                 env,
@@ -329,9 +332,12 @@ def spawn(
         )
         for r in range(world_size)
     ]
+    # Fresh ranks first: their interpreters import while the fork server (started with
+    # the first rank forked from it, which waits for its imports) does.
+    order = sorted(range(world_size), key=lambda r: ctx_of[r] is ctx)
     with _stop_signals() as stopping:
         try:
-            for p, o, (_, w) in zip(procs, outputs, pipes, strict=True):
+            for p, o, (_, w) in ((procs[r], outputs[r], pipes[r]) for r in order):
                 p.start()
                 w.close()  # the rank holds it now: end-of-file means the rank is gone
                 o.start()

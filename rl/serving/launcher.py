@@ -338,13 +338,25 @@ class ServerLauncher:
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
-    def start(self) -> ServerLauncher:
-        """Spawn every server, then wait for all of them (they load in parallel)."""
+    def spawn(self) -> ServerLauncher:
+        """Start every server not started yet, without waiting for any (:meth:`start`
+        waits): the caller does other work while they import and load."""
         _install_hooks()
         _live.add(self)
         try:
             for s in self.servers:
-                self._spawn(s)
+                if s.proc is None:
+                    self._spawn(s)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def start(self) -> ServerLauncher:
+        """Spawn every server (unless :meth:`spawn` did), then wait for all of them
+        (they load in parallel)."""
+        self.spawn()
+        try:
             for s in self.servers:
                 for attempt in range(PORT_ATTEMPTS):
                     try:

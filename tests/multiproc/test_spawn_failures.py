@@ -97,6 +97,10 @@ def test_cpu_ranks_fork_ready_with_the_launchers_environment_of_now(monkeypatch)
     assert fresh["value"] is None  # unset in the launcher: unset in the rank
     assert not fresh["megatron"] and not fresh["patched"]
     assert fresh["parent"] == os.getpid() and fresh["title"] == "msrl:test:0"
+    # fresh_ranks: those alone start fresh (a job's generator ranks), the others forked.
+    mixed = spawn(started_as, 3, var, setup=False, fresh_ranks=[1])
+    assert [r["megatron"] for r in mixed] == [True, False, True], mixed
+    assert mixed[1]["parent"] == os.getpid() != mixed[0]["parent"] == mixed[2]["parent"]
 
 
 def _waiting_job(run_dir: Path) -> subprocess.Popen:

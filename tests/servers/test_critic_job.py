@@ -145,6 +145,7 @@ def test_1_the_critic_trains_beside_the_policy_and_gae_uses_its_values(
                   "adv_distill_kl"):  # fmt: skip
             assert k in r, k
     assert all(r["critic_updates"] == 4 for r in recs)  # 2 epochs of 2 minibatches
+    assert all(r["critic_lag"] == 1 for r in recs)  # values from the critic one step behind
     lrs = [r["critic_lr"] for r in recs]
     assert lrs == sorted(lrs) and lrs[0] < lrs[-1]  # its own warm-up ramp
     for r in recs:

@@ -38,7 +38,7 @@ class FakeStream:
 
 def test_a_batch_is_taken_and_assembled_while_the_trainer_trains():
     stream = FakeStream()
-    fetch = BatchPrefetch(stream, lambda groups: {"n": len(groups), "first": groups[0]})  # type: ignore[arg-type]
+    fetch = BatchPrefetch(stream, lambda groups, v, m: {"n": len(groups), "first": groups[0]})  # type: ignore[arg-type]
     fetch.request(7)  # returns at once: the stream is not ready yet
     assert stream.calls == [7] or not stream.calls  # the thread may not have started yet
     with pytest.raises(RuntimeError, match="already requested"):
@@ -56,11 +56,11 @@ def test_a_batch_is_taken_and_assembled_while_the_trainer_trains():
 def test_a_batch_checked_against_another_version_is_refused_and_errors_reach_take():
     stream = FakeStream()
     stream.release.set()
-    fetch = BatchPrefetch(stream, lambda groups: {})  # type: ignore[arg-type]
+    fetch = BatchPrefetch(stream, lambda groups, v, m: {})  # type: ignore[arg-type]
     fetch.request(3)
     with pytest.raises(RuntimeError, match="version 3, not the trainer's 4"):
         fetch.take(4)
-    fetch = BatchPrefetch(stream, lambda groups: {})  # type: ignore[arg-type]
+    fetch = BatchPrefetch(stream, lambda groups, v, m: {})  # type: ignore[arg-type]
     fetch.request(-1)
     with pytest.raises(ValueError, match="bad version -1"):
         fetch.take(-1)

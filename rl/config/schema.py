@@ -474,6 +474,8 @@ class EnvConfig:
     chat_template: str | None = None
     max_turns: int = 4  # assistant turns per episode; the last one is scored as it is
     tool_timeout_s: float = 10.0  # wall clock per tool call; an overrun is an observation
+    # Every tool's observation text, errors included, is cut to this (the cut said in it).
+    max_observation_chars: int = 4000
     sandbox_memory_mb: int = 512  # the python tool's address space
     workers: int = 4  # threads answering turns (running tools) on the controller
 

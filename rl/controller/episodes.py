@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from rl.envs.environment import Environment, Message
+from rl.envs.tools import close_workers
 from rl.generator.types import Rollout
 from rl.tasks.common import Example
 
@@ -106,6 +107,7 @@ class EpisodeDriver:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+        close_workers()  # a user tool's worker processes (rank exits skip atexit)
 
 
 def run_episodes(

@@ -11,6 +11,7 @@ logged accuracy are the rule's alone.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, TypeVar
@@ -48,15 +49,16 @@ class ModelReward:
         self.rows_multiple = rows_multiple
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="reward-model")
 
-    def scores(self, rollouts: Sequence[Rollout]) -> list[float]:
-        """The model's raw score of each (prompt + response)."""
+    def scores(self, rollouts: Sequence[Rollout]) -> tuple[list[float], float]:
+        """The model's raw score of each (prompt + response), and the seconds it took."""
         seqs = [[*r.prompt_ids, *r.output_ids] for r in rollouts]
         width, rows = max(len(s) for s in seqs), -(-len(seqs) // self.rows_multiple)
         tokens = torch.full((rows * self.rows_multiple, width), self.pad_id, dtype=torch.long)
         for i, s in enumerate(seqs):
             tokens[i, : len(s)] = torch.tensor(s, dtype=torch.long)
+        t0 = time.perf_counter()
         values = self.handle.forward(TrainBatch(tokens))
-        return sequence_scores(values, [len(s) for s in seqs])
+        return sequence_scores(values, [len(s) for s in seqs]), time.perf_counter() - t0
 
     def score(
         self, rollouts: Sequence[Rollout], rule: Future[list[ScoreResult]]
@@ -64,12 +66,17 @@ class ModelReward:
         model = self._pool.submit(self.scores, list(rollouts))
         return _both(rule, model, self._combine)
 
-    def _combine(self, rule: list[ScoreResult], model: list[float]) -> list[ScoreResult]:
+    def _combine(
+        self, rule: list[ScoreResult], model: tuple[list[float], float]
+    ) -> list[ScoreResult]:
         w_rule, w_model = self.weights.get("rule", 0.0), self.weights.get("model", 0.0)
+        raws, seconds = model
         out = []
-        for r, raw in zip(rule, model, strict=True):
+        for r, raw in zip(rule, raws, strict=True):
             s = self.norm(raw)
-            metrics = {**r.metrics, "rule": r.score, "model": s, "model_raw": raw}
+            # model_s: the group's forward on the reward model (logged reward_model_s).
+            metrics = {**r.metrics, "rule": r.score, "model": s, "model_raw": raw,
+                       "model_s": seconds}  # fmt: skip
             out.append(ScoreResult(w_rule * r.score + w_model * s, metrics, r.failed))
         return out
 

@@ -43,9 +43,10 @@ def enabled(cfg: EnvConfig) -> bool:
 
 def limits(cfg: EnvConfig) -> Limits:
     """Every tool call's: ``tool_timeout_s`` of wall clock (and as many CPU seconds, for
-    the sandbox), the sandbox's address space."""
+    the sandbox), the sandbox's address space, the observation's length."""
     return Limits(cpu_s=max(1, math.ceil(cfg.tool_timeout_s)), wall_s=cfg.tool_timeout_s,
-                  memory_mb=cfg.sandbox_memory_mb)  # fmt: skip
+                  memory_mb=cfg.sandbox_memory_mb,
+                  output_chars=cfg.max_observation_chars)  # fmt: skip
 
 
 def check_fields(cfg: EnvConfig) -> None:
@@ -56,6 +57,8 @@ def check_fields(cfg: EnvConfig) -> None:
         (f"env.sandbox_memory_mb={cfg.sandbox_memory_mb} must be >= 64",
          cfg.sandbox_memory_mb < 64),
         (f"env.workers={cfg.workers} must be >= 1", cfg.workers < 1),
+        (f"env.max_observation_chars={cfg.max_observation_chars} must be >= 100",
+         cfg.max_observation_chars < 100),
         (f"env.tool_format={cfg.tool_format!r} must be one of {', '.join(sorted(FORMATS))}",
          cfg.tool_format not in FORMATS),
     ]  # fmt: skip

@@ -18,11 +18,12 @@ import ast
 import operator
 import threading
 from collections.abc import Callable, Mapping
-from dataclasses import KW_ONLY, dataclass, field
+from dataclasses import KW_ONLY, dataclass, field, replace
 from fractions import Fraction
 from typing import Any
 
 from rl.envs import sandbox
+from rl.envs.tool_worker import WorkerPool
 from rl.envs.toolcall import ToolCall
 from rl.plugins import load_object
 
@@ -58,6 +59,9 @@ class Tool:
     # Enforces ``limits.wall_s`` itself (the sandbox kills its process group and says so):
     # the call's own wait is then only a backstop.
     bounded: bool = False
+    # A user's tool by path: its calls run in worker processes that load it from this spec
+    # (rl/envs/tool_worker.py); None: in a thread of this process (the built-ins).
+    spec: str | None = None
 
     def schema(self) -> dict[str, JSON]:
         """As chat templates take it: ``apply_chat_template(messages, tools=[...])``."""
@@ -194,7 +198,7 @@ def load_tool(spec: str, limits: sandbox.Limits = DEFAULT_LIMITS) -> Tool:
     else:
         raise ToolError(f"tool {spec!r}: a {type(obj).__name__}, neither a Tool nor a function")
     check_schema(tool.name, tool.parameters)
-    return tool
+    return replace(tool, spec=spec)
 
 
 def load_tools(specs: list[str], limits: sandbox.Limits = DEFAULT_LIMITS) -> dict[str, Tool]:
@@ -208,7 +212,8 @@ def load_tools(specs: list[str], limits: sandbox.Limits = DEFAULT_LIMITS) -> dic
 
 
 def run_tool(tools: Mapping[str, Tool], call: ToolCall) -> ToolOutcome:
-    """The observation for one call; never raises for what the call or the tool did."""
+    """The observation for one call, cut to the tool's ``limits.output_chars``; never
+    raises for what the call or the tool did."""
     import jsonschema
 
     if call.error:
@@ -220,7 +225,47 @@ def run_tool(tools: Mapping[str, Tool], call: ToolCall) -> ToolOutcome:
         jsonschema.validate(call.arguments, tool.parameters)
     except jsonschema.ValidationError as e:
         return ToolOutcome(f"error: bad arguments for {call.name!r}: {e.message}", "error")
-    return _timed(tool, call.arguments)
+    out = _in_worker(tool, call.arguments) if tool.spec else _timed(tool, call.arguments)
+    return _capped(out, tool.limits.output_chars)
+
+
+def _capped(out: ToolOutcome, chars: int) -> ToolOutcome:
+    if len(out.text) <= chars:
+        return out
+    return replace(out, text=f"{out.text[:chars]}\n[cut: {len(out.text) - chars} more characters]")
+
+
+_POOLS: dict[str, WorkerPool] = {}  # a user tool's workers, by its spec
+_POOLS_LOCK = threading.Lock()
+
+
+def _in_worker(tool: Tool, arguments: dict[str, JSON]) -> ToolOutcome:
+    """A user tool's call in one of its worker processes; an overrun kills that worker."""
+    assert tool.spec is not None
+    with _POOLS_LOCK:
+        pool = _POOLS.setdefault(tool.spec, WorkerPool(tool.spec))
+    out = pool.call(arguments, tool.limits.wall_s)
+    if out is None:
+        return ToolOutcome(
+            f"error: {tool.name!r} took longer than {tool.limits.wall_s:g} s", "timeout"
+        )
+    if "raised" in out:
+        return ToolOutcome(f"error: {tool.name!r} raised {out['raised']}", "error")
+    return ToolOutcome(str(out["text"]), str(out["status"]))
+
+
+def worker_pool(tool: Tool) -> WorkerPool | None:
+    """The worker processes of a user's tool, once it has been called."""
+    return _POOLS.get(tool.spec) if tool.spec else None
+
+
+def close_workers() -> None:
+    """Kill every user tool's workers (the run is over; a later call starts new ones)."""
+    with _POOLS_LOCK:
+        pools = list(_POOLS.values())
+        _POOLS.clear()
+    for pool in pools:
+        pool.close()
 
 
 # Past a bounded tool's wall clock: a sandbox killing a fork bomb's processes and reporting

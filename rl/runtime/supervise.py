@@ -159,7 +159,12 @@ class Supervisor:
         left = tree.descendants(self._keep())
         ranks = sum(1 for p in self.procs if p.pid is not None and p.exitcode is None)
         servers = sum(1 for p in left if _is_server(p))
+        # What the killed processes own in /dev/shm: a server's guard would unlink it, but
+        # the sweep kills the guard too. Read from every descendant: an SGLang scheduler's
+        # process title overwrites its environment, so it does not show the job's mark.
+        shm = tree.shm_mapped(tree.descendants())
         self._sweep()
+        tree.unlink_all(shm)
         return (f"{ranks} rank{'s' * (ranks != 1)}, {servers} SGLang server"
                 f"{'s' * (servers != 1)}, {len(left)} processes in all")  # fmt: skip
 

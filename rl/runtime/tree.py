@@ -102,3 +102,30 @@ def multiprocessing_servers() -> frozenset[int]:
         getattr(forkserver._forkserver, "_forkserver_pid", None),
     )
     return frozenset(p for p in pids if p is not None)
+
+
+SHM = "/dev/shm/"
+# /dev/shm names a job's processes create and only their owner unlinks, so that a SIGKILL
+# leaves them: SGLang's load snapshots and multiprocessing's named semaphores. (The
+# server's guard keeps its own list: it runs isolated from this package.)
+SHM_KINDS = ("sglang_loads_", "sem.mp-")
+
+
+def shm_mapped(procs: list[psutil.Process]) -> set[str]:
+    """The ``/dev/shm`` names of :data:`SHM_KINDS` that ``procs`` have mapped (read before
+    they are killed: unlink them after)."""
+    out, kinds = set(), tuple(SHM + k for k in SHM_KINDS)
+    for p in procs:
+        with contextlib.suppress(OSError), open(f"/proc/{p.pid}/maps") as f:
+            for line in f:  # /proc/PID/maps, not psutil's smaps: fast for large processes
+                i = line.find(SHM)
+                path = line[i:].rstrip("\n") if i >= 0 else ""
+                if path.startswith(kinds) and " " not in path:
+                    out.add(path)  # (one already unlinked reads "... (deleted)")
+    return out
+
+
+def unlink_all(paths: set[str]) -> None:
+    for path in paths:
+        with contextlib.suppress(OSError):
+            os.unlink(path)

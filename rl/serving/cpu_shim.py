@@ -12,11 +12,12 @@ directory and puts that directory on the *server's* PYTHONPATH only (the trainer
 clients never see a fake ``vllm``). It also caps the server's intra-op threads so a server
 and trainer ranks sharing a small machine do not oversubscribe it, and makes SGLang honour
 per-request sampling seeds on CPU (rl/serving/cpu_seeds.py, through a ``sitecustomize``
-in the same directory, which shadows any other ``sitecustomize`` in the server only).
+in the same directory, which then runs any other ``sitecustomize`` the server's path holds).
 
-Activated only for ``device == "cpu"``; on CUDA :func:`server_env` returns the environment
-unchanged. Versions: sglang 0.5.23 (torch 2.14.1). Re-check when SGLang is upgraded: if
-the rotary import is gone, delete this module.
+The stub and the CPU patches are for ``device == "cpu"`` only; on every device the
+``sitecustomize`` keeps the keys out of ``/server_info`` (rl/serving/hide_keys.py).
+Versions: sglang 0.5.23 (torch 2.14.1). Re-check when SGLang is upgraded: if the rotary
+import is gone, keep only the ``sitecustomize``.
 
 Known CPU limits (not shimmed, rejected by config validation instead): TP > 1, FP8
 quantization and ``release_memory_occupation`` need CUDA.
@@ -45,30 +46,50 @@ def rotary_embedding(*args, **kwargs):
 '''
 
 
-# Run by Python at the start of every process of a CPU server (the shim's directory comes
-# first on its path): no Megatron-Core import (rl/serving/cpu_no_megatron.py),
-# per-request sampling seeds (rl/serving/cpu_seeds.py), for a
-# deterministic run batch-invariant products (rl/serving/cpu_batch_invariant.py), no
-# semaphore left behind
-# (rl/serving/server_footprint.py), and child processes forked, not spawned
-# (rl/serving/cpu_fork.py).
-SITE = '''"""Written by rl/serving/cpu_shim.py: runs rl/serving/cpu_no_megatron.py,
-rl/serving/cpu_seeds.py, rl/serving/server_footprint.py, rl/serving/cpu_fork.py, and
-rl/serving/cpu_batch_invariant.py when the launcher asked for it."""
+# Run by Python at the start of every process of a server: on every device, no key in
+# /server_info (rl/serving/hide_keys.py); on CPU (``CPU_ENV``), no Megatron-Core import
+# (rl/serving/cpu_no_megatron.py), per-request sampling seeds (rl/serving/cpu_seeds.py),
+# for a deterministic run batch-invariant products (rl/serving/cpu_batch_invariant.py), no
+# semaphore left behind (rl/serving/server_footprint.py), and child processes forked, not
+# spawned (rl/serving/cpu_fork.py).
+SITE = '''"""Written by rl/serving/cpu_shim.py: runs rl/serving/hide_keys.py and, on CPU,
+rl/serving/cpu_no_megatron.py, rl/serving/cpu_seeds.py, rl/serving/server_footprint.py,
+rl/serving/cpu_fork.py, and rl/serving/cpu_batch_invariant.py when the launcher asked."""
+
+import os
 
 try:
-    from rl.serving import (
-        cpu_batch_invariant, cpu_fork, cpu_no_megatron, cpu_seeds, server_footprint
-    )
+    from rl.serving import hide_keys
 except ImportError:
     pass
 else:
-    cpu_no_megatron.install()
-    cpu_seeds.install()
-    cpu_batch_invariant.install()
-    server_footprint.install()
-    cpu_fork.install()
+    hide_keys.install()
+if os.environ.get("MSRL_SERVER_CPU") == "1":
+    try:
+        from rl.serving import (
+            cpu_batch_invariant, cpu_fork, cpu_no_megatron, cpu_seeds, server_footprint
+        )
+    except ImportError:
+        pass
+    else:
+        cpu_no_megatron.install()
+        cpu_seeds.install()
+        cpu_batch_invariant.install()
+        server_footprint.install()
+        cpu_fork.install()
+
+# Then the sitecustomize this one shadows, if the path holds one (a site's own).
+import importlib.machinery as _machinery
+import importlib.util as _util
+import sys as _sys
+
+_here = os.path.dirname(os.path.abspath(__file__))
+_rest = [p for p in _sys.path if os.path.abspath(p or ".") != _here]
+_spec = _machinery.PathFinder.find_spec("sitecustomize", _rest)
+if _spec is not None and _spec.loader is not None:
+    _spec.loader.exec_module(_util.module_from_spec(_spec))
 '''
+CPU_ENV = "MSRL_SERVER_CPU"
 
 
 def _write(target: Path, text: str) -> None:
@@ -78,13 +99,15 @@ def _write(target: Path, text: str) -> None:
         os.replace(tmp, target)  # atomic: servers starting in parallel never see half a file
 
 
-def write_stub(root: Path) -> Path:
-    """Write the stub package and the ``sitecustomize`` under ``root``; return the
-    directory to put on sys.path."""
-    pkg = root / "vllm"
-    pkg.mkdir(parents=True, exist_ok=True)
-    _write(pkg / "__init__.py", '"""CPU-shim stub package (rl/serving/cpu_shim.py)."""\n')
-    _write(pkg / "_custom_ops.py", STUB)
+def write_stub(root: Path, cpu: bool = True) -> Path:
+    """Write the ``sitecustomize`` and, for a CPU server, the stub package under
+    ``root``; return the directory to put on sys.path."""
+    root.mkdir(parents=True, exist_ok=True)
+    if cpu:
+        pkg = root / "vllm"
+        pkg.mkdir(parents=True, exist_ok=True)
+        _write(pkg / "__init__.py", '"""CPU-shim stub package (rl/serving/cpu_shim.py)."""\n')
+        _write(pkg / "_custom_ops.py", STUB)
     _write(root / "sitecustomize.py", SITE)
     return root
 
@@ -105,14 +128,16 @@ def server_env(
     only model modules the server imports (rl/serving/model_modules.py)."""
     out = dict(env)
     # This checkout, for the DDMA receiver SGLang imports as a custom weight loader.
-    paths = [str(Path(__file__).resolve().parents[2])]
-    if device == "cpu":
-        paths.insert(0, str(write_stub(shim_root)))
+    paths = [
+        str(write_stub(shim_root, cpu=device == "cpu")),
+        str(Path(__file__).resolve().parents[2]),
+    ]
     if env.get("PYTHONPATH"):
         paths.append(env["PYTHONPATH"])
     out["PYTHONPATH"] = os.pathsep.join(paths)
     if device != "cpu":
         return out
+    out[CPU_ENV] = "1"
     if threads is not None:
         for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
             out[var] = str(threads)

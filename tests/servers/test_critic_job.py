@@ -142,6 +142,7 @@ def test_1_the_critic_trains_beside_the_policy_and_gae_uses_its_values(
     for r in recs:
         for k in ("critic_loss", "critic_value_mean", "critic_grad_norm", "critic_values_s",
                   "reward_model_mean", "reward_model_std", "reward_rule", "teacher_logprobs_s",
+                  "reward_model_s", "critic_step_seconds",
                   "adv_distill_kl"):  # fmt: skip
             assert k in r, k
     assert all(r["critic_updates"] == 4 for r in recs)  # 2 epochs of 2 minibatches

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import itertools
+import json
 import os
 import signal
 import stat
@@ -223,18 +224,23 @@ def test_keys_show_on_no_command_line_and_in_no_leftover_file(launcher):
     assert keys.api not in ps.stdout and keys.admin not in ps.stdout
     assert f"--config {s.key_file}" in ps.stdout  # SGLang got them from the file ...
     assert not s.key_file.exists()  # ... deleted once the server answered
-    # SGLang logs its arguments, keys included: the log is readable by this user only.
-    assert keys.admin in s.log_path.read_text()
+    # SGLang logs its arguments, redacted as /server_info is (rl/serving/hide_keys.py); the
+    # log is readable by this user only.
+    log = s.log_path.read_text()
+    assert "'admin_api_key': '<redacted>'" in log and keys.admin not in log
     assert stat.S_IMODE(s.log_path.stat().st_mode) == 0o600
     assert keys.admin not in s.error("test").args[0]
 
 
-def test_the_api_key_can_read_the_admin_key(launcher):
-    """SGLang's /server_info (API key) returns its arguments, admin key included: the two
-    keys are distinct, but an API-key holder can learn the admin key
-    (docs/reliability-security.md)."""
+def test_the_api_key_cannot_read_the_keys(launcher):
+    """SGLang's /server_info (API key) returns its arguments, which held the admin key at
+    its top level and in ``internal_states`` (an API-key holder could update weights);
+    rl/serving/hide_keys.py has SGLang redact both keys."""
     info = api.call(launcher.urls[0], api.Call("/server_info", method="GET"), launcher.keys)
-    assert info["admin_api_key"] == launcher.keys.admin
+    assert info["admin_api_key"] == info["api_key"] == "<redacted>"
+    assert info["tp_size"] == 1  # the rest of it is there
+    where = [k for k, v in info.items() if launcher.keys.admin in json.dumps(v)]
+    assert where == [] and launcher.keys.api not in json.dumps(info)
 
 
 def test_server_listens_on_localhost_only(launcher):

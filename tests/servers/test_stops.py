@@ -10,13 +10,15 @@ checkpoint the one before saved, so only the first warms up):
    exit code is 143 / 130.
 
 After each, no process started by the job is left (found by an environment tag every
-descendant inherits, whatever session or group it moved to). Between runs, the resumed
-run's metrics hold each RL step once.
+descendant inherits, whatever session or group it moved to), nor anything its servers
+made in /dev/shm (their guards, which unlink it, are killed too: the launcher does).
+Between runs, the resumed run's metrics hold each RL step once.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import signal
 import time
 from collections import Counter
@@ -38,6 +40,11 @@ STOP_S = 10.0  # "within seconds", with room for a machine busy with other tests
 
 def Job(out: Path) -> TaggedJob:
     return TaggedJob(out, ARGS, TAG)
+
+
+def _shm_loads() -> set[str]:
+    """SGLang's load snapshots in /dev/shm (a server makes one as it starts)."""
+    return {n for n in os.listdir("/dev/shm") if n.startswith("sglang_loads_")}
 
 
 def _rl_steps(out: Path) -> list[int]:
@@ -62,8 +69,10 @@ def run_dir(tmp_path_factory) -> Path:
 
 
 def test_1_a_killed_trainer_rank_fails_the_job_naming_it(run_dir):
+    before = _shm_loads()
     job = Job(run_dir)
     job.wait_for(lambda: _state_step(run_dir) >= 1, "a first RL checkpoint")
+    assert _shm_loads() - before, "the server made no load snapshot to leave behind"
     victim = job.rank("msrl:trainer:1")
     t0 = time.monotonic()
     victim.kill()
@@ -78,6 +87,7 @@ def test_1_a_killed_trainer_rank_fails_the_job_naming_it(run_dir):
     assert job.err[-1].startswith(saved), job.err[-1]
     assert took < STOP_S
     assert_tagged_gone(TAG, job.tag)  # its Manager and resource tracker included
+    assert _shm_loads() <= before
 
 
 def test_2_sigterm_stops_every_rank_and_server_with_one_line(run_dir):
@@ -91,6 +101,7 @@ def test_3_ctrl_c_stops_every_rank_and_server_with_one_line(run_dir):
 def _stop_resumed_job(run_dir: Path, sig: int, code: int) -> None:
     start = _state_step(run_dir)
     assert start >= 1, "the first test leaves a checkpoint to resume from"
+    before = _shm_loads()
     job = Job(run_dir)
     job.wait_for(lambda: f"resuming from RL step {start} " in " ".join(job.out), "the resume")
     job.wait_for(lambda: _state_step(run_dir) > start, "a checkpoint after the resume")
@@ -109,6 +120,7 @@ def _stop_resumed_job(run_dir: Path, sig: int, code: int) -> None:
                              "(a restart resumes there)"), after  # fmt: skip
     assert took < STOP_S, took
     assert_tagged_gone(TAG, job.tag)
+    assert _shm_loads() <= before
     # Each RL step once, although this run logged again what the last one had after its
     # checkpoint (the run stopped here may have logged past its own last checkpoint).
     steps = _rl_steps(run_dir)

@@ -132,6 +132,7 @@ def test_a_groups_rewards_weigh_the_rules_score_with_the_models_last_token_score
     got = out.result(timeout=10)
     raw = [2 * 10 + 4, 9 * 10 + 2]  # each row's last token: 2 at column 4, 9 at column 2
     assert [r.metrics["model_raw"] for r in got] == raw
+    assert got[0].metrics["model_s"] == got[1].metrics["model_s"] >= 0  # the group's forward
     assert got[0].score == pytest.approx(1.0 + 0.5 * (raw[0] - 1) / 2)
     assert got[1].score == pytest.approx(0.0 + 0.5 * (raw[1] - 1) / 2)
     assert got[0].metrics["rule"] == 1.0 and got[0].metrics["x"] == 3.0

@@ -80,12 +80,22 @@ def check_job(cfg: RootConfig, world_size: int | None = None) -> None:
 
 class PrelaunchCheck(Callback):
     """:func:`check_job` as a Hydra callback (conf/config.yaml), which Hydra runs before it
-    creates ``run.output_dir`` and its log there: a config that cannot work exits in one
-    line and writes nothing. Under a launcher, each rank checks its world's size."""
+    creates ``run.output_dir`` and its log there, then a restarted job's resume state (its
+    checkpoints as ``trainer.load_dir``'s are checked): a config or a state that cannot work
+    exits in one line and writes nothing. Under a launcher, each rank checks its world's
+    size."""
 
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
+        from rl.checkpoints import resume
+
         launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
         try:
             check_job(config, int(os.environ["WORLD_SIZE"]) if launched else None)  # type: ignore[arg-type]
         except ConfigError as e:
             sys.exit(f"config error: {e}")
+        out = config.run.output_dir
+        try:  # a restarted job's state and the checkpoints it names
+            if config.rl.steps > 0 and (point := resume.read(out, config.rl.resume)):
+                resume.check(out, point)
+        except resume.ResumeError as e:
+            sys.exit(f"resume error: {e}")

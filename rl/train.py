@@ -109,12 +109,8 @@ def main(cfg: RootConfig) -> None:
     from rl.runtime import secret
 
     # Checked already (rl.checks.PrelaunchCheck, a Hydra callback run before Hydra wrote
-    # anything): the model resolved, every value, the task's data and the files it names.
-    try:  # a restarted job's state, checked before any rank starts
-        if cfg.rl.steps > 0:
-            resume.read(cfg.run.output_dir, cfg.rl.resume)
-    except resume.ResumeError as e:
-        sys.exit(f"resume error: {e}")
+    # anything): the model resolved, every value, the task's data, the files it names and
+    # a restarted job's resume state.
     try:  # the control plane's key: every rank (and node) reads the same 0600 file
         secret.ensure(cfg.run.output_dir)
     except (OSError, secret.SecretError) as e:

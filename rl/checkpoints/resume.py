@@ -85,6 +85,21 @@ def read(out_dir: str | os.PathLike, mode: str = "auto") -> ResumePoint | None:
     return point
 
 
+def check(out_dir: str | os.PathLike, point: ResumePoint) -> None:
+    """The checkpoints ``point`` names pass the checks ``trainer.load_dir`` gets before
+    launch (their index read without running its code, their shards' sizes): a resume
+    from a damaged or planted one is refused here, in one line, before any rank starts."""
+    from rl.config import ckpt_check
+
+    for ckpt in point.checkpoints:
+        if (why := ckpt_check.problem(Path(ckpt))) is not None:
+            raise ResumeError(
+                f"{Path(out_dir) / STATE}: step {point.step}'s checkpoint {ckpt!r} {why}; a "
+                "restart refuses it the same way: restore it, or delete the state file to "
+                "start over"
+            )
+
+
 def write(out_dir: str | os.PathLike, point: ResumePoint) -> None:
     """Record ``point`` atomically (after its checkpoint is complete on disk); then the
     checkpoint it replaces (``<checkpoint>.old``) goes."""

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
@@ -35,7 +36,8 @@ WEIGHT_GLOBS = ("*.safetensors", "*.bin")  # what SGLang loads a model directory
 def check_output_dir(path: str, field: str | None = None) -> None:
     """``run.output_dir`` (or what ``field`` names) must be a directory this process can
     create files in, or one it can create: checked on it, or on its nearest existing
-    parent, without creating anything."""
+    parent, leaving nothing there (a directory made and removed: permission bits pass
+    root anywhere, and /proc refuses new entries whatever they say)."""
     field = field or f"run.output_dir={path!r}"
     p = Path(path).absolute()
     require(not p.exists() or p.is_dir(), f"{field} is a file, not a directory")
@@ -44,6 +46,12 @@ def check_output_dir(path: str, field: str | None = None) -> None:
         raise ConfigError(f"{field} cannot be written: Not a directory ({there} is a file)")
     if not os.access(there, os.W_OK | os.X_OK):
         raise ConfigError(f"{field} cannot be written: {there} is not writable")
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".msrl-probe-", dir=there))
+    except OSError as e:
+        raise ConfigError(
+            f"{field} cannot be written: no directory can be made in {there} ({e.strerror})"
+        ) from None
 
 
 def check_hf_dir(path: str, field: str) -> dict[str, Any]:

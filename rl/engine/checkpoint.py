@@ -124,8 +124,10 @@ def save(
     keep_previous: bool = False,
     carried: dict[str, Any] | None = None,
     base: str | None = None,
+    weights_only: bool = False,
 ) -> None:
-    """Collective save of the model and, once a step was taken, the training state, to a
+    """Collective save of the model and, once a step was taken (and unless
+    ``weights_only``), the training state, to a
     temporary sibling renamed into place once every rank has written (a kill mid-save
     leaves the previous checkpoint whole). ``keep_previous``: the replaced checkpoint
     stays at ``<path>.old`` until the resume state names the new one (RL checkpoints).
@@ -141,7 +143,7 @@ def save(
     # Before the first step Adam has no state to save: such a checkpoint is weights only.
     # The distributed optimizer gathers its state with .cuda() tensors: build it in scope.
     with cuda_to_cpu():
-        saved = state if state.step > 0 else None
+        saved = state if state.step > 0 and not weights_only else None
         keep = lora.is_adapter_key if ref else None
         sd = _state(model, model_cfg, optimizer, scheduler, saved, False, carried, keep)
     if ref:

@@ -513,13 +513,13 @@ class MegatronTrainer:
     def load_state_dict(self, state: TrainState) -> None:
         self.step = state.step
 
-    def save(self, path: str, keep_previous: bool = False) -> None:
+    def save(self, path: str, keep_previous: bool = False, weights_only: bool = False) -> None:
         """Collective save to ``path``: weights, plus optimizer state once a step was taken
-        (``keep_previous``: see rl/engine/checkpoint.py)."""
+        unless ``weights_only`` (``keep_previous``: see rl/engine/checkpoint.py)."""
         module = self.model.module
         opt, sched = self.optimizer, self.scheduler
         checkpoint.save(path, module, self.mcfg, opt, sched, self.state_dict(), keep_previous,
-                        self.carried, self.lora_base)  # fmt: skip
+                        self.carried, self.lora_base, weights_only)  # fmt: skip
 
     def load(self, path: str, load_optimizer: bool = True) -> None:
         """Load a checkpoint of any TP/PP in place; the optimizer state and step too if

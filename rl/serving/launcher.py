@@ -368,8 +368,14 @@ class ServerLauncher:
                         if attempt + 1 == PORT_ATTEMPTS or not s.lost_port():
                             raise
                         self._kill([s])
-                        s.port = free_port(self.config.host)
+                        taken, s.port = s.port, free_port(self.config.host)
                         s.url = self.config.url(s.port)
+                        # Its start begins again: a run seconds late says why, in one line.
+                        print(
+                            f"SGLang server {s.index}: port {taken} was taken by another "
+                            f"process; starting it again on port {s.port}",
+                            flush=True,
+                        )
                         self._spawn(s)
         except BaseException:
             self.stop()

@@ -78,7 +78,10 @@ def start(cfg: RootConfig, log: MetricsSink) -> Start:
         ckpt = t.save_dir or str(out / "checkpoint") if warm_only else str(out / "warmup")
         score = evaluator(tr, task, cfg.reward, s.rollout.sampling.max_new_tokens)
         acc = supervised_warmup(tr, task, sft, log, score, ckpt, t.save_interval)
-        tr.save(ckpt)
+        # Before RL, weights only: the RL stage starts an optimizer of its own (and a job
+        # killed before its first RL checkpoint warms up again), so the warm-up's Adam
+        # state, twice the weights' size, was written for nothing.
+        tr.save(ckpt, weights_only=not warm_only)
         if warm_only:
             return Start(tr, None, acc, ckpt, ckpt)
         del tr

@@ -131,6 +131,10 @@ def test_an_output_dir_that_cannot_be_written(tmp_path: Path) -> None:
         f"config error: run.output_dir={str(afile / 'run')!r} cannot be written: Not a directory "
         f"({afile} is a file)"
     )
+    # Writable by its permission bits (to root), yet no directory can be made there: Hydra's
+    # own mkdir printed a 12-line traceback.
+    line = _fails_before_launch(Path("/proc/msrl_out"))
+    assert line.startswith("config error: run.output_dir='/proc/msrl_out' cannot be written: ")
 
 
 def test_a_shard_damaged_after_launch_is_named_by_the_load(tmp_path, tiny_model, monkeypatch):
@@ -174,3 +178,43 @@ def test_a_shard_damaged_after_launch_is_named_by_the_load(tmp_path, tiny_model,
 def test_an_override_hydra_cannot_compose_is_one_line(tmp_path: Path, override, said) -> None:
     line = _fails_before_launch(tmp_path / "run", override)
     assert line.startswith(f"config error: {said}"), line
+
+
+def test_a_cut_or_planted_resume_state_fails_in_one_line_writing_nothing(tmp_path: Path) -> None:
+    """rl_state.json is read, and the checkpoint it names checked, before Hydra writes its
+    log and before any rank starts: a cut state created hydra/ and train.log first, and a
+    planted checkpoint started 5 ranks and ended in a 28-line traceback."""
+    import pickle
+
+    from tests.unit.test_prelaunch import make_checkpoint
+
+    out = tmp_path / "run"
+    out.mkdir()
+    state = out / "rl_state.json"
+    state.write_text('{"step": 3, "checkp')
+    res, _ = _launch(out)
+    assert res.returncode != 0 and len(res.stderr.strip().splitlines()) == 1, res.stderr
+    assert res.stderr.startswith(f"resume error: {state}: unreadable resume state")
+    assert sorted(p.name for p in out.iterdir()) == ["rl_state.json"]  # nothing written
+
+    ckpt = make_checkpoint(out / "checkpoint", {"__0_0.distcp": 10})
+    (ckpt / ".metadata").write_bytes(pickle.dumps(_Planted(str(tmp_path / "pwned"))))
+    state.write_text(json.dumps({"step": 3, "checkpoint": str(ckpt), "start_accuracy": 0.1,
+                                 "warmup_accuracy": None}))  # fmt: skip
+    res, _ = _launch(out)
+    lines = res.stderr.strip().splitlines()
+    assert res.returncode != 0 and len(lines) == 1, res.stderr
+    assert lines[0].startswith(f"resume error: {state}: step 3's checkpoint {str(ckpt)!r} ")
+    assert "refused: it would load posix.system" in lines[0] and "a restart refuses" in lines[0]
+    assert "starting" not in res.stdout and not (tmp_path / "pwned").exists()
+    assert sorted(p.name for p in out.iterdir()) == ["checkpoint", "rl_state.json"]
+
+
+class _Planted:
+    def __init__(self, mark: str) -> None:
+        self.mark = mark
+
+    def __reduce__(self):
+        import os
+
+        return (os.system, ("touch " + self.mark,))

@@ -88,7 +88,7 @@ def test_server_that_never_gets_healthy_times_out_and_is_killed(model_dir, tmp_p
     assert_group_gone(launcher.servers[0].proc.pid)
 
 
-def test_server_whose_port_was_taken_starts_on_another(model_dir, tmp_path):
+def test_server_whose_port_was_taken_starts_on_another(model_dir, tmp_path, capsys):
     """The port is picked before the server starts, and another process can take it
     meanwhile. The guard refuses it before SGLang loads anything (its own bind comes only
     after the model is loaded), and the launcher moves the server to a new port: the path
@@ -109,3 +109,6 @@ def test_server_whose_port_was_taken_starts_on_another(model_dir, tmp_path):
     assert _shm_loads() - before == set()
     log = (tmp_path / "server0.log").read_text()
     assert f"server_guard: cannot bind 127.0.0.1:{taken}: address already in use" in log
+    said = [x for x in capsys.readouterr().out.splitlines() if "was taken" in x]
+    assert said == [f"SGLang server 0: port {taken} was taken by another process; starting "
+                    f"it again on port {s.port}"]  # fmt: skip

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import psutil
 
+from rl.config.ckpt_check import read_common
 from tests.helpers.procs import run_listening
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -160,6 +161,10 @@ def test_sync_job_trains_on_exactly_the_sampled_distribution(tmp_path):
     )
     assert res.returncode == 0, res.stderr[-4000:]
     assert {ip for ip, _, _ in listening} == {"127.0.0.1"}, listening
+    # The warm-up's checkpoint (RL's start and its KL reference) holds the weights only
+    # (its Adam state was 3x their size and never read); RL's checkpoints hold theirs.
+    assert read_common(out / "warmup")["has_optimizer"] is False
+    assert read_common(out / "checkpoint")["has_optimizer"] is True
     steps = _records(out, "rl")
     assert len(steps) == 3
     for r in steps:

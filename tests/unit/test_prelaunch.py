@@ -242,6 +242,12 @@ def test_an_index_prefixed_with_code_is_refused_in_one_line(tmp_path: Path) -> N
 def test_output_dir_checks(tmp_path: Path) -> None:
     check_output_dir(str(tmp_path / "new" / "run"))
     assert not (tmp_path / "new").exists()  # checked, not created
+    assert list(tmp_path.iterdir()) == []  # nor its probe left
+    # Root may write anywhere by its permission bits, yet /proc refuses a new directory.
+    assert _message(check_output_dir, "/proc/msrl_out") == (
+        "run.output_dir='/proc/msrl_out' cannot be written: no directory can be made in /proc "
+        "(No such file or directory)"
+    )
     afile = tmp_path / "afile"
     afile.write_text("")
     assert _message(check_output_dir, str(afile)) == (

@@ -50,3 +50,31 @@ def test_dropping_jsonl_records_after_the_checkpoint_keeps_the_rest(tmp_path) ->
     assert kept == [r for r in recs if r["phase"] == "warmup" or r["step"] <= 4]
     assert drop_jsonl_after(path, 4) == 0
     assert drop_jsonl_after(tmp_path / "none.jsonl", 4) == 0
+
+
+def test_a_planted_checkpoint_is_refused_in_one_line_without_running_it(tmp_path) -> None:
+    """The checkpoint rl_state.json names gets trainer.load_dir's pre-launch check: an
+    index that would run code is refused, and nothing runs."""
+    import pickle
+
+    from tests.unit.test_prelaunch import make_checkpoint
+
+    good = make_checkpoint(tmp_path / "checkpoint", {"__0_0.distcp": 10})
+    point = ResumePoint(4, str(good), 0.1, None)
+    resume.check(tmp_path, point)  # a sound one passes
+
+    class Evil:
+        def __reduce__(self):
+            import os
+
+            return (os.system, ("touch " + str(tmp_path / "pwned"),))
+
+    (good / ".metadata").write_bytes(pickle.dumps(Evil()))
+    with pytest.raises(ResumeError) as e:
+        resume.check(tmp_path, point)
+    assert str(e.value) == (
+        f"{tmp_path / resume.STATE}: step 4's checkpoint {str(good)!r} cannot be loaded: "
+        f"{good / '.metadata'}: refused: it would load posix.system, not checkpoint metadata; "
+        "a restart refuses it the same way: restore it, or delete the state file to start over"
+    )
+    assert "\n" not in str(e.value) and not (tmp_path / "pwned").exists()

@@ -257,7 +257,7 @@ DETERMINISTIC = ["sft.steps=5", "sft.eval_every=5", "task.eval_size=32",
 @pytest.mark.long(
     reason="one deterministic job and a second one SIGKILLed after a checkpoint and "
     "resumed, each with a critic rank: three starts of the ranks and two SGLang servers, "
-    "one after the other (side by side on two cores they took longer): 110 s measured"
+    "one after the other (side by side on two cores they took longer): 97-121 s measured"
 )
 def test_a_deterministic_job_repeats_and_resumes_bit_for_bit(tmp_path):
     """Two runs of the same job, the second killed right after step 2's checkpoint (while

@@ -133,13 +133,18 @@ def _serve(spec: str) -> None:
     except Exception as e:
         out.write(json.dumps({"raised": f"{type(e).__name__}: {e}"}) + "\n")
         return
-    fn: Any = getattr(obj, "fn", obj)  # a Tool, or a function
+    fn = getattr(obj, "fn", obj)  # a Tool, or a function
+    if not callable(fn):
+        out.write(json.dumps({"raised": f"TypeError: {spec} names no function"}) + "\n")
+        return
     out.write('{"ready": true}\n')
     out.flush()
     for line in sys.stdin:
         try:
             res = fn(**json.loads(line)["arguments"])
-            text, status = (res.text, res.status) if hasattr(res, "status") else (str(res), "ok")
+            status = getattr(res, "status", None)  # a ToolOutcome, or the text itself
+            text = str(getattr(res, "text", res)) if status is not None else str(res)
+            status = str(status) if status is not None else "ok"
             answer: dict[str, Any] = {"text": text, "status": status}
         except Exception as e:
             answer = {"raised": f"{type(e).__name__}: {e}"}

@@ -23,8 +23,8 @@ Standard library only at import time: it runs before anything else in the proces
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from types import ModuleType
-from typing import Any
 
 from rl.serving.after_import import patch_on_import
 
@@ -55,8 +55,10 @@ def patch_core(module: ModuleType) -> None:
     if getattr(line, "_msrl_keys", False):
         return
 
-    def redact_watermark_command_line(*args: Any, **kwargs: Any) -> str:
-        return redact_flags(line(*args, **kwargs))
+    def redact_watermark_command_line(
+        argv: Sequence[str], watermark_config: str | None = None
+    ) -> str:  # SGLang's signature
+        return redact_flags(line(argv, watermark_config))
 
     redact_watermark_command_line._msrl_keys = True  # type: ignore[attr-defined]
     vars(module)["redact_watermark_command_line"] = redact_watermark_command_line

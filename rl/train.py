@@ -151,6 +151,11 @@ def settings(cfg: RootConfig) -> list[str]:
             "(experiment=tiny_arithmetic, sized for a 1.6M-parameter model): for your model, "
             "start from experiment=hf_model"
         )
+    if "python" in cfg.env.tools:
+        from rl.envs.sandbox import host_socket_warning
+
+        if (line := host_socket_warning()) is not None:
+            lines.append(f"warning: {line}")
     return lines
 
 

@@ -451,6 +451,10 @@ class RewardConfig:
     combine: RewardCombineConfig = field(default_factory=RewardCombineConfig)
     workers: int = 1
     timeout_s: float = 5.0  # per item; an overrun scores 0 and is counted
+    # A score request unanswered by its deadline (its items' timeouts, ``workers`` at a
+    # time, plus this margin for the requests queued before it) is sent again once, then
+    # scored 0 as failed; both counted (reward_resent, reward_lost).
+    reply_margin_s: float = 60.0
     pass_threshold: float = 1.0  # a response passes (pass@k) when its score reaches this
     judge: JudgeConfig = field(default_factory=JudgeConfig)
 
@@ -508,6 +512,9 @@ class RLConfig:
     resume: str = "auto"
     # A reply from another executor that takes longer than this is an error (seconds).
     channel_timeout: float = 1800.0
+    # Each time the loop makes no progress for this long, one line says what it waits for
+    # (seconds; 0: never).
+    stall_warn_s: float = 300.0
     # Runs, and killed-and-resumed runs, that repeat bit for bit: batches and versions set
     # by the step number (rl/controller/lockstep.py), seeded samples (rollout.sampling.seed,
     # else trainer.seed) and batch-invariant servers. Costs step time: docs/benchmarks.md.

@@ -197,6 +197,7 @@ def validate_reward(r: RewardConfig) -> None:
     """The reward executor (its function: rl/tasks/checks.py)."""
     require(r.workers >= 1, f"reward.workers={r.workers} must be >= 1")
     require(r.timeout_s > 0, f"reward.timeout_s={r.timeout_s} must be > 0 seconds")
+    require(r.reply_margin_s > 0, f"reward.reply_margin_s={r.reply_margin_s} must be > 0 seconds")
 
 
 def validate_rl(cfg: RootConfig) -> None:
@@ -210,6 +211,7 @@ def validate_rl(cfg: RootConfig) -> None:
         v = getattr(rl, name)
         require(v >= 0, f"rl.{name}={v} must be >= 0")
     require(rl.channel_timeout > 0, f"rl.channel_timeout={rl.channel_timeout} must be > 0")
+    require(rl.stall_warn_s >= 0, f"rl.stall_warn_s={rl.stall_warn_s} must be >= 0 (0: off)")
     if rl.steps == 0:
         return
     require(

@@ -60,7 +60,7 @@ def controller(cfg: RootConfig, job: Job) -> dict[str, float | None]:
             shown = "n/a" if acc is None else f"{acc:.3f}"
             print(f"done: held-out accuracy {shown}; checkpoint {ready.checkpoint}")
             return {"warmup_accuracy": acc if acc is not None else float("nan")}
-        gen, reward = GeneratorHandle(job), RewardHandle(job)
+        gen, reward = GeneratorHandle(job), RewardHandle(job, cfg.reward)
         handles += [gen, reward]
         critic = _critic(cfg, job, ready.begin, point)
         if critic is not None:

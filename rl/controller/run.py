@@ -53,6 +53,7 @@ from rl.controller.prefetch import Background, BatchPrefetch
 from rl.controller.recovery import ServerRecovery
 from rl.controller.rollouts import Group, RolloutStream, StreamState
 from rl.controller.staleness import StalenessGate
+from rl.controller.stall import StallWatch
 from rl.controller.weight_sync import SyncResult, WeightSync
 from rl.runtime.channel import rejected_total
 from rl.tasks import Task
@@ -83,6 +84,8 @@ THREADS = {
     "env": "multi-turn episodes: tool calls and observations (rl/controller/episodes.py)",
     "reward-model": "a reward model's scores of each group, beside the rule's "
     "(rl/controller/model_reward.py)",
+    "stall-watch": "a line, each rl.stall_warn_s without progress, saying what the loop "
+    "waits for (rl/controller/stall.py)",
 }
 # Told of every version the weight sync commits (in step 5 and at setup's first push).
 LISTENERS = {
@@ -154,6 +157,7 @@ class RLRun:
         self.recovery: ServerRecovery | None = None
         self.stream: RolloutStream | None = None
         self.books: Background | None = None
+        self.stall = StallWatch(cfg.rl.stall_warn_s, [reward.waiting])
         self.left: StreamState | None = None  # the stream's last snapshot (a save's, the end's)
         self.episodes = EpisodeDriver.from_setup(task.episodes) if task.episodes else None
 
@@ -181,6 +185,7 @@ class RLRun:
 
         cfg, task = self.cfg, self.task
         print(task.describe(), flush=True)
+        self.stall.start()  # stall-watch
         sampling = rollout_sampling(cfg, task)
         saved = rollout_state.load(self.out, self.point)  # a resumed job's rollouts
         self.prompts = task.train_stream(saved.position if saved else None)
@@ -202,6 +207,7 @@ class RLRun:
         self.push()
         self.recovery = ServerRecovery(self.gen, self.sync, client).start()  # server-recovery
         if self.point is None:
+            self.stall.at("the held-out evaluation before RL")
             start = self.evaluator.run()
             self.log.log(0, start, phase="rl_eval")
             self.start_accuracy = start["eval_accuracy"]
@@ -261,21 +267,26 @@ class RLRun:
     def step(self, step: int) -> None:
         """One RL step, in the order of the module's docstring."""
         assert self.client and self.recovery and self.books and self.stream, "step before setup"
-        version = self.sync.weight_version
+        version, at = self.sync.weight_version, self.stall.at
+        at(f"the batch of RL step {step}")
         groups, batch, m = self.fetch.take(version)  # 1. usually taken during the last step
         with self.sync.lock:  # no server re-push between a step and the push of its weights
             t_train = time.perf_counter()
             if step < self.steps and not self._saves(step):  # 2.
                 self.fetch.request(version + 1)  # the version this step's push publishes
+            at(f"the trainer's RL step {step}")
             self.models.train(step, batch)  # 3. a critic's step, beside the policy's
             m.update(self.trainer.train(step, batch))
             m.update(self.models.trained())
+            at(f"the last segments of RL step {step}'s round")
             m["round_wait_s"] = self.stream.finish_round()  # 4. (0 outside lockstep)
             t_push = time.perf_counter()
+            at(f"the push of weight version {version + 1}")
             m.update(self.push().metrics())  # 5. listeners: route, stream
         m["train_call_s"], m["push_call_s"] = t_push - t_train, time.perf_counter() - t_push
         m.update(self._counters())  # 6.
         ledger = self._ledger(step, m)  # 7.
+        at(f"the held-out evaluation after RL step {step}")
         ev = self._evaluate(step, m)  # 8.
         self._times(m)
         self.books.submit(self._record, step, groups, batch, m, ev, ledger)  # 9.
@@ -285,11 +296,13 @@ class RLRun:
 
     def _counters(self) -> dict[str, float]:
         """The run's totals at this step: server restarts, reward failures and timeouts,
-        rejected messages."""
+        score requests sent again, given up and answered late, rejected messages."""
         assert self.recovery is not None
+        r = self.reward
         return {
             **self.recovery.stats(), "channel_rejected": float(rejected_total()),
-            "reward_failures": self.reward.failures, "reward_timeouts": self.reward.timeouts,
+            "reward_failures": r.failures, "reward_timeouts": r.timeouts,
+            "reward_resent": r.resent, "reward_lost": r.lost, "reward_late": r.late,
         }  # fmt: skip
 
     def _evaluate(self, step: int, m: dict[str, float]) -> dict[str, float] | None:
@@ -369,8 +382,8 @@ class RLRun:
 
     def close(self) -> None:
         """Stop what setup started (the stream's state stays readable for the final save)."""
-        parts = (self.books, self.recovery, self.stream, self.model_reward, self.episodes,
-                 self.client)  # fmt: skip
+        parts = (self.stall, self.books, self.recovery, self.stream, self.model_reward,
+                 self.episodes, self.client)  # fmt: skip
         for part in parts:
             if part is not None:
                 part.close()

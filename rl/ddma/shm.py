@@ -26,7 +26,8 @@ Memory: a sender allocates two buckets (its ring, kept and reused across version
 its pages are faulted in once); a receiver allocates nothing and maps each sender's
 ring (its resident size counts those pages, which are the sender's). The ring's file is
 unlinked as soon as every receiver has mapped it, within the first transfer's
-handshake: a crash after that leaves nothing in ``/dev/shm``.
+handshake: a crash after that leaves nothing in ``/dev/shm``. A handshake that fails (a
+receiver gone, or unable to map it) unlinks it too, and the next transfer makes another.
 """
 
 from __future__ import annotations
@@ -104,10 +105,15 @@ def create_ring(slot_bytes: int, depth: int, group: object = None) -> Ring:
         raise ValueError(f"shared-memory path {path!r} is longer than {NAME_BYTES - 1} bytes")
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:
-        os.ftruncate(fd, depth * slot_bytes)
-    finally:
-        os.close(fd)
-    return Ring(group, path, slot_bytes, depth, data=_map(path, depth * slot_bytes))
+        try:
+            os.ftruncate(fd, depth * slot_bytes)
+        finally:
+            os.close(fd)
+        data = _map(path, depth * slot_bytes)
+    except BaseException:  # (/dev/shm full) no Ring holds the name to unlink it later
+        os.unlink(path)
+        raise
+    return Ring(group, path, slot_bytes, depth, data=data)
 
 
 def _ring(group: dist.ProcessGroup | None, slot_bytes: int, depth: int, peers: set[int]) -> Ring:
@@ -121,6 +127,34 @@ def _ring(group: dist.ProcessGroup | None, slot_bytes: int, depth: int, peers: s
         ring.unlink()
     ring = _rings[key] = create_ring(slot_bytes, depth, group)
     return ring
+
+
+def _drop(ring: Ring) -> None:
+    """Forget a ring whose handshake failed. Unlinked now, not by the next send: a receiver
+    that died or could not map it never will, and a sender that fails next (or exits)
+    would leave the file in ``/dev/shm`` for good. The next send makes a fresh one."""
+    ring.unlink()
+    for key, kept in list(_rings.items()):
+        if kept is ring:
+            del _rings[key]
+
+
+def _hello(
+    ring: Ring, depth: int, peers: set[int], group: dist.ProcessGroup | None, role: str
+) -> None:
+    """Name ``ring`` (and its depth) to every receiver in ``peers`` and wait until each has
+    mapped it; TransferError if one is gone or could not."""
+    name = torch.zeros(NAME_BYTES + 8, dtype=torch.uint8)
+    name[: len(ring.path)] = torch.tensor(list(ring.path.encode()), dtype=torch.uint8)
+    name[NAME_BYTES:].view(torch.int64)[0] = depth
+    replies = {p: torch.zeros(1, dtype=torch.int64) for p in sorted(peers)}
+    hello = [(p, post(dist.isend, name, p, group, "hello", role)) for p in replies]
+    got = [(p, post(dist.irecv, replies[p], p, group, "hello", role)) for p in replies]
+    for p, work in hello + got:
+        wait(work, f"mapping {ring.path}", p, role)
+    refused = [p for p, r in replies.items() if int(r) != 1]
+    if refused:
+        raise TransferError(f"generator rank {refused[0]} could not map {ring.path}")
 
 
 def _ring_path(path: str) -> str:
@@ -176,17 +210,11 @@ def send(
     peers = {dst_ranks[b.dst] for b in mine}
     ring = _ring(group, plan.bucket_bytes, depth, peers)
     stats.buffer_bytes = depth * ring.slot_bytes
-    name = torch.zeros(NAME_BYTES + 8, dtype=torch.uint8)
-    name[: len(ring.path)] = torch.tensor(list(ring.path.encode()), dtype=torch.uint8)
-    name[NAME_BYTES:].view(torch.int64)[0] = depth
-    replies = {p: torch.zeros(1, dtype=torch.int64) for p in sorted(peers)}
-    hello = [(p, post(dist.isend, name, p, group, "hello", role)) for p in replies]
-    got = [(p, post(dist.irecv, replies[p], p, group, "hello", role)) for p in replies]
-    for p, work in hello + got:
-        wait(work, f"mapping {ring.path}", p, role)
-    refused = [p for p, r in replies.items() if int(r) != 1]
-    if refused:
-        raise TransferError(f"generator rank {refused[0]} could not map {ring.path}")
+    try:
+        _hello(ring, depth, peers, group, role)
+    except BaseException:
+        _drop(ring)
+        raise
     ring.mapped_by |= peers
     ring.unlink()  # every receiver holds a mapping now: nothing to leak if we crash
     notes = [torch.zeros(2, dtype=torch.int64) for _ in range(depth)]

@@ -4,9 +4,10 @@ bind or connect, and no signals to processes outside its domain.
 
 Landlock needs no privilege and no helper binary: Linux 5.13+ with the LSM enabled
 (``abi()`` > 0). Each ABI adds what it can restrict: 2 file renames across directories,
-3 truncation, 4 TCP, 5 device ioctls, 6 signals and abstract unix sockets. The rules are
-applied with ``restrict()`` in the sandboxed process itself (rl/envs/sandbox_boot.py), so
-this module imports nothing outside the standard library.
+3 truncation, 4 TCP, 5 device ioctls, 6 signals and abstract unix sockets. None up to 7
+restricts connecting to a named unix socket: rl/envs/private_root.py keeps those out of
+view. The rules are applied with ``restrict()`` in the sandboxed process itself
+(rl/envs/sandbox_boot.py), so this module imports nothing outside the standard library.
 """
 
 from __future__ import annotations

@@ -6,17 +6,25 @@ Each run gets its own directory and, where the machine allows:
   when the job runs as root; a network namespace with no interface up, so nothing can be
   reached; a PID namespace whose first process, when killed, takes every process of the
   run with it, a fork bomb's included;
+- a **private root** (rl/envs/private_root.py, in a mount namespace of its own): the run's
+  whole file tree is a read-only tmpfs holding, at their own paths, read-only binds of the
+  Python installation and system libraries, ``/dev/null`` and the run's directory, and the
+  run holds no capability after entering it. No ``/proc``, ``/tmp``, ``/run`` or home is
+  there, so no named unix socket of the host (a D-Bus bus, docker.sock, a server's socket
+  beside the run's directory) can be connected to, which neither the network namespace
+  nor Landlock prevents;
 - **Landlock** (rl/envs/landlock.py): files read only under the Python installation and
   system library directories, written only in the run's directory (so neither the job's
-  secret file nor its checkpoints can be read or changed), no TCP, and no signals to
-  processes outside the run;
+  secret file nor its checkpoints can be read or changed), no TCP, no signals to
+  processes outside the run, and no mount, umount or pivot_root;
 - **rlimits**: CPU seconds, address space, processes, file size;
 - a wall-clock limit, after which the whole process group is killed;
 - an environment of four variables, none of the job's.
 
-``containment()`` names what this machine gives. A run never raises for what the code
-did: a timeout, a crash or a limit is a :class:`RunResult` the tool turns into an
-observation.
+``containment()`` names what this machine gives, and ``host_socket_warning()`` is the line
+to print at launch when nothing keeps the host's named sockets out of reach. A run never
+raises for what the code did: a timeout, a crash or a limit is a :class:`RunResult` the
+tool turns into an observation.
 """
 
 from __future__ import annotations
@@ -39,7 +47,8 @@ from rl.envs import landlock
 
 _BOOT = Path(__file__).with_name("sandbox_boot.py")
 _SYSTEM_READ = ("/usr", "/lib", "/lib64", "/bin", "/etc/ld.so.cache", "/etc/localtime")
-LANDLOCK_REFUSED = 97  # sandbox_boot.py's exit status when the kernel refused Landlock
+# sandbox_boot.py's exit statuses when a mechanism containment() named failed in the run
+PRIVATE_ROOT_REFUSED, LANDLOCK_REFUSED = 96, 97
 
 
 @dataclass(frozen=True)
@@ -65,6 +74,10 @@ class RunResult:
         return self.returncode == 0 and not self.reason
 
 
+_UNSHARE = ["unshare", "--user", "--map-root-user", "--net", "--pid", "--kill-child"]
+_MOUNT = ["--mount"]  # a mount namespace whose mounts are private (unshare's default)
+
+
 @functools.cache
 def _namespaces() -> bool:
     """Whether ``unshare`` can give a run its own user, network and PID namespaces here."""
@@ -77,14 +90,32 @@ def _namespaces() -> bool:
         return False
 
 
-_UNSHARE = ["unshare", "--user", "--map-root-user", "--net", "--pid", "--kill-child"]
+@functools.cache
+def _private_root() -> bool:
+    """Whether a run can be given its private root here: the boot enters one, with every
+    mount and pivot a run makes, around an empty ``main.py``."""
+    if not _namespaces():
+        return False
+    base = Path(tempfile.mkdtemp(prefix="sandbox-probe-"))
+    try:
+        workdir, spec = _prepare(base, "", private_root=True, landlock=False)
+        cmd = [*_UNSHARE, *_MOUNT, *_boot(spec)]
+        done = subprocess.run(cmd, cwd=workdir, env=_env(workdir), capture_output=True, timeout=10)
+        return done.returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
 
 
 @functools.cache
 def containment() -> tuple[str, ...]:
     """What isolates a run on this machine, by name: ``namespaces`` (user, net, pid),
-    ``landlock-files``, ``landlock-tcp``, ``landlock-signals`` and always ``rlimits``."""
+    ``private-root``, ``landlock-files``, ``landlock-tcp``, ``landlock-signals`` and always
+    ``rlimits``."""
     out = ["namespaces"] if _namespaces() else []
+    if _private_root():
+        out.append("private-root")
     version = landlock.abi()
     if version >= 1:
         out.append("landlock-files")
@@ -93,6 +124,20 @@ def containment() -> tuple[str, ...]:
     if version >= 6:
         out.append("landlock-signals")
     return (*out, "rlimits")
+
+
+def host_socket_warning() -> str | None:
+    """The one line to print at launch when sandboxed code could connect to a named unix
+    socket of the host it knows the path of; None when the private root rules that out.
+    (Landlock's right over such connections, ``LANDLOCK_ACCESS_FS_RESOLVE_UNIX``, is not
+    in any ABI up to 7, the newest this module knows.)"""
+    if "private-root" in containment():
+        return None
+    return (
+        "sandbox: no private root on this machine (unshare --mount failed): the python "
+        "tool's code can connect to any named unix socket of the host whose path it knows "
+        "(e.g. /run/dbus/system_bus_socket, /var/run/docker.sock)"
+    )
 
 
 def _readable() -> list[str]:
@@ -148,30 +193,54 @@ def _reason(code: int | None, timed_out: bool) -> str:
     return f"exit {code}"
 
 
+def _prepare(
+    base: Path, code: str, *, private_root: bool, landlock: bool
+) -> tuple[Path, dict[str, object]]:
+    """The run's directory with ``code`` as its ``main.py``, and the boot's spec: beside the
+    directory, the empty mount point of the private root."""
+    workdir = base / "work"
+    workdir.mkdir()
+    (workdir / "main.py").write_text(code)
+    spec: dict[str, object] = {"workdir": str(workdir), "landlock": landlock, "root": None}
+    if private_root:
+        (base / "root").mkdir()
+        spec["root"] = str(base / "root")
+    spec["read"] = _readable()
+    return workdir, spec
+
+
+def _boot(spec: dict[str, object]) -> list[str]:
+    return [sys.executable, "-I", str(_BOOT), json.dumps(spec)]
+
+
+def _env(workdir: Path) -> dict[str, str]:
+    return {
+        "PATH": "/usr/bin:/bin",
+        "HOME": str(workdir),
+        "LANG": "C.UTF-8",
+        "OPENBLAS_NUM_THREADS": "1",
+    }
+
+
 def run_python(code: str, limits: Limits = Limits(), base_dir: str | None = None) -> RunResult:
     """Run ``code`` as ``main.py`` in a fresh directory under ``base_dir`` (the system's
     temporary directory by default), contained as this machine allows, and remove the
     directory afterwards."""
     where = containment()
     base = Path(tempfile.mkdtemp(prefix="sandbox-", dir=base_dir))  # mode 0700
-    workdir = base / "work"
-    workdir.mkdir()
     try:
-        (workdir / "main.py").write_text(code)
-        spec = {"workdir": str(workdir), "landlock": "landlock-files" in where}
-        spec["read"] = _readable()
-        cmd = [sys.executable, "-I", str(_BOOT), json.dumps(spec)]
+        workdir, spec = _prepare(
+            base,
+            code,
+            private_root="private-root" in where,
+            landlock="landlock-files" in where,
+        )
+        cmd = _boot(spec)
         processes = limits.processes
         if "namespaces" in where:
-            cmd = [*_UNSHARE, *cmd]
+            cmd = [*_UNSHARE, *(_MOUNT if spec["root"] else []), *cmd]
         elif os.getuid() != 0:
             processes += _own_processes()
-        env = {
-            "PATH": "/usr/bin:/bin",
-            "HOME": str(workdir),
-            "LANG": "C.UTF-8",
-            "OPENBLAS_NUM_THREADS": "1",
-        }
         out, err = base / "stdout", base / "stderr"  # outside what the code may write
         with out.open("wb") as fo, err.open("wb") as fe:
             proc = subprocess.Popen(
@@ -180,7 +249,7 @@ def run_python(code: str, limits: Limits = Limits(), base_dir: str | None = None
                 stdout=fo,
                 stderr=fe,
                 cwd=workdir,
-                env=env,
+                env=_env(workdir),
                 start_new_session=True,
                 preexec_fn=functools.partial(_preexec, limits, processes),
             )

@@ -1,8 +1,10 @@
-"""The first code a sandboxed Python runs (``python -I sandbox_boot.py '<json>'``): restrict
-itself with Landlock, then run the user's ``main.py`` in its own directory.
+"""The first code a sandboxed Python runs (``python -I sandbox_boot.py '<json>'``): move
+into its private root, restrict itself with Landlock, then run the user's ``main.py`` in its
+own directory.
 
 Run by path with ``-I``, so nothing from the job's environment or working directory is
-imported; it loads landlock.py beside it by path, for the same reason.
+imported; it loads private_root.py and landlock.py beside it by path, for the same reason,
+and before the private root hides this directory.
 """
 
 import importlib.util
@@ -12,19 +14,32 @@ import runpy
 import sys
 import traceback
 from pathlib import Path
+from types import ModuleType
 
+PRIVATE_ROOT_REFUSED = 96  # the exit status when the private root was wanted and failed
 LANDLOCK_REFUSED = 97  # the exit status when Landlock was wanted and the kernel refused it
+
+
+def _load(name: str) -> ModuleType:
+    where = Path(__file__).with_name(f"{name}.py")
+    module_spec = importlib.util.spec_from_file_location(f"_sandbox_{name}", where)
+    assert module_spec is not None and module_spec.loader is not None
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    return module
 
 
 def main() -> None:
     spec = json.loads(sys.argv[1])
     workdir = spec["workdir"]
-    if spec["landlock"]:
-        where = Path(__file__).with_name("landlock.py")
-        module_spec = importlib.util.spec_from_file_location("_sandbox_landlock", where)
-        assert module_spec is not None and module_spec.loader is not None
-        landlock = importlib.util.module_from_spec(module_spec)
-        module_spec.loader.exec_module(landlock)
+    landlock = _load("landlock") if spec["landlock"] else None
+    if spec.get("root"):
+        try:
+            _load("private_root").enter(spec["root"], spec["read"], workdir, ["/dev/null"])
+        except Exception as e:  # whatever it was, the code does not run with the host in view
+            print(f"sandbox: no private root: {e}", file=sys.stderr)
+            sys.exit(PRIVATE_ROOT_REFUSED)
+    if landlock is not None:
         try:
             landlock.restrict(spec["read"], [workdir], ["/dev/null"])
         except OSError as e:

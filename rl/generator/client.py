@@ -37,7 +37,13 @@ import torch
 
 from rl.config.sampling import RequestError, SamplingParams
 from rl.generator.types import ModelLimits, Rollout, new_rollouts, parse_result
-from rl.generator.weight_payload import FlatBucket, buckets, update_call, use_file_system_sharing
+from rl.generator.weight_payload import (
+    FlatBucket,
+    buckets,
+    hand_back,
+    update_call,
+    use_file_system_sharing,
+)
 from rl.serving import server_api as api
 from rl.serving.launcher import ServerError, ServerLauncher
 
@@ -540,6 +546,7 @@ class GeneratorClient:
             pair = cast("tuple[str, torch.Tensor]", first)
             pairs = itertools.chain([pair], cast("Iterator[tuple[str, torch.Tensor]]", items))
             packs = map(FlatBucket.pack, buckets(pairs, bucket_bytes))
+        del first  # packs holds it until it is sent; a kept error must not (see _update)
         self._updating = True  # the servers it starts with are the ones it checks at the end
         try:
             self._update(packs, version)
@@ -553,9 +560,11 @@ class GeneratorClient:
             self._all(api.begin_weight_update())
             try:
                 for bucket in packs:
-                    call, keep = update_call(bucket, self.tp)
-                    self._check_all(self._all(call), "update")
-                    del keep
+                    try:
+                        self._send_bucket(bucket)
+                    finally:
+                        # A caller that keeps the error keeps this frame: not the bucket.
+                        del bucket
             finally:
                 self._all(api.end_weight_update())
             self._check_all(self._all(api.update_weight_version(version)), "set version")
@@ -575,6 +584,22 @@ class GeneratorClient:
                 with contextlib.suppress(ServerError):
                     self._all(api.abort_all())
             self.continue_generation()
+
+    def _send_bucket(self, bucket: FlatBucket) -> None:
+        """One bucket to every live server. The reference its pickling took for the
+        servers is handed back unless one loaded it (see ``hand_back``): one that is lost
+        or refuses before opening the payload leaves its file to nobody otherwise."""
+        call, keep = update_call(bucket, self.tp)
+        loaded = False
+        try:
+            results = self._all(call)
+            loaded = any(api.refusal(r) is None for r in results)
+            self._check_all(results, "update")
+        finally:
+            if not loaded:
+                hand_back(keep)
+            # A caller that keeps the error keeps this frame: not the bucket with it.
+            del bucket, keep
 
     def adopt_version(self, version: int, serving: Collection[int] | None = None) -> None:
         """Route by ``version`` once weights reached the servers another way (DDMA: trainer

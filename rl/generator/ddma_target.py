@@ -40,7 +40,7 @@ from rl.ddma import transport as transports
 from rl.ddma.engine import TransferError, TransferStats
 from rl.ddma.plan import Plan
 from rl.ddma.relay import NO_RELAY, Fanout
-from rl.generator.weight_payload import serialize, use_file_system_sharing
+from rl.generator.weight_payload import hand_back, serialize, use_file_system_sharing
 from rl.serving import server_api as api
 
 # The weight version a server reports while its weights are being written in place
@@ -107,7 +107,12 @@ class SGLangTarget:
         request = uuid.uuid4().hex
         status = str(self.status_dir / f"{request}.rank{{rank}}.json")
         payload = [serialize([(json.dumps({**ctl, "status": status}), t)]) for ctl, t in entries]
-        reply = self._call(api.update_weights_from_tensor(payload, api.DDMA_LOAD_FORMAT))
+        try:
+            reply = self._call(api.update_weights_from_tensor(payload, api.DDMA_LOAD_FORMAT))
+        except TransferError:  # the server is gone: no one will open what was pickled
+            for ctl, t in entries:  # each pickling took a reference (hand_back)
+                hand_back([(ctl.get("op", ""), t)])
+            raise
         if (why := api.refusal(reply)) is not None:
             raise SyncError(f"{self.url}: {why}")
         out = []

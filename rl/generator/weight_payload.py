@@ -19,6 +19,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from multiprocessing.reduction import ForkingPickler
 from types import SimpleNamespace
+from typing import cast
 
 import torch
 
@@ -125,6 +126,29 @@ def serialize(obj: object) -> str:
     raise AssertionError("unreachable")
 
 
+def hand_back(keep: object) -> None:
+    """Give back the reference that pickling ``keep`` (what :func:`update_call` returned)
+    took on each of its shared storages, once no server will open the payload.
+
+    Why: torch's ``file_system`` sharing takes one reference per storage when it pickles
+    it, for the receivers (the first process to open the file takes it over), and the
+    file is unlinked by whoever drops the last reference. A payload no server opened (the
+    server was killed first, or refused it before loading) leaves that reference to
+    nobody: the bucket would stay in ``/dev/shm`` as long as this process lives, and for
+    good once its ``torch_shm_manager`` is killed with it. Handed back although a server
+    did open it, the count is one short: the file goes when the last holder but one drops
+    it (mappings survive that), and the last one's count ends below zero, which unlinks
+    nothing. Never an unlink twice, which aborts the process (a destructor raises)."""
+    if isinstance(keep, dict):
+        tensors = [t for t in keep.values() if isinstance(t, torch.Tensor)]
+    else:
+        tensors = [t for _, t in cast("list[tuple[str, torch.Tensor]]", keep)]
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage() for t in tensors}
+    for storage in storages.values():  # one reference per storage, however many views
+        if storage.is_shared():
+            storage._shared_decref()
+
+
 def update_call(
     payload: FlatBucket | list[tuple[str, torch.Tensor]], tp: int
 ) -> tuple[server_api.Call, object]:
@@ -132,7 +156,7 @@ def update_call(
     ranks (SGLang wants one serialized entry per rank; each rank's loader cuts its own
     shard), and the object that owns its shared storages: keep that alive until the
     server has answered, or the shared-memory files may be gone before the server opens
-    them."""
+    them; :func:`hand_back` it if no server opened it."""
     if isinstance(payload, FlatBucket):
         keep: object = {"flattened_tensor": payload.flat, "metadata": payload.meta}
         load_format = "flattened_bucket"

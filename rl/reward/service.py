@@ -10,18 +10,25 @@ evaluation go through the same handle, so one function (``reward.fn``) scores bo
 
 The messages are plain dataclasses of strings, numbers, lists and dicts, so any channel
 encoding that handles those can carry them.
+
+Every request has a deadline (:func:`reply_deadline`): a request lost on the way (a rank
+that died, a message that never arrived) is sent again once, to the next rank, and if
+that is not answered in time either its items score 0 as failed, counted
+(``reward_resent``, ``reward_lost``), each in one line. A group is never left waiting.
 """
 
 from __future__ import annotations
 
 import itertools
+import math
 import queue
 import threading
+import time
 import traceback
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol, cast
+from typing import TYPE_CHECKING, NamedTuple, Protocol, cast
 
 from rl.runtime.channel import ChannelTimeout, Failed, ProtocolError
 from rl.tasks.scoring import JUDGE, ScoreItem, ScoreResult, rule_fn
@@ -142,24 +149,50 @@ def _answer(
         reply.put(Scored(request, [f.result() for f in futures], st.failures, st.timeouts))
 
 
-class RewardHandle:
-    """``score(items)`` -> Future[list[ScoreResult]], answered by the reward ranks."""
+def reply_deadline(r: RewardConfig, items: int) -> float:
+    """How long a request of ``items`` may take before it is sent again: its items scored
+    ``workers`` at a time (the judge: ``concurrency``), each up to its timeout, plus
+    ``reward.reply_margin_s`` for the requests queued before it."""
+    judge = rule_fn(r).strip() == JUDGE
+    each, width = (r.judge.timeout_s, r.judge.concurrency) if judge else (r.timeout_s, r.workers)
+    return each * math.ceil(max(items, 1) / width) + r.reply_margin_s
 
-    def __init__(self, job: Job):
+
+class _Pending(NamedTuple):
+    future: Future[list[ScoreResult]]
+    rank: int
+    items: list[ScoreItem]
+    due: float  # time.monotonic() when it is overdue
+    tries: int
+
+
+POLL_S = 1.0  # how often the deadline thread looks for overdue requests
+
+
+class RewardHandle:
+    """``score(items)`` -> Future[list[ScoreResult]], answered by the reward ranks.
+    ``reward``: the deadlines of :func:`reply_deadline` (None: a request waits as long as
+    it takes)."""
+
+    def __init__(self, job: Job, reward: RewardConfig | None = None):
         n = job.role_size("reward")
+        self._reward = reward
         self._to = [job.channel(f"reward/in/{r}", Score, Stop) for r in range(n)]
         self._from = job.channel("reward/out", Scored, Wake)  # read by the reply thread only
         self._wake = job.channel("reward/out", Scored, Wake)
         self._stopping = threading.Event()  # what stops the reply thread: never a message
         self._ids = itertools.count()
         self._next = itertools.cycle(range(n))
-        # request -> (its future, the rank scoring it, the number of items)
-        self._pending: dict[int, tuple[Future[list[ScoreResult]], int, int]] = {}
+        self._pending: dict[int, _Pending] = {}
+        self._retired: set[int] = set()  # sent again or given up: a late answer is dropped
+        self.resent = self.lost = self.late = 0
         self._lock = threading.Lock()
         self._per_rank: dict[int, tuple[int, int]] = {}
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._receive, name="reward-replies", daemon=True)
         self._thread.start()
+        if reward is not None:  # a thread of its own: each store wait that times out warns
+            threading.Thread(target=self._watch, name="reward-deadlines", daemon=True).start()
 
     def score(self, items: list[ScoreItem]) -> Future[list[ScoreResult]]:
         fut: Future[list[ScoreResult]] = Future()
@@ -167,10 +200,51 @@ class RewardHandle:
             if self._error is not None:  # the reply thread is gone: nothing would answer
                 fut.set_exception(self._error)
                 return fut
-            request, rank = next(self._ids), next(self._next)
-            self._pending[request] = (fut, rank, len(items))
-            self._to[rank].put(Score(request, list(items)))
+            self._send(_Pending(fut, 0, list(items), 0.0, 1))
         return fut
+
+    def _send(self, p: _Pending) -> None:
+        """``p`` as a new request to the next rank, due by its deadline (under the lock)."""
+        request, rank = next(self._ids), next(self._next)
+        wait = reply_deadline(self._reward, len(p.items)) if self._reward else math.inf
+        self._pending[request] = p._replace(rank=rank, due=time.monotonic() + wait)
+        self._to[rank].put(Score(request, p.items))
+
+    def _watch(self) -> None:
+        while not self._stopping.wait(POLL_S):
+            self._expire()
+
+    def _expire(self) -> None:
+        """Send each overdue request again, once; score a twice overdue one 0 (failed)."""
+        now, lost = time.monotonic(), []
+        with self._lock:
+            for request, p in [(q, p) for q, p in self._pending.items() if p.due <= now]:
+                del self._pending[request]
+                self._retired.add(request)
+                n = len(p.items)
+                if p.tries == 1:
+                    self.resent += 1
+                    self._send(p._replace(tries=2))
+                    print(f"reward: request {request} ({n} items) unanswered by reward rank "
+                          f"{p.rank} by its deadline: sent again", flush=True)  # fmt: skip
+                else:
+                    self.lost += 1
+                    lost.append(p)
+                    print(f"reward: request {request} ({n} items) unanswered twice: scored 0 "
+                          f"as failed (counted in reward_lost)", flush=True)  # fmt: skip
+        for p in lost:
+            p.future.set_result([ScoreResult(0.0, failed=True) for _ in p.items])
+
+    def waiting(self) -> str:
+        """What the handle waits for, in words ("" when nothing)."""
+        with self._lock:
+            pending = list(self._pending.values())
+        if not pending:
+            return ""
+        ranks = sorted({p.rank for p in pending})
+        oldest = max(time.monotonic() - p.due for p in pending)
+        due = "overdue" if oldest > 0 else "none overdue"
+        return f"{len(pending)} score requests on reward ranks {ranks} ({due})"
 
     def _receive(self) -> None:
         """Hand each answer to its future. Any error (a reward rank failed, a message
@@ -194,19 +268,24 @@ class RewardHandle:
                 with self._lock:
                     self._error = e
                     waiting, self._pending = list(self._pending.values()), {}
-                for f, _, _ in waiting:
-                    f.set_exception(e)
+                for p in waiting:
+                    p.future.set_exception(e)
                 raise
 
     def _deliver(self, msg: Scored) -> None:
         """Give ``msg``'s results to the request it answers, which must be pending and of
-        as many items (else :class:`ProtocolError`)."""
+        as many items (else :class:`ProtocolError`); a late answer to a request sent again
+        or given up is dropped, counted."""
         with self._lock:
+            if msg.request in self._retired:
+                self._retired.discard(msg.request)
+                self.late += 1
+                return
             if msg.request not in self._pending:
                 raise ProtocolError(
                     f"reward/out: a reply to request {msg.request}, which is not pending"
                 )
-            fut, rank, n = self._pending[msg.request]
+            fut, rank, n = (p := self._pending[msg.request]).future, p.rank, len(p.items)
             if len(msg.results) != n:
                 raise ProtocolError(
                     f"reward/out: a reply to request {msg.request} with {len(msg.results)} "

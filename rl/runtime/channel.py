@@ -23,6 +23,11 @@ message cannot be forged, moved to another channel, nor replayed on its own. A m
 that fails any check is dropped, counted (:attr:`Channel.rejected`,
 :func:`rejected_total`) and logged in one line, and ``get`` goes on waiting for the next
 one.
+
+A process on the node that reaches the store but lacks the key could still *pop* what it
+can name, and a message popped is a message lost (a score request: a group waiting for
+ever). So a channel's queue and chunk keys are named by :func:`queue_name`, a tag of the
+channel's name under the job's key: without the key no one can name them.
 """
 
 from __future__ import annotations
@@ -105,6 +110,12 @@ def _store_error() -> type[BaseException]:
     return dist.DistError
 
 
+def queue_name(key: bytes, name: str) -> str:
+    """The store key of channel ``name``'s queue: the name, for logs, and 16 bytes of its
+    tag under the job's key, which no process without the key can compute."""
+    return f"{name}/{secret.derive(key, 'queue/' + name)[:32]}"
+
+
 class Channel:
     """``put`` from any rank, ``get`` on the one reader. One connection per instance: make
     one instance per thread that uses it (a blocking ``get`` holds its connection).
@@ -123,6 +134,7 @@ class Channel:
         except codec.CodecError as e:
             raise ChannelError(f"channel {name!r}: {e}") from None
         self._key, self._scope = key, b"msrl/channel\0" + name.encode() + b"\0"
+        self._queue = queue_name(key, name)
         self._lock = threading.Lock()
         self._writer, self._seq = secrets.token_bytes(_WRITER), itertools.count(1)
         self._last: dict[bytes, int] = {}  # writer -> last sequence number read
@@ -147,7 +159,7 @@ class Channel:
             stamp = self._writer + seq.to_bytes(_SEQ, "big")
             kind, body = _INLINE, data
             if len(data) > CHUNK:
-                blob = f"{self.name}/blob/{os.getpid()}-{self._writer.hex()}-{seq}"
+                blob = f"{self._queue}/blob/{os.getpid()}-{self._writer.hex()}-{seq}"
                 keys = [f"{blob}/{i}" for i in range(0, len(data), CHUNK)]
                 for key, i in zip(keys, range(0, len(data), CHUNK), strict=True):
                     # Store.set takes bytes too (torch's stub says str only).
@@ -158,7 +170,7 @@ class Channel:
                                                 "sha256": hashlib.sha256(data).hexdigest()}
                                                ).encode()  # fmt: skip
             tag = secret.sign(self._key, self._scope + stamp + body)
-            self.store.queue_push(self.name, kind + tag + stamp + body)
+            self.store.queue_push(self._queue, kind + tag + stamp + body)
 
     def get(self, timeout: float | None = None) -> object:
         """The next authentic message (blocks up to ``timeout``, default the channel's):
@@ -180,15 +192,19 @@ class Channel:
 
     def _pop(self, left: float, wait: float) -> bytes:
         timed_out = ChannelTimeout(f"no message on channel {self.name!r} within {wait:.0f}s")
-        if left <= 0:
-            raise timed_out
-        self.store.set_timeout(timedelta(seconds=left))
-        try:
-            return self.store.queue_pop(self.name)
-        except _store_error() as e:
-            if "timeout" in str(e).lower():
-                raise timed_out from None
-            raise
+        deadline = time.monotonic() + left
+        while (left := deadline - time.monotonic()) > 0:
+            self.store.set_timeout(timedelta(seconds=left))
+            try:
+                return self.store.queue_pop(self._queue)
+            except _store_error() as e:
+                if "timeout" in str(e).lower():
+                    break
+                # The store's pop waits for the queue, then pops: another process popping
+                # in between (none of the job's) leaves it empty. Wait again.
+                if "queue is empty" not in str(e):
+                    raise
+        raise timed_out
 
     def _open(self, raw: bytes) -> object:
         """The message in one popped value, or :class:`_Rejected` saying why not."""
@@ -219,7 +235,7 @@ class Channel:
             keys, size, digest = desc["keys"], desc["size"], desc["sha256"]
         except (ValueError, TypeError, KeyError):
             raise _Rejected("chunk descriptor is not one of ours") from None
-        prefix = f"{self.name}/blob/"
+        prefix = f"{self._queue}/blob/"
         if not (
             isinstance(size, int)
             and 0 < size <= MAX_BYTES

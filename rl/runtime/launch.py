@@ -353,7 +353,10 @@ def spawn(
         except RankFailed as e:
             stopping.set()
             sup.kill_everything()
-            raise RankFailed(f"{e}\n(every rank stopped; {saved()})" if saved else str(e)) from None
+            if saved is None:
+                raise
+            sep = "\n" if "\n" in str(e) else " "  # a one-line failure stays one line
+            raise RankFailed(f"{e}{sep}(every rank stopped; {saved()})") from None
         except BaseException:
             stopping.set()
             sup.kill_everything()

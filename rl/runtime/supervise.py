@@ -131,6 +131,8 @@ class Supervisor:
             sep = "\n" if "\n" in report else " "  # one line stays one (launch.failure_text)
             head = (f"{self.name(rank)}: {report}" if report.startswith("thread ")
                     else f"{self.name(rank)} failed:{sep}{report}")  # fmt: skip
+            if sep == " ":  # a report that is the whole story: what the rank printed is not
+                return head
         others = sorted((set(failed) | set(dead)) - {rank})
         lines = self.outputs[rank].tail() or ["(it printed nothing)"]
         text = f"{head}\nlast lines of {self.name(rank)}:\n" + "\n".join(f"  | {x}" for x in lines)

@@ -106,9 +106,18 @@ def multiprocessing_servers() -> frozenset[int]:
 
 SHM = "/dev/shm/"
 # /dev/shm names a job's processes create and only their owner unlinks, so that a SIGKILL
-# leaves them: SGLang's load snapshots and multiprocessing's named semaphores. (The
+# leaves them: SGLang's load snapshots, multiprocessing's named semaphores and the DDMA
+# rings whose handshake a trainer rank had not finished (rl/ddma/shm.py; plain mmap'ed
+# files: unlinking one is safe whoever still maps it, a mapping survives it). (The
 # server's guard keeps its own list: it runs isolated from this package.)
-SHM_KINDS = ("sglang_loads_", "sem.mp-")
+# Not torch's ``torch_*`` files (``file_system`` sharing, the HTTP weight payloads):
+# whoever frees one last unlinks it, and aborts if the name is gone. Unlinking one is
+# safe only if some process that is killed still maps it (its reference is never
+# dropped, so no survivor frees it last), and that is not sure of a name listed here:
+# the list also comes from descendants the sweep spares, and a process being killed may
+# unmap the file between the listing and its death, leaving the launcher or a spared
+# process its last holder.
+SHM_KINDS = ("sglang_loads_", "sem.mp-", "ddma-")
 
 
 def shm_mapped(procs: list[psutil.Process]) -> set[str]:

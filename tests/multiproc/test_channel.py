@@ -124,7 +124,7 @@ def test_a_process_outside_the_job_cannot_make_a_reader_act(key, tmp_path):
 
     import torch.distributed as dist
 
-    from rl.runtime.channel import Channel, rejected_total
+    from rl.runtime.channel import Channel, queue_name, rejected_total
     from rl.runtime.net import free_port
     from tests.helpers.channel_workers import Pong
 
@@ -135,13 +135,17 @@ def test_a_process_outside_the_job_cannot_make_a_reader_act(key, tmp_path):
     before = rejected_total()
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     env.pop(secret.ENV)  # the outsider has no key
-    subprocess.run([sys.executable, "-c", OUTSIDER, str(port), "victim/in", str(target)],
-                   env=env, check=True, timeout=120)  # fmt: skip
+    # Without the key it cannot name the queue; given its name (leaked, say), it still
+    # cannot make the reader act.
+    queue = queue_name(key, "victim/in")
+    for name in ("victim/in", queue):
+        subprocess.run([sys.executable, "-c", OUTSIDER, str(port), name, str(target)],
+                       env=env, check=True, timeout=120)  # fmt: skip
     Channel(store, "victim/in", (Pong,), timeout=30, key=key).put(Pong(1, 2.0, 3))
     assert reader.get() == Pong(1, 2.0, 3)
     assert not target.exists()
     assert reader.rejected == 3 and rejected_total() - before == 3
-    assert store.check([f"victim/in/blob/outsider/{i}" for i in range(2)])  # never fetched
+    assert store.check([f"{queue}/blob/outsider/{i}" for i in range(2)])  # never fetched
 
 
 class _StoreJob:

@@ -15,9 +15,12 @@ The SGLang process is SIGKILLed after the second RL step; what must hold afterwa
   checkpoint (Megatron at TP=1, argmax of its logits), so it serves the current weights.
 
 On the way, the servers' HTTP ports listen on 127.0.0.1 only, and (one-server run) a
-process outside the job pushes a pickle that would create a file onto the queue the
-controller reads reward replies from: nothing runs, the message is counted as rejected,
-and the job goes on.
+process outside the job that reaches its store, without the job's key, can neither pop the
+score requests nor reach the queue the controller reads reward replies from (their names
+are tags under the key). Given the names, as if they had leaked, a pickle that would create
+a file pushed onto the replies' queue is rejected, counted, and nothing runs; and two score
+requests popped before the reward rank sees them are sent again at their deadline, each
+said in one line and counted, and the job completes.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from pathlib import Path
 
@@ -62,17 +66,22 @@ def _sglang_of(out: Path) -> list[psutil.Process]:
     return found
 
 
-def _push_pickle(pid: int, channel: str, target: Path) -> None:
-    """What the channels once unpickled: a payload that creates ``target`` when loaded,
-    pushed onto the queue the controller reads reward replies from."""
+def _outsider(pid: int, out: Path, target: Path) -> None:
+    """A process on the node with the store's port: what it can do without the job's key,
+    and with the queues' names (test_a_killed_server_is_restarted...'s docstring)."""
     import io
 
     import torch.distributed as dist
 
-    port = None
-    for p in psutil.Process(pid).children(recursive=True):  # a server started by a rank
-        with contextlib.suppress(psutil.Error):  # has the rank's env:// variables
-            port = port or int(p.environ().get("MASTER_PORT", 0)) or None
+    from rl.runtime import secret
+    from rl.runtime.channel import queue_name
+
+    port, deadline = None, time.monotonic() + 300
+    while port is None and time.monotonic() < deadline:  # from the job's start
+        for p in psutil.Process(pid).children(recursive=True):  # a rank, or a server it
+            with contextlib.suppress(psutil.Error):  # started: the env:// variables
+                port = port or int(p.environ().get("MASTER_PORT", 0)) or None
+        time.sleep(0.2)
     assert port is not None, "no process of the job shows the store's port"
 
     class Evil:
@@ -80,9 +89,23 @@ def _push_pickle(pid: int, channel: str, target: Path) -> None:
             return (open, (str(target), "w"))
 
     buf = io.BytesIO()
-    torch.save(Evil(), buf)
-    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=30))
-    store.queue_push(channel, b"I" + buf.getvalue())
+    torch.save(Evil(), buf)  # what the channels once unpickled
+
+    def connect() -> dist.TCPStore:  # a client of its own for each wait that may time out
+        return dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=300))
+
+    guess = connect()
+    guess.set_timeout(timedelta(seconds=3))
+    with pytest.raises(dist.DistStoreError, match="timeout"):  # what it can name holds nothing
+        guess.queue_pop("reward/in/0")
+    key = secret.load(secret.path_for(out))  # as if the names had leaked
+    store = connect()
+    store.queue_push(queue_name(key, "reward/out"), b"I" + buf.getvalue())
+    popped = 0
+    while popped < 2:  # lost requests: the reward rank never sees them
+        with contextlib.suppress(dist.QueueEmptyError):  # the reward rank popped it first
+            store.queue_pop(queue_name(key, "reward/in/0"))
+            popped += 1
 
 
 def _hold_controller_until_restarted(pid: int, log: Path) -> None:
@@ -127,6 +150,8 @@ def test_a_killed_server_is_restarted_with_current_weights_and_the_run_completes
     args = [*short, f"rl.steps={n}", f"rl.eval_every={n}", f"rollout.servers={servers}",
             f"rollout.weight_sync.transport={transport}", f"rollout.weight_sync.relay={relay}",
             "rollout.segment_tokens=2", f"run.output_dir={out}"]  # fmt: skip
+    if servers == 1:  # a lost score request goes again after 1 s x 8 items + 1 s
+        args += ["reward.timeout_s=1", "reward.reply_margin_s=1"]
     log = tmp_path / "job.log"
     job = subprocess.Popen(
         [sys.executable, "-m", "rl.train", *args],
@@ -136,6 +161,9 @@ def test_a_killed_server_is_restarted_with_current_weights_and_the_run_completes
         stderr=subprocess.STDOUT,
         start_new_session=True,
     )
+    outsider = None
+    if servers == 1:  # from the start: its lost requests are sent again long before the end
+        outsider = ThreadPoolExecutor(1).submit(_outsider, job.pid, out, tmp_path / "pwned")
     try:
         deadline = time.monotonic() + 900
         while len(_rl_steps(out)) < 2:
@@ -149,8 +177,6 @@ def test_a_killed_server_is_restarted_with_current_weights_and_the_run_completes
             port = int(cmd[cmd.index("--port") + 1])
             bound = {c.laddr.ip for c in v.net_connections("tcp") if c.laddr.port == port}
             assert bound == {"127.0.0.1"}, bound
-        if servers == 1:  # an outsider with the store's port but no key
-            _push_pickle(job.pid, "reward/out", tmp_path / "pwned")
         victims[0].kill()  # a crash: no cleanup by SGLang itself
         if servers > 1:
             # The other server keeps the run going, which would end within seconds, before
@@ -158,6 +184,8 @@ def test_a_killed_server_is_restarted_with_current_weights_and_the_run_completes
             # the lost server is back up, so the rest of the run shows it rejoining.
             _hold_controller_until_restarted(job.pid, log)
         job.wait(timeout=900)
+        if outsider is not None:
+            outsider.result(timeout=60)
     finally:
         if job.poll() is None:
             os.killpg(job.pid, signal.SIGKILL)
@@ -191,6 +219,8 @@ def test_a_killed_server_is_restarted_with_current_weights_and_the_run_completes
         assert steps[-1]["no_server_s"] > 0
         assert not (tmp_path / "pwned").exists()  # nothing ran, the job went on
         assert steps[-1]["channel_rejected"] >= 1
+        assert (steps[-1]["reward_resent"], steps[-1]["reward_lost"]) == (2, 0)
+        assert said.count("by its deadline: sent again") == 2
 
     # The restarted server serves the trainer's final weights: its greedy answers are the
     # argmax of the final checkpoint's logits at every position.

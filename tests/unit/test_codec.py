@@ -316,9 +316,29 @@ def store():
     return dist.HashStore()
 
 
-def _raw(store, name: str) -> bytes:
+def _raw(store, name: str, key: bytes = KEY) -> bytes:
+    """The next value on channel ``name``'s queue, popped as is."""
     store.set_timeout(dt.timedelta(seconds=1))
-    return store.queue_pop(name)
+    return store.queue_pop(channel_mod.queue_name(key, name))
+
+
+def _push(store, name: str, value: bytes) -> None:
+    """``value`` pushed as is onto channel ``name``'s queue (its name known)."""
+    store.queue_push(channel_mod.queue_name(KEY, name), value)
+
+
+def test_no_process_without_the_key_can_name_a_channels_queue(store):
+    """What an outsider can pop is what it can name: the channel's name is not its queue's,
+    and the queue's name depends on the key."""
+    Channel(store, "reward/in/0", PLAIN, 5, key=KEY).put(Plain({"v": 1}))
+    store.set_timeout(dt.timedelta(seconds=0.2))
+    with pytest.raises(dist.DistStoreError):
+        store.queue_pop("reward/in/0")
+    assert store.queue_len("reward/in/0") == 0
+    assert channel_mod.queue_name(bytes(32), "reward/in/0") != channel_mod.queue_name(
+        KEY, "reward/in/0"
+    )
+    assert Channel(store, "reward/in/0", PLAIN, 5, key=KEY).get(timeout=1) == Plain({"v": 1})
 
 
 def test_a_channel_drops_forged_tampered_moved_and_replayed_messages(store, tmp_path, caplog):
@@ -330,17 +350,18 @@ def test_a_channel_drops_forged_tampered_moved_and_replayed_messages(store, tmp_
     writer.put(Plain({"v": 1}))
     good = _raw(store, "t/out")  # the queue held only this
     bomb = pickle.dumps(_Evil(tmp_path / "pwned"))
-    store.queue_push("t/out", b"I" + bomb)  # a bare pickle
-    store.queue_push("t/out", b"I" + bytes(56) + bomb)  # framed, no valid tag
-    store.queue_push("t/out", b"")
+    _push(store, "t/out", b"I" + bomb)  # a bare pickle
+    _push(store, "t/out", b"I" + bytes(56) + bomb)  # framed, no valid tag
+    _push(store, "t/out", b"")
     tampered = bytearray(good)
     tampered[-3] ^= 1
-    store.queue_push("t/out", bytes(tampered))
+    _push(store, "t/out", bytes(tampered))
     Channel(store, "t/out", PLAIN, 5, key=bytes(32)).put(Plain({"v": 1}))  # other key
+    _push(store, "t/out", _raw(store, "t/out", key=bytes(32)))
     Channel(store, "other", PLAIN, 5, key=KEY).put(Plain({"v": 1}))
-    store.queue_push("t/out", _raw(store, "other"))  # moved from another channel
-    store.queue_push("t/out", good)
-    store.queue_push("t/out", good)  # replayed
+    _push(store, "t/out", _raw(store, "other"))  # moved from another channel
+    _push(store, "t/out", good)
+    _push(store, "t/out", good)  # replayed
     writer.put(Plain({"v": 2}))
     with caplog.at_level(logging.WARNING, logger="rl.runtime.channel"):
         assert reader.get(timeout=2) == Plain({"v": 1})
@@ -371,7 +392,7 @@ def test_a_signed_but_undeclared_or_pickled_message_is_dropped(store, tmp_path, 
 def test_get_keeps_its_deadline_through_bad_messages(store):
     reader = Channel(store, "q", (trn.Push,), 0.3, key=KEY)
     for _ in range(3):
-        store.queue_push("q", b"junk")
+        _push(store, "q", b"junk")
     with pytest.raises(ChannelTimeout, match="'q' within 0s"):
         reader.get()
     assert reader.rejected == 3
@@ -383,7 +404,8 @@ def test_chunked_messages_failures_and_type_checks_still_work(store, caplog):
     big = torch.arange(1_500_000, dtype=torch.float32)  # 6 MB: two chunks
     writer.put(trn.Train(1, TrainBatch(big.view(1, -1))))
     got = reader.expect(trn.Train, timeout=2)
-    assert torch.equal(got.batch.tokens, big.view(1, -1)) and not store.check(["big/blob/x"])
+    assert torch.equal(got.batch.tokens, big.view(1, -1))
+    blob = f"{channel_mod.queue_name(KEY, 'big')}/blob/"
     writer.put(Failed("trainer", 1, "Traceback: ValueError: boom"))
     with pytest.raises(RemoteError, match="trainer rank 1 failed:\nTraceback: ValueError"):
         reader.get(timeout=2)
@@ -391,15 +413,15 @@ def test_chunked_messages_failures_and_type_checks_still_work(store, caplog):
         writer.put(trn.Push(1))
     with pytest.raises(ChannelError, match=r"Train.batch.tokens: int value where Tensor"):
         writer.put(trn.Train(1, TrainBatch(3)))  # type: ignore[arg-type]
-    store.queue_push("big", b"B" + bytes(56) + json.dumps(["big/blob/never"]).encode())
-    store.queue_push("big", b"B" + bytes(56) + json.dumps(["trainer/in/0"]).encode())
+    _push(store, "big", b"B" + bytes(56) + json.dumps([f"{blob}never"]).encode())
+    _push(store, "big", b"B" + bytes(56) + json.dumps(["trainer/in/0"]).encode())
     with pytest.raises(ChannelTimeout):
         reader.get(timeout=0.3)  # a forged descriptor does not block the reader
     assert reader.rejected == 2
     # Signed, but a chunk changed after it was written: dropped once fetched.
     fresh = Channel(store, "big", (trn.Train,), 5, key=KEY)  # its first message: sequence 1
     fresh.put(trn.Train(2, TrainBatch(big.view(1, -1))))
-    chunk0 = f"big/blob/{os.getpid()}-{fresh._writer.hex()}-1/0"
+    chunk0 = f"{blob}{os.getpid()}-{fresh._writer.hex()}-1/0"
     store.set(chunk0, bytes(len(store.get(chunk0))))
     with pytest.raises(ChannelTimeout):
         reader.get(timeout=0.3)

@@ -382,3 +382,15 @@ def test_a_launch_says_its_sizes_and_warns_of_the_tiny_defaults_for_an_hf_model(
         "settings (hf_model): sft.steps=0, rl.steps=200 of 8 prompts x 8 samples, up to 512 "
         "new tokens each, task.eval_size=64"
     ]
+
+
+def test_a_launch_with_the_python_tool_warns_when_host_sockets_are_in_reach(monkeypatch):
+    from rl.envs import sandbox
+    from rl.train import settings
+
+    tools = ["env.tools=[python]", "env.chat_template=chatml_tools"]
+    monkeypatch.setattr(sandbox, "containment", lambda: ("namespaces", "rlimits"))
+    (line,) = [x for x in settings(composed(tools)) if x.startswith("warning: ")]
+    assert line.startswith("warning: sandbox: no private root on this machine")
+    monkeypatch.setattr(sandbox, "containment", lambda: ("namespaces", "private-root"))
+    assert not [x for x in settings(composed(tools)) if x.startswith("warning: ")]

@@ -36,6 +36,9 @@ class TrainBatch:
     returns: torch.Tensor | None = None  # [B, S] the critic's regression targets (GAE)
     # [B, S] a teacher's log-prob of each sampled token (on-policy distillation)
     teacher_logprobs: torch.Tensor | None = None
+    # [B, S, layers, topk] int8/int16: the experts the generator routed input token t to
+    # in each layer (-1: unknown, the router's own then), replayed by an MoE trainer
+    routing: torch.Tensor | None = None
 
     @property
     def rows(self) -> int:
@@ -58,6 +61,18 @@ class TrainBatch:
         """``fn`` applied to the ``[B, S]`` fields only (a cut or pad of the columns)."""
         seq = self.seq
         return self.map(lambda t: fn(t) if t.dim() >= 2 and t.shape[1] == seq else t)
+
+    def pad_columns(self, n: int) -> TrainBatch:
+        """``n`` columns more on every per-token field: zeros, -1 in ``routing`` (unknown)."""
+        seq = self.seq
+
+        def pad(name: str, v: torch.Tensor) -> torch.Tensor:
+            if v.dim() < 2 or v.shape[1] != seq:
+                return v
+            more = v.new_full((v.shape[0], n, *v.shape[2:]), -1 if name == "routing" else 0)
+            return torch.cat([v, more], 1)
+
+        return TrainBatch(**{k: pad(k, v) for k, v in self.tensors().items()})
 
     def require(self, *names: str) -> None:
         """Raise ValueError naming the first of ``names`` that is not set (a loss's

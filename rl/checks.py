@@ -28,7 +28,7 @@ from rl.config.prelaunch import prelaunch
 from rl.config.schema import RootConfig
 from rl.config.validate import validate
 from rl.ddma import plan, transport
-from rl.models.checks import validate_model, validate_trainer
+from rl.models.checks import validate_model, validate_routing_replay, validate_trainer
 from rl.tasks import checks as task_checks
 from rl.tasks.checks import check_task
 from rl.weights.hf_model import resolve_model
@@ -44,6 +44,7 @@ def check(cfg: RootConfig, world_size: int | None = None) -> None:
     (:func:`check_task` then builds the task from its data.)"""
     validate_model(cfg.model)
     validate_trainer(cfg.trainer, cfg.model)
+    validate_routing_replay(cfg.algorithm.routing_replay, cfg.trainer, cfg.model)
     validate(cfg, world_size)
     task_checks.check(cfg)
     companion.check(cfg)

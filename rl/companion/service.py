@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import threading
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Literal, TypeVar
 
 import torch
@@ -166,11 +166,11 @@ class CompanionHandle:
         self._call(init, Ready)
 
     def forward(self, batch: TrainBatch) -> torch.Tensor:
-        return self._call(Forward(batch), Forwarded).out
+        return self._call(Forward(_own(batch)), Forwarded).out
 
     def train(self, step: int, batch: TrainBatch) -> None:
         self._lock.acquire()  # released by trained(): nothing else in between
-        self._send(Train(step, batch))
+        self._send(Train(step, _own(batch)))
 
     def trained(self) -> dict[str, float]:
         try:
@@ -183,3 +183,8 @@ class CompanionHandle:
 
     def stop(self) -> None:
         self._send(Stop())
+
+
+def _own(batch: TrainBatch) -> TrainBatch:
+    """``batch`` without the policy's routing: another model routes its own way."""
+    return batch if batch.routing is None else replace(batch, routing=None)

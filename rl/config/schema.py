@@ -398,6 +398,10 @@ class AlgorithmConfig:
     # (its reward becomes overlong_penalty).
     overlong: str = "keep"  # keep | mask | penalise
     overlong_penalty: float = -1.0
+    # MoE only: rollout routing replay (R3). The servers return the experts they routed
+    # each token to, and every trainer pass over the batch (pi_old, the reference, the
+    # loss) routes each token to those experts, its gating weights from its own logits.
+    routing_replay: bool = False
 
 
 @dataclass

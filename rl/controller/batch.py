@@ -116,4 +116,23 @@ def build_batch(
     if overlong == "mask":
         mask = mask * (1 - cut).unsqueeze(1)
     return TrainBatch(tokens, mask, behaviour_logprobs=mu, versions=versions,
-                      rewards=reward.reshape(-1), overlong=cut)  # fmt: skip
+                      rewards=reward.reshape(-1), overlong=cut,
+                      routing=routing_rows(rows, seq))  # fmt: skip
+
+
+def routing_rows(rows: Sequence[Rollout], seq: int) -> torch.Tensor | None:
+    """The rollouts' routing as ``[B, seq, layers, topk]`` (-1 past each one's rows: its
+    last token, the padding); None when they carry none. A rollout holds one row per
+    input token, every position but the last."""
+    held = [getattr(r, "routing", None) for r in rows]
+    if all(h is None for h in held):
+        return None
+    first = next(h for h in held if h is not None)
+    out = torch.full((len(rows), seq, *first.shape[1:]), -1, dtype=first.dtype)
+    for i, (r, h) in enumerate(zip(rows, held, strict=True)):
+        want = (len(r.prompt_ids) + len(r.output_ids) - 1, *first.shape[1:])
+        if h is None or tuple(h.shape) != want:
+            shape = None if h is None else tuple(h.shape)
+            raise ValueError(f"rollout {getattr(r, 'rid', '?')}: routing {shape}, expected {want}")
+        out[i, : want[0]] = h
+    return out

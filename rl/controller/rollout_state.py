@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 from rl.config.sampling import SamplingParams
 from rl.controller.rollouts import Group, StreamState
+from rl.generator import routing
 from rl.generator.types import Rollout
 from rl.tasks.common import Example
 from rl.tasks.scoring import ScoreResult
@@ -66,7 +67,8 @@ def _rollout_json(r: Rollout) -> dict[str, Any]:
     return {"rid": r.rid, "sample_index": r.sample_index, "sampling": asdict(r.sampling),
             "output_ids": r.output_ids, "logprobs": r.logprobs,
             "versions": _spans(r.versions), "finish_reason": r.finish_reason,
-            "segments": r.segments, "observed": r.observed, "episode": r.episode}  # fmt: skip
+            "segments": r.segments, "observed": r.observed, "episode": r.episode,
+            "routing": routing.to_json(r.routing)}  # fmt: skip
 
 
 def _group_json(g: Group) -> dict[str, Any]:
@@ -85,8 +87,9 @@ def _group_json(g: Group) -> dict[str, Any]:
 def to_json(state: StreamState) -> dict[str, Any]:
     """The file's content: the stream's counters and position, then per group its prompt
     (the whole :class:`Example`, so no data file is needed to rebuild it), its samples
-    (tokens, behaviour log-probs, version spans, sampling, finish reason) and its scores
-    (null until scored)."""
+    (tokens, behaviour log-probs, version spans, sampling, finish reason, and with routing
+    replay their routing rows as bytes: rl/generator/routing.py) and its scores (null
+    until scored)."""
     return {"format": FORMAT, "version": VERSION, "step": state.step,
             "weight_version": state.version, "drawn": state.drawn,
             "position": state.position,
@@ -134,6 +137,9 @@ def _rollout(r: dict[str, Any], prompt_ids: list[int], gid: int) -> Rollout:
     versions = [int(v) for v, n in r["versions"] for _ in range(n)]
     if not len(r["output_ids"]) == len(r["logprobs"]) == len(versions):
         raise ValueError(f"rollout {r['rid']}: tokens, log-probs and versions differ in length")
+    rows = routing.from_json(r.get("routing"))  # files of runs without replay have none
+    if rows is not None and rows.shape[0] > len(prompt_ids) + len(r["output_ids"]) - 1:
+        raise ValueError(f"rollout {r['rid']}: {rows.shape[0]} routing rows for its tokens")
     return Rollout(
         prompt_ids,
         SamplingParams.from_dict(r["sampling"]),
@@ -147,6 +153,7 @@ def _rollout(r: dict[str, Any], prompt_ids: list[int], gid: int) -> Rollout:
         rid=r["rid"],
         observed=[[int(a), int(n)] for a, n in r.get("observed", [])],
         episode=r.get("episode"),
+        routing=rows,
     )
 
 

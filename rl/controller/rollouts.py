@@ -275,10 +275,12 @@ class RolloutStream:
                                    versions=list(r.versions),
                                    observed=[list(o) for o in r.observed],
                                    episode=copy.deepcopy(r.episode))  # fmt: skip
+                held = r.rows_at(n)  # the routing rows it had: the others came with the cut
+                rows = r.routing[:held] if r.routing is not None and held else None
                 return replace(r, output_ids=r.output_ids[:n], logprobs=r.logprobs[:n],
                                versions=r.versions[:n], finish_reason=None,
                                observed=[list(o) for o in r.observed],
-                               episode=copy.deepcopy(r.episode))  # fmt: skip
+                               episode=copy.deepcopy(r.episode), routing=rows)  # fmt: skip
 
             copies = [replace(g, rollouts=[cut(r) for r in g.rollouts],
                               results=None if g.results is None else list(g.results))

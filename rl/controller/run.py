@@ -190,7 +190,9 @@ class RLRun:
         saved = rollout_state.load(self.out, self.point)  # a resumed job's rollouts
         self.prompts = task.train_stream(saved.position if saved else None)
         urls, model_path = self.gen.wait_up()
-        self.client = client = GeneratorClient.for_urls(urls, model_path, cfg.rollout, job_keys())
+        self.client = client = GeneratorClient.for_urls(
+            urls, model_path, cfg.rollout, job_keys(), routing=cfg.algorithm.routing_replay
+        )
         self.evaluator = Evaluator(
             client,
             task,

@@ -162,10 +162,13 @@ class MegatronTrainer:
         if not frozen:
             self._build_optimizer(total_steps)
         self.moe = None
+        self.replay = None  # an MoE model routes as a batch's ``routing`` says, if it has one
         if model_cfg.num_experts:
             from rl.engine.moe_metrics import MoEMetrics
+            from rl.engine.routing_replay import RoutingReplay
 
             self.moe = MoEMetrics(model, layout, model_cfg.num_layers, model_cfg.num_experts)
+            self.replay = RoutingReplay(model, layout, self.config.sequence_parallel)
         self._microbatch_count = 0
 
     def _build_optimizer(self, total_steps: int) -> None:
@@ -281,7 +284,9 @@ class MegatronTrainer:
         # Sequence parallelism splits the sequence over TP ranks: pad it to a multiple.
         pad = (-seq) % self.layout.tp if self.config.sequence_parallel else 0
         if pad:
-            batch = batch.per_token(lambda v: torch.cat([v, v.new_zeros(v.shape[0], pad)], 1))
+            batch = batch.pad_columns(pad)
+        if batch.routing is not None:
+            self._check_routing(batch.routing)
         # The last position is only the last column when nothing is trimmed.
         mbs, n, groups = self._microbatches(batch, trim=collect != "last_logits")
         self._microbatch_count = n
@@ -291,6 +296,8 @@ class MegatronTrainer:
         def forward_step(data_iterator, model):
             mb = next(data_iterator).map(lambda v: v.to(self.device, non_blocking=True))
             tokens = mb.tokens
+            if self.replay is not None:
+                self.replay.set(mb.routing)
             positions = torch.arange(tokens.shape[1], device=self.device)
             positions = positions.unsqueeze(0).expand_as(tokens)
             # The model's own output, uncut: logits, or a scalar head's values.
@@ -429,7 +436,24 @@ class MegatronTrainer:
         out["tokens_per_s"] = batch.tokens.numel() / out["step_seconds"]
         if self.moe is not None:
             out.update(self.moe.step(self._microbatch_count))
+        if self.replay is not None:
+            out.update(self.replay.step())
         return out
+
+    def _check_routing(self, routing: torch.Tensor) -> None:
+        """A batch's routing must fit the model, and stay with its micro-batch: a forward
+        recomputed during a pipelined backward would replay another one's."""
+        want = (self.mcfg.num_layers, self.config.moe_router_topk)
+        if self.replay is None or tuple(routing.shape[2:]) != want:
+            raise ValueError(
+                f"the batch's routing has layers x top-k {tuple(routing.shape[2:])}; the model "
+                f"{'has no MoE layer' if self.replay is None else f'routes {want}'}"
+            )
+        if self.tcfg.recompute != "none" and self.layout.pp > 1:
+            raise ValueError(
+                f"routing replay with trainer.recompute={self.tcfg.recompute} needs "
+                f"trainer.pp=1 (got {self.layout.pp})"
+            )
 
     def train_batch(
         self, batch: TrainBatch, loss_fn: LossFn, reuse: Reuse, step: int

@@ -12,4 +12,6 @@ Its servers are started, watched and restarted by rl/serving (shared with the LL
 * ``types``: the ``Rollout`` record (per-token log-probs and weight versions, resumable
   segments) and the parsing of results; sampling parameters are rl/config/sampling.py.
   Pure logic.
+* ``routing``: routing replay's rows (the experts each token was routed to), read from
+  replies, checked, and saved with a rollout state.
 """

@@ -13,6 +13,10 @@ server and resumes them under the new weights, with per-token version spans), be
 the buckets, end, flush the prefix cache (stale KV from old weights must not be reused),
 check the server reports the new version, continue.
 
+Routing replay (``limits.routing`` set): every request asks for the experts each token
+was routed to, and a reply whose routing does not fit is dropped and sampled again
+(rl/generator/routing.py).
+
 Lost servers: a request whose server stops answering is re-queued on another live server
 (the rollout keeps every token it had, with their versions; what the lost server was
 generating is gone and sampled again), and that server gets nothing more until
@@ -36,6 +40,7 @@ import aiohttp
 import torch
 
 from rl.config.sampling import RequestError, SamplingParams
+from rl.generator import routing
 from rl.generator.types import ModelLimits, Rollout, new_rollouts, parse_result
 from rl.generator.weight_payload import (
     FlatBucket,
@@ -77,6 +82,9 @@ class ServerLost(ServerError):
 # The requests a lost server held fail together, within milliseconds: their re-queues are
 # counted for this long, then reported in one line per lost server.
 REQUEUE_REPORT_S = 0.5
+# Replies in a row with routing that does not fit, for one rollout, before the server is
+# taken to be misconfigured rather than unlucky (and the job fails).
+ROUTING_RETRIES = 3
 # A server marked unreachable by a failed request is asked this often whether it answers
 # again (each ask waits this long for the answer).
 PROBE_S = 5.0
@@ -125,6 +133,7 @@ class GeneratorClient:
         self.wait_for_server = wait_for_server
         self.requeued = 0  # rollouts re-sent after their server was lost
         self.requeued_rids: list[str] = []  # their ids, for the run's rollout ledger
+        self.routing_dropped = 0  # segments sampled again: their routing did not fit
         self._unreported: dict[int, int] = {}  # lost server -> rollouts re-queued, not yet said
         self.no_server_s = 0.0  # seconds with requests waiting and no server ready
         self._no_server_since: float | None = None
@@ -150,19 +159,28 @@ class GeneratorClient:
         cls, launcher: ServerLauncher, *, max_in_flight: int = 64, request_timeout: float = 600.0
     ) -> GeneratorClient:
         cfg = launcher.config
-        limits = ModelLimits.from_model_dir(Path(cfg.model_path), cfg.context_length)
+        limits = ModelLimits.from_model_dir(
+            Path(cfg.model_path), cfg.context_length, routing=cfg.return_routed_experts
+        )
         return cls(launcher.urls, limits, keys=launcher.keys, max_in_flight=max_in_flight,
                    request_timeout=request_timeout, launcher=launcher, tp=cfg.tp)  # fmt: skip
 
     @classmethod
     def for_urls(
-        cls, urls: list[str], model_path: str, rollout: RolloutConfig, keys: api.ServerKeys
+        cls,
+        urls: list[str],
+        model_path: str,
+        rollout: RolloutConfig,
+        keys: api.ServerKeys,
+        *,
+        routing: bool = False,
     ) -> GeneratorClient:
         """A client for servers started elsewhere (the generator ranks of an RL job) from
         ``model_path`` and requiring ``keys``, with a ``rollout`` config's limits. A request
         that finds no server ready waits for a restart (the server's start-up deadline and
-        a weight sync)."""
-        limits = ModelLimits.from_model_dir(Path(model_path), rollout.context_length)
+        a weight sync). ``routing``: ``algorithm.routing_replay`` (servers started with
+        ``ServerConfig.return_routed_experts``)."""
+        limits = ModelLimits.from_model_dir(Path(model_path), rollout.context_length, routing)
         wait = rollout.startup_timeout + rollout.weight_sync.timeout
         return cls(urls, limits, keys=keys, max_in_flight=rollout.max_in_flight,
                    request_timeout=rollout.request_timeout, tp=rollout.tp,
@@ -259,13 +277,27 @@ class GeneratorClient:
         self, rollouts: list[Rollout], segment_tokens: int | None, futures: list[RolloutFuture]
     ) -> None:
         try:
-            for r, out in zip(rollouts, await self._request(rollouts, segment_tokens), strict=True):
-                if out is not None:
-                    r.append(*parse_result(out))
-                if r.rid in self._user_aborted:  # aborted while queued or running
-                    self._user_aborted.discard(r.rid)
-                    if not r.finished:
-                        r.finish("abort")
+            todo, dropped = rollouts, dict.fromkeys((r.rid for r in rollouts), 0)
+            while todo:  # only a reply whose routing did not fit is asked again
+                outs, start = await self._request(todo, segment_tokens)
+                again = []
+                for r, out in zip(todo, outs, strict=True):
+                    if out is not None and not self._take(r, out, start):
+                        dropped[r.rid] += 1
+                        if dropped[r.rid] == ROUTING_RETRIES:
+                            raise ServerError(
+                                f"generator server {r.server} ({self.urls[r.server or 0]}) "
+                                f"answered {ROUTING_RETRIES} times in a row with routing that "
+                                f"does not fit rollout {r.rid} (see above)"
+                            )
+                        if r.rid not in self._user_aborted:
+                            again.append(r)
+                            continue
+                    if r.rid in self._user_aborted:  # aborted while queued or running
+                        self._user_aborted.discard(r.rid)
+                        if not r.finished:
+                            r.finish("abort")
+                todo = again
         except BaseException as e:
             for f in futures:
                 f.set_exception(e)
@@ -273,9 +305,41 @@ class GeneratorClient:
         for f, r in zip(futures, rollouts, strict=True):
             f.set_result(r)
 
-    async def _request(self, rollouts: list[Rollout], segment_tokens: int | None) -> list:
+    def _take(self, r: Rollout, out: dict[str, Any], start: int) -> bool:
+        """Add one result to its rollout; False when its routing did not fit (nothing is
+        added: the segment is sampled again, up to ``ROUTING_RETRIES`` times in a row). A
+        reply aborted in the server's queue carries no routing: its tokens are dropped,
+        and the rollout resumes from where it was."""
+        ids, lps, versions, reason = parse_result(out)
+        shape = self.limits.routing
+        if shape is None:
+            r.append(ids, lps, versions, reason)
+            return True
+        where = f"generator server {r.server} ({self.urls[r.server or 0]})"
+        try:
+            rows = routing.new_rows(out, r, len(ids), start, shape)
+        except routing.RoutingMissing as e:
+            if reason == "abort":  # aborted in the server's queue: resumable as it was
+                return True
+            err = ServerError(
+                f"{where} returns no routed experts ({e}): routing replay needs servers "
+                "started with --enable-return-routed-experts"
+            )
+            self.fail(err)
+            raise err from None
+        except routing.RoutingMismatch as e:
+            self.routing_dropped += 1
+            print(f"[generator] {where}: {e}; the segment is sampled again", flush=True)
+            return False
+        r.append(ids, lps, versions, reason, rows)
+        return True
+
+    async def _request(
+        self, rollouts: list[Rollout], segment_tokens: int | None
+    ) -> tuple[list, int]:
         """One /generate request for the rollouts still wanted; their results (None for a
-        rollout aborted before it was sent). Re-sent elsewhere if its server is lost."""
+        rollout aborted before it was sent), and the routing row it asked from. Re-sent
+        elsewhere if its server is lost."""
         while True:
             server = await self._ready_server()
             try:
@@ -300,13 +364,14 @@ class GeneratorClient:
 
     async def _request_on(
         self, server: int, rollouts: list[Rollout], segment_tokens: int | None
-    ) -> list:
+    ) -> tuple[list, int]:
         self._in_flight[server] += len(rollouts)  # queued requests count: routing sees them
+        start = 0
         try:
             async with self._slots[server]:
                 live = [r for r in rollouts if r.rid not in self._user_aborted]
                 if not live:
-                    return [None] * len(rollouts)
+                    return [None] * len(rollouts), start
                 ids, sps, rids = [], [], []
                 for r in live:
                     prompt, budget, seed = r.next_request(segment_tokens)
@@ -315,14 +380,17 @@ class GeneratorClient:
                     rids.append(f"{r.rid}.{r.segments}.{next(_seq)}")
                     self._active[r.rid] = (server, rids[-1])
                     r.server = server
-                out = await self._post(server, api.generate(ids, sps, rids))
+                if self.limits.routing is not None:
+                    start = routing.request_start(live)
+                call = api.generate(ids, sps, rids, None if self.limits.routing is None else start)
+                out = await self._post(server, call)
         finally:
             self._in_flight[server] -= len(rollouts)
             for r in rollouts:
                 self._active.pop(r.rid, None)
         results = iter(api.generate_results(out, len(live)))
         sent = {id(r) for r in live}
-        return [next(results) if id(r) in sent else None for r in rollouts]
+        return [next(results) if id(r) in sent else None for r in rollouts], start
 
     def in_flight(self) -> set[str]:
         """Ids of the rollouts whose request is on a server right now."""
@@ -397,11 +465,15 @@ class GeneratorClient:
         return taken
 
     def stats(self) -> dict[str, float]:
-        """Fault counters since the client started."""
+        """Fault counters since the client started (``routing_dropped``: segments sampled
+        again because their routing did not fit; with routing replay only)."""
         waiting = time.monotonic() - self._no_server_since if self._no_server_since else 0.0
-        return {"requeued_rollouts": float(self.requeued),
-                "no_server_s": self.no_server_s + waiting,
-                "revived_servers": float(self.revived)}  # fmt: skip
+        out = {"requeued_rollouts": float(self.requeued),
+               "no_server_s": self.no_server_s + waiting,
+               "revived_servers": float(self.revived)}  # fmt: skip
+        if self.limits.routing is not None:
+            out["routing_dropped"] = float(self.routing_dropped)
+        return out
 
     def _live(self) -> list[int]:
         return [i for i in range(len(self.urls)) if i not in self._dead]

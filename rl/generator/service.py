@@ -104,8 +104,8 @@ def launch(
     # training (the controller on node 0) and generation (rl/plan/placement.py), so
     # every client is remote: listen on the one address they are given, not on all.
     host = host_address() if settings.multi_node else "127.0.0.1"
-    server = replace(server, host=host, keys=job_keys(),
-                     batch_invariant=settings.deterministic)  # fmt: skip
+    server = replace(server, host=host, keys=job_keys(), batch_invariant=settings.deterministic,
+                     return_routed_experts=settings.routing_replay)  # fmt: skip
     n = r.servers // role_size
     return Launched(ServerLauncher(server, n=n, log_dir=out / "logs").spawn(), path)
 

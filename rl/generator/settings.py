@@ -14,9 +14,11 @@ if TYPE_CHECKING:
 class GeneratorSettings:
     """The generator ranks' part of the config: ``rollout`` (the servers, their restarts,
     the FP8 block of the weight sync), where their logs go, whether clients are on other
-    nodes (``cluster.nodes`` > 1), and ``rl.deterministic`` (batch-invariant serving)."""
+    nodes (``cluster.nodes`` > 1), ``rl.deterministic`` (batch-invariant serving), and
+    ``algorithm.routing_replay`` (servers that return each token's routed experts)."""
 
     rollout: RolloutConfig
     output_dir: str
     multi_node: bool
     deterministic: bool
+    routing_replay: bool = False

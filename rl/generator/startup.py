@@ -23,6 +23,7 @@ def settings(cfg: RootConfig) -> GeneratorSettings:
     return GeneratorSettings(
         rollout=cfg.rollout, output_dir=cfg.run.output_dir,
         multi_node=cfg.cluster.nodes > 1, deterministic=cfg.rl.deterministic,
+        routing_replay=cfg.algorithm.routing_replay,
     )  # fmt: skip
 
 

@@ -1,4 +1,5 @@
-"""Pure rollout types for the generator: no torch, no HTTP.
+"""Pure rollout types for the generator: no HTTP, and no torch at import (a rollout's
+routing is a tensor, made and read by rl/generator/routing.py).
 
 Why a type of our own instead of SGLang's dicts: a rollout in this framework outlives one
 HTTP request. It can be cut after ``segment_tokens`` new tokens, parked while the trainer
@@ -18,6 +19,8 @@ from dataclasses import KW_ONLY, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch  # at run time: a Rollout's routing crosses channels (rl.runtime.codec)
+
 from rl.config.sampling import RequestError, SamplingParams
 from rl.serving.server_api import ServerResponseError, parse_version
 
@@ -36,18 +39,51 @@ def _is_int(v: object) -> bool:
 
 
 @dataclass(frozen=True)
+class RoutingShape:
+    """What one routing row of the served MoE model holds: ``layers`` (every decoder layer,
+    as SGLang returns them) x ``topk`` expert ids, each below ``experts``."""
+
+    layers: int
+    topk: int
+    experts: int
+
+    @property
+    def dtype(self) -> str:
+        """The torch dtype a rollout keeps its rows in: the smallest that holds every id."""
+        return "int8" if self.experts <= 127 else "int16"
+
+    @classmethod
+    def from_config(cls, cfg: dict[str, Any]) -> RoutingShape:
+        """From a config.json (its ``text_config``): the names SGLang reads, and each MoE
+        family's name for its routed expert count."""
+        n = next((cfg[k] for k in ("num_experts", "n_routed_experts", "num_local_experts")
+                  if cfg.get(k)), None)  # fmt: skip
+        if not n or not cfg.get("num_experts_per_tok"):
+            raise RequestError(
+                "algorithm.routing_replay needs a Mixture-of-Experts model: config.json has "
+                f"num_experts={n} num_experts_per_tok={cfg.get('num_experts_per_tok')}"
+            )
+        return cls(int(cfg["num_hidden_layers"]), int(cfg["num_experts_per_tok"]), int(n))
+
+
+@dataclass(frozen=True)
 class ModelLimits:
-    """What the client checks token ids against (read from the served model's config)."""
+    """What the client checks token ids against (read from the served model's config),
+    and, with routing replay, the shape of the routing it asks for."""
 
     vocab_size: int
     context_len: int
     eos_ids: tuple[int, ...] = ()
+    routing: RoutingShape | None = None  # None: rollouts carry no routing
 
     @classmethod
-    def from_model_dir(cls, path: Path, context_len: int | None = None) -> ModelLimits:
+    def from_model_dir(
+        cls, path: Path, context_len: int | None = None, routing: bool = False
+    ) -> ModelLimits:
         """Limits of a Hugging Face model directory, as SGLang will serve it: vocab from
         config.json, context from ``context_len`` (the server's ``--context-length``) or
-        ``max_position_embeddings``, EOS ids from config.json and generation_config.json."""
+        ``max_position_embeddings``, EOS ids from config.json and generation_config.json;
+        with ``routing``, the routing shape (:class:`RoutingShape`)."""
         cfg = json.loads((path / "config.json").read_text())
         cfg = cfg.get("text_config", cfg)
         eos: set[int] = set()
@@ -59,6 +95,7 @@ class ModelLimits:
             vocab_size=int(cfg["vocab_size"]),
             context_len=int(context_len or cfg["max_position_embeddings"]),
             eos_ids=tuple(sorted(eos)),
+            routing=RoutingShape.from_config(cfg) if routing else None,
         )
 
     def check(self, prompt_ids: list[int], sampling: SamplingParams) -> None:
@@ -89,6 +126,25 @@ class Rollout:
 
     ``finish_reason`` is None while the rollout can be resumed (cut at a segment boundary
     or interrupted by a weight update), else one of ``FINISHED``.
+
+    ``routing`` (routing replay only, else None): per input token, the experts the server
+    routed it to in each layer, ``[len(prompt_ids) + len(output_ids) - 1, layers, topk]``
+    (int8, or int16 past 127 experts): row ``i`` is token ``i`` of prompt + output. The
+    last output token is no model's input, hence the -1. Rows are kept as first routed: a
+    resumed segment or a multi-turn episode's next turn asks only for the rows of the
+    tokens it adds as input (the last token before it, an environment's observation, its
+    new tokens), so a re-prefill under newer weights never rewrites them. While the
+    rollout is unfinished it may hold fewer rows (none before its first reply, none yet
+    for an observation: :meth:`rows_at`); each reply brings it back to the full count.
+
+    Which weights routed a row is derived, not stored (:func:`routing_versions`): a row
+    was computed by the forward that sampled the next sampled token after it, so a prompt
+    row by ``versions[0]``'s, output row ``j`` (input position ``len(prompt_ids) + j``)
+    by ``versions[j + 1]``'s, and an observation's rows by the next turn's first token's.
+    One exception the client cannot see: a request retracted for a weight update (pause
+    mode ``retract``) is prefilled again by SGLang itself once generation continues, and
+    the rows it returns for what that prefill computed are the new weights' (its radix
+    cache may still hold the prompt's older ones).
     """
 
     prompt_ids: list[int]
@@ -108,6 +164,21 @@ class Rollout:
     observed: list[list[int]] = field(default_factory=list)
     # A multi-turn sample's conversation, JSON, kept by rl/controller/episodes.py.
     episode: dict[str, Any] | None = None
+    routing: torch.Tensor | None = None  # see above
+
+    @property
+    def routed(self) -> int:
+        """The routing rows held: where the next request's rows start."""
+        return 0 if self.routing is None else int(self.routing.shape[0])
+
+    def rows_at(self, n: int) -> int:
+        """The routing rows the rollout held between requests when it had ``n`` output
+        tokens: a reply brings the rows of its inputs, an environment's tokens get theirs
+        with the next request."""
+        if n == 0:
+            return 0
+        answered = next((start for start, count in self.observed if start + count == n), None)
+        return len(self.prompt_ids) + (n if answered is None else answered) - 1
 
     @property
     def finished(self) -> bool:
@@ -137,9 +208,15 @@ class Rollout:
         return ids, budget, seed
 
     def append(
-        self, ids: list[int], logprobs: list[float], versions: list[int], reason: str | None
+        self,
+        ids: list[int],
+        logprobs: list[float],
+        versions: list[int],
+        reason: str | None,
+        routing: torch.Tensor | None = None,
     ) -> None:
-        """Add one segment's tokens, each with the weight version that sampled it.
+        """Add one segment's tokens, each with the weight version that sampled it, and
+        with routing replay the rows of the tokens it added as input.
 
         ``reason`` is SGLang's finish type. "stop" ends the rollout; "length" ends it only
         at the rollout's own ``max_new_tokens`` (otherwise it is a segment boundary); an
@@ -147,6 +224,13 @@ class Rollout:
         rollout dropped marks it with ``finish("abort")``."""
         if not len(ids) == len(logprobs) == len(versions):
             raise ValueError(f"{len(ids)} ids, {len(logprobs)} logprobs, {len(versions)} versions")
+        if routing is not None:
+            want = len(self.prompt_ids) + len(self.output_ids) + len(ids) - 1 - self.routed
+            if routing.shape[0] != want:
+                raise ValueError(f"{routing.shape[0]} routing rows for {want} new input tokens")
+            if self.routing is not None:
+                routing = torch.cat([self.routing, routing])
+            self.routing = routing  # a new tensor: a snapshot may hold the old one
         self.output_ids += ids
         self.logprobs += logprobs
         self.versions += versions
@@ -187,6 +271,21 @@ class Rollout:
         if reason not in FINISHED:
             raise ValueError(f"finish reason {reason!r} not in {FINISHED}")
         self.finish_reason = reason
+
+
+def routing_versions(r: Rollout) -> list[int]:
+    """The weight version that routed each routing row of ``r`` (one per input token,
+    ``len(prompt_ids) + len(output_ids) - 1``): that of the next sampled token after the
+    row's token (see :class:`Rollout`). An environment's tokens with no sampled token
+    after them yet keep their own version; a rollout with no output has none."""
+    p, sampled = len(r.prompt_ids), r.sampled()
+    after = list(r.versions)  # after[k]: the version of the first sampled token from k on
+    if not after:
+        return []
+    for k in range(len(after) - 2, -1, -1):
+        if not sampled[k]:
+            after[k] = after[k + 1]
+    return [after[max(i + 1 - p, 0)] for i in range(p + len(after) - 1)]
 
 
 def new_rollouts(

@@ -154,3 +154,20 @@ def validate_trainer(t: TrainerConfig, m: ModelConfig) -> None:
         f"trainer.pp={t.pp} does not divide model.num_layers={m.num_layers}",
     )
     validate_batch(t)
+
+
+def validate_routing_replay(replay: bool, t: TrainerConfig, m: ModelConfig) -> None:
+    """``algorithm.routing_replay`` (rl/engine/routing_replay.py) on this model and layout."""
+    if not replay:
+        return
+    require(
+        m.num_experts > 0,
+        "algorithm.routing_replay=true needs a Mixture-of-Experts model (model.num_experts=0): "
+        "a dense model routes nothing",
+    )
+    require(
+        t.recompute == "none" or t.pp == 1,
+        f"algorithm.routing_replay=true with trainer.recompute={t.recompute} needs trainer.pp=1 "
+        f"(got {t.pp}): a forward recomputed in a pipelined backward would replay another "
+        "micro-batch's routing",
+    )

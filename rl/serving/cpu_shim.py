@@ -12,7 +12,8 @@ directory and puts that directory on the *server's* PYTHONPATH only (the trainer
 clients never see a fake ``vllm``). It also caps the server's intra-op threads so a server
 and trainer ranks sharing a small machine do not oversubscribe it, and makes SGLang honour
 per-request sampling seeds on CPU (rl/serving/cpu_seeds.py, through a ``sitecustomize``
-in the same directory, which then runs any other ``sitecustomize`` the server's path holds).
+in the same directory, which then runs any other ``sitecustomize`` the server's path holds;
+it also loads the other CPU patches of this folder, each with its own header).
 
 The stub and the CPU patches are for ``device == "cpu"`` only; on every device the
 ``sitecustomize`` keeps the keys out of ``/server_info`` (rl/serving/hide_keys.py).
@@ -50,11 +51,13 @@ def rotary_embedding(*args, **kwargs):
 # /server_info (rl/serving/hide_keys.py); on CPU (``CPU_ENV``), no Megatron-Core import
 # (rl/serving/cpu_no_megatron.py), per-request sampling seeds (rl/serving/cpu_seeds.py),
 # for a deterministic run batch-invariant products (rl/serving/cpu_batch_invariant.py), no
-# semaphore left behind (rl/serving/server_footprint.py), and child processes forked, not
-# spawned (rl/serving/cpu_fork.py).
+# semaphore left behind (rl/serving/server_footprint.py), child processes forked, not
+# spawned (rl/serving/cpu_fork.py), and routed experts in a plain host buffer
+# (rl/serving/cpu_routed_experts.py).
 SITE = '''"""Written by rl/serving/cpu_shim.py: runs rl/serving/hide_keys.py and, on CPU,
 rl/serving/cpu_no_megatron.py, rl/serving/cpu_seeds.py, rl/serving/server_footprint.py,
-rl/serving/cpu_fork.py, and rl/serving/cpu_batch_invariant.py when the launcher asked."""
+rl/serving/cpu_fork.py, rl/serving/cpu_routed_experts.py, and
+rl/serving/cpu_batch_invariant.py when the launcher asked."""
 
 import os
 
@@ -67,7 +70,8 @@ else:
 if os.environ.get("MSRL_SERVER_CPU") == "1":
     try:
         from rl.serving import (
-            cpu_batch_invariant, cpu_fork, cpu_no_megatron, cpu_seeds, server_footprint
+            cpu_batch_invariant, cpu_fork, cpu_no_megatron, cpu_routed_experts, cpu_seeds,
+            server_footprint
         )
     except ImportError:
         pass
@@ -77,6 +81,7 @@ if os.environ.get("MSRL_SERVER_CPU") == "1":
         cpu_batch_invariant.install()
         server_footprint.install()
         cpu_fork.install()
+        cpu_routed_experts.install()
 
 # Then the sitecustomize this one shadows, if the path holds one (a site's own).
 import importlib.machinery as _machinery

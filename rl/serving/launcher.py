@@ -111,6 +111,9 @@ class ServerConfig:
     # measured bit-equal) and no prefix computed by another forward
     # (CPU_DETERMINISTIC_ARGS); on CUDA SGLang's own --enable-deterministic-inference.
     batch_invariant: bool = False
+    # Routing replay: the server returns the experts it routed each token to when a
+    # request asks (rl/generator/routing.py); on CPU through rl/serving/cpu_routed_experts.py.
+    return_routed_experts: bool = False
 
     def validate(self) -> None:
         """Reject what can never start, before any process is spawned."""
@@ -179,6 +182,8 @@ class ServerConfig:
         ):
             if value is not None:
                 args += [flag, str(value)]
+        if self.return_routed_experts:
+            args.append("--enable-return-routed-experts")
         if self.device == "cpu":
             # Warmup sends a text request, which needs the tokenizer we skip.
             args.append("--skip-server-warmup")

@@ -14,6 +14,11 @@ the server as version 1; SGLang's greedy tokens then equal transformers' on the 
 checkpoint converted to HF, and their log-probs agree within ``TOL``. The step must have
 changed what the server serves by far more than ``TOL`` (and, under EP, each EP rank's
 experts on their own), so a sync that delivered nothing, or only part, fails.
+
+The MoE server also returns routed experts (routing replay, rl/generator/routing.py, on
+CPU through rl/serving/cpu_routed_experts.py): each rollout holds one row per input
+token, transformers' router's choice for that token on the trainer's checkpoint, the
+same whether the rollout was cut into segments or not.
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ from rl.compose import compose
 from rl.config.sampling import SamplingParams
 from rl.ddma.plan import DstLayout, SrcLayout, make_plan
 from rl.generator.client import GeneratorClient
-from rl.generator.types import Rollout
+from rl.generator.types import Rollout, RoutingShape, routing_versions
 from rl.runtime.launch import spawn
 from rl.serving.launcher import ServerConfig, ServerLauncher
 from rl.serving.server_api import ServerKeys
@@ -85,7 +90,8 @@ def synced(request, tmp_path_factory):
     m, dtype = prepare_hf_to_mcore(str(hf0), tp, 1, vocab_multiple=128, dtype=None, ep=ep)
     assert dtype == "float32"
     keys = ServerKeys.random()  # the trainer ranks start before the server: hand them over
-    server = replace(ServerConfig.from_rollout(compose([]).rollout, str(hf0)), keys=keys)
+    server = replace(ServerConfig.from_rollout(compose([]).rollout, str(hf0)), keys=keys,
+                     return_routed_experts=kind == "qwen3_moe")  # fmt: skip
     assert (server.device, server.tp) == ("cpu", 1)  # the layout train_then_sync plans for
     g = torch.Generator().manual_seed(3)
     tokens = torch.randint(3, 99, (4, 16), generator=g)
@@ -213,6 +219,36 @@ def test_every_ep_rank_delivered_its_experts(synced: Synced, tmp_path):
         )
         print(f"[{s.kind}] EP rank {owner}'s experts reverted: max log-prob diff {moved:.2e}")
         assert moved > 2 * TOL
+
+
+@pytest.mark.parametrize("synced", ["qwen3_moe"], indirect=True)
+def test_routing_rows_are_the_routers_choice_for_each_input_token(synced: Synced):
+    """Rollouts cut every 3 tokens hold ``len(prompt) + len(output) - 1`` rows, the rows
+    of the uncut rollouts: a resumed segment asks only for the rows it adds. Row ``i`` is
+    the top-2 of transformers' router for token ``i`` in each layer (as a set: the order
+    within a row is SGLang's), all routed by version 1."""
+    s = synced
+    assert s.client.limits.routing == RoutingShape(layers=2, topk=2, experts=4)
+    cut, whole = s.client.generate(PROMPTS, GREEDY, segment_tokens=3), _served(s)
+    assert sum(r.segments for r in cut) > len(PROMPTS)
+    picked: list[torch.Tensor] = []
+    routers = [m for m in s.ref.model.modules() if type(m).__name__ == "Qwen3MoeTopKRouter"]
+    hooks = [m.register_forward_hook(lambda m, i, out: picked.append(out[2])) for m in routers]
+    try:
+        for prompt, r, w in zip(PROMPTS, cut, whole, strict=True):
+            n = len(prompt) + len(r.output_ids) - 1
+            assert r.output_ids == w.output_ids and r.routing is not None
+            assert r.routing.shape == (n, 2, 2) and r.routing.dtype == torch.int8
+            assert torch.equal(r.routing, w.routing)
+            picked.clear()
+            with torch.no_grad():
+                s.ref.model(torch.tensor([prompt + r.output_ids[:-1]]))
+            hf = torch.stack(picked, 1)  # [n, layers, topk]
+            assert torch.equal(r.routing.long().sort(-1).values, hf.sort(-1).values)
+            assert routing_versions(r) == [1] * n
+    finally:
+        for h in hooks:
+            h.remove()
 
 
 def _tensors(d: Path) -> dict[str, torch.Tensor]:

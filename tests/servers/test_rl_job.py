@@ -184,13 +184,16 @@ def test_moe_job_with_expert_parallelism_samples_what_it_trains(tmp_path):
     servers start from random HF weights, the warmed-up experts reach them by DDMA from
     their EP owners, and in sync mode the trainer scores every sampled token as SGLang did
     (routing included: a token routed differently would change its log-prob). The router's
-    load-balancing loss and the busiest expert's load are logged every step."""
+    load-balancing loss and the busiest expert's load are logged every step. With routing
+    replay on and every rollout cut and resumed, the trainer replays the servers' routing
+    and logs how often its own router agrees."""
     out = tmp_path / "run"
     res = _run(
         "model=tiny_moe", "trainer.tp=1", "trainer.dp=2", "trainer.ep=2",
         "trainer.micro_batch_size=16", "sft.steps=20", "sft.eval_every=20",
         "task.eval_size=32", "rl.prompts_per_step=8", "rl.steps=2", "rl.mode=sync",
-        "rl.eval_every=0", f"run.output_dir={out}",
+        "rl.eval_every=0", "algorithm.routing_replay=true", "rollout.segment_tokens=3",
+        f"run.output_dir={out}",
     )  # fmt: skip
     assert res.returncode == 0, res.stderr[-4000:]
     steps = _records(out, "rl")
@@ -198,6 +201,9 @@ def test_moe_job_with_expert_parallelism_samples_what_it_trains(tmp_path):
     for r in steps:
         assert r["mismatch_abs_logp"] < 1e-5, r
         assert abs(r["is_ratio"] - 1) < 1e-4
+        # Replayed (every rollout cut and resumed): the fp32 trainer's own router picks
+        # the servers' experts almost everywhere; a near-tie may go either way.
+        assert r["routing_agreement"] > 0.99 and r["routing_dropped"] == 0, r
         assert 0.9 < r["moe_aux_loss"] < 4.0 and 1.0 <= r["moe_max_expert_load"] <= 4.0, r
     assert all("moe_aux_loss" in r for r in _records(out, "warmup"))
     _no_server_left(out)

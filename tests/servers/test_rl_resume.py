@@ -28,7 +28,9 @@ from pathlib import Path
 
 import psutil
 import pytest
+import torch
 
+from rl.generator import routing
 from rl.runtime.supervise import MARK_ENV
 from tests.helpers.ledger import where_each_group_went
 from tests.helpers.procs import live_tagged
@@ -45,6 +47,10 @@ ARGS = ["sft.steps=5", "sft.eval_every=5", "task.eval_size=32", "rl.prompts_per_
 # one job: 6 held parked samples; with the ARGS above, 1 of 12 did, or none.
 KILLED = [*(a for a in ARGS if not a.startswith("rl.prompts_per_step")),
           "rl.prompts_per_step=16", "rollout.sampling.max_new_tokens=16"]  # fmt: skip
+# And it is the tiny MoE with routing replay (async, a lag of 1, partial rollouts): the
+# routing the servers gave the parked samples is saved and trained on after the resume.
+KILLED += ["model=tiny_moe", "algorithm.routing_replay=true", "trainer.tp=1", "trainer.dp=2",
+           "trainer.ep=2", "trainer.micro_batch_size=16", "rl.save_batches=true"]  # fmt: skip
 
 
 def _parked_in_checkpoint(out: Path) -> bool:
@@ -162,6 +168,9 @@ def test_a_killed_job_resumes_its_parked_rollouts_and_its_prompt_stream(tmp_path
     parked = {r["rid"]: r for g in saved["groups"] for r in g["rollouts"]
               if r["finish_reason"] is None and r["output_ids"]}  # fmt: skip
     assert parked, "the checkpoint holds no partial rollout to resume"
+    prompts = {
+        r["rid"]: len(g["item"]["prompt_ids"]) for g in saved["groups"] for r in g["rollouts"]
+    }
 
     log2 = tmp_path / "attempt2.log"
     second = _start(out, log2, KILLED)
@@ -180,6 +189,8 @@ def test_a_killed_job_resumes_its_parked_rollouts_and_its_prompt_stream(tmp_path
     carried = steps[resumed_from]
     assert carried["resume_rollouts"] >= 1 and carried["resume_dropped_groups"] == 0
     assert carried["resume_groups"] == len(saved["groups"])
+    for r in steps:  # the trainer's router agrees with the servers' on most (token, layer)s
+        assert 0.5 < r["routing_agreement"] <= 1 and r["routing_dropped"] == 0, r
 
     # The resumed samples kept their saved tokens, log-probs and versions; later tokens
     # come from the resumed job's versions (its first is resumed_from + 1).
@@ -195,6 +206,7 @@ def test_a_killed_job_resumes_its_parked_rollouts_and_its_prompt_stream(tmp_path
         for r in g["rollouts"]
     }
     checked = 0
+    rows = _batch_rows(out, trained)
     for rid, s in parked.items():
         if rid not in finished:
             continue  # its group is not trained yet (still in the final state)
@@ -203,6 +215,12 @@ def test_a_killed_job_resumes_its_parked_rollouts_and_its_prompt_stream(tmp_path
         assert f["logprobs"][:n] == s["logprobs"]
         assert f["versions"][:n] == [v for v, k in s["versions"] for _ in range(k)]
         assert len(f["output_ids"]) > n and min(f["versions"][n:]) > resumed_from
+        # Trained with the routing saved for its prefix, not routed again after the resume.
+        held = routing.from_json(s["routing"])
+        assert held is not None and held.shape[0] == prompts[rid] + n - 1
+        step, row = rows[f["rid"]]
+        batch = torch.load(out / "batches" / f"step_{step:06d}.pt")
+        assert torch.equal(batch["routing"][row, : held.shape[0]], held)
         checked += 1
     assert checked >= 1
     print(f"resumed from step {resumed_from}: {len(saved['groups'])} groups, "
@@ -221,6 +239,15 @@ def test_a_killed_job_resumes_its_parked_rollouts_and_its_prompt_stream(tmp_path
     stream = ArithmeticTask(2, seed=0, eval_size=32).train_stream()
     uids = [next(stream).uid for _ in range(final["drawn"])]
     assert all(uids[g["index"]] == g["uid"] for rec in trained for g in rec["groups"])
+
+
+def _batch_rows(out: Path, trained: list[dict]) -> dict[str, tuple[int, int]]:
+    """Each trained rollout's step and row in that step's saved batch (its groups' order)."""
+    where = {}
+    for rec in trained:
+        rids = [rid for g in rec["groups"] for rid in g["rids"]]
+        where.update({rid: (rec["step"], i) for i, rid in enumerate(rids)})
+    return where
 
 
 def test_resume_never_refuses_a_run_dir_that_holds_a_resume_point(tmp_path):

@@ -100,6 +100,16 @@ def _refused(overrides: list[str]) -> str:
         (["model=tiny_moe", "model.qk_norm=false"], ["model.qk_norm=False", "Qwen3Moe"]),
         (["model=tiny_moe", "model.moe_router_topk=5"], ["model.moe_router_topk=5"]),
         (["model=tiny_moe", "model.num_experts=0"], ["model.num_experts=0", "Mixture"]),
+        (["algorithm.routing_replay=true"], ["algorithm.routing_replay=true", "dense model"]),
+        (
+            [
+                "model=tiny_moe",
+                "algorithm.routing_replay=true",
+                "trainer.pp=2",
+                "trainer.recompute=full",
+            ],
+            ["trainer.recompute=full needs trainer.pp=1"],
+        ),
     ],
 )
 def test_unsupported_configurations_are_named(overrides: list[str], fragments: list[str]) -> None:

@@ -27,10 +27,10 @@ def random_routing(layers: int, experts: int, topk: int, seed: int = 11) -> torc
 
 def replay_layout(overrides: list[str], load: str | None, routing: torch.Tensor,
                   save: str | None = None) -> dict:  # fmt: skip
-    """Log-probs of :func:`tokens` with ``routing`` replayed and without; the model's own
-    routing of the first micro-batch (at TP=PP=1, one micro-batch: as ``[B, S, L, K]``); and,
-    for this rank's last micro-batch, whether every router chose exactly the replayed
-    experts of the tokens it holds, token by token, where the routing is known."""
+    """Log-probs of :func:`tokens` with ``routing`` replayed and without; at TP=PP=DP=1 in
+    one micro-batch, also with the model's own routing replayed, as it is and shifted by one
+    layer; and, for this rank's last micro-batch, whether every router chose exactly the
+    replayed experts of the tokens it holds, token by token, where the routing is known."""
     from rl.compose import compose
     from rl.engine.trainer import build_trainer
 
@@ -51,20 +51,65 @@ def replay_layout(overrides: list[str], load: str | None, routing: torch.Tensor,
         own_routing = torch.stack(
             [chosen[i].view(SEQ, ROWS, k).transpose(0, 1) for i in sorted(chosen)], dim=2
         ).to(torch.int8)
+    more = {}
+    if own_routing is not None:  # its own routing replayed, as is and shifted by a layer
+        own_routing[:, -1] = -1  # as a rollout's: unknown at the last position
+        more["own_replayed"] = tr.logprobs(TrainBatch(tokens(), routing=own_routing))
+        more["own_agreement"] = tr.replay.step()
+        shifted = own_routing.roll(1, dims=2)
+        more["shifted_replayed"] = tr.logprobs(TrainBatch(tokens(), routing=shifted))
+        tr.replay.step()
     replayed = tr.logprobs(TrainBatch(tokens(), routing=routing))
     agreement = tr.replay.step()
-    # The rows of this rank's last micro-batch, the part of the sequence it holds.
-    per_rank = ROWS // lay.dp
+    exact, checked = chose_as_replayed(tr, routing, mbs)
+    return {"own": own, "replayed": replayed, "exact": exact, "checked": checked,
+            "agreement": agreement, **more}  # fmt: skip
+
+
+def chose_as_replayed(tr, routing: torch.Tensor, mbs: int) -> tuple[bool, dict[int, int]]:
+    """Whether every router of ``tr`` chose, in its last forward (this rank's last
+    micro-batch of ``mbs`` rows), exactly ``routing``'s experts for the tokens it holds
+    where they are known; and how many tokens each local layer checked."""
+    lay, rows = tr.layout, routing.shape[0]
+    per_rank = rows // lay.dp
     lo = lay.dp_rank * per_rank + per_rank - mbs
     want = routing[lo : lo + mbs]
-    if tr.replay.sp:
-        per = SEQ // lay.tp
-        want = want[:, lay.tp_rank * per : (lay.tp_rank + 1) * per]
+    if tr.replay.sp:  # this TP rank's slice of the (padded) sequence
+        want = tr_slice(want, lay.tp, lay.tp_rank)
     checked, exact = {}, True
     for layer, got in tr.replay.chosen().items():
         w = want[:, :, layer].transpose(0, 1).reshape(-1, want.shape[-1]).long()
         known = (w >= 0).all(1)
         checked[layer] = int(known.sum())
         exact = exact and torch.equal(got[known], w[known])
-    return {"own": own, "replayed": replayed, "own_routing": own_routing, "exact": exact,
-            "checked": checked, "agreement": agreement}  # fmt: skip
+    return exact, checked
+
+
+def tr_slice(rows: torch.Tensor, tp: int, rank: int) -> torch.Tensor:
+    pad = (-rows.shape[1]) % tp
+    if pad:
+        more = rows.new_full((rows.shape[0], pad, *rows.shape[2:]), -1)
+        rows = torch.cat([rows, more], 1)
+    per = rows.shape[1] // tp
+    return rows[:, rank * per : (rank + 1) * per]
+
+
+def replay_checkpoint(m, ckpt: str, ep: int, batch: TrainBatch) -> dict:
+    """A trainer of model config ``m`` at EP ``ep`` (DP the world) loads ``ckpt`` and
+    scores ``batch`` (one micro-batch of its rows per rank) with its routing replayed:
+    whether each router chose the replayed experts, and the log-probs."""
+    import torch.distributed as dist
+
+    from rl.compose import compose
+    from rl.engine.trainer import build_trainer
+
+    dp, rows = dist.get_world_size(), batch.tokens.shape[0]
+    cfg = compose([f"trainer.dp={dp}", f"trainer.ep={ep}", "trainer.tp=1",
+                   f"trainer.micro_batch_size={rows // dp}",
+                   f"trainer.global_batch_size={rows}"])  # fmt: skip
+    tr = build_trainer(m, cfg.trainer, total_steps=1)
+    tr.load(ckpt, load_optimizer=False)
+    logprobs = tr.logprobs(batch)
+    assert batch.routing is not None
+    exact, checked = chose_as_replayed(tr, batch.routing, rows // dp)
+    return {"exact": exact, "checked": checked, "logprobs": logprobs, **tr.replay.step()}

@@ -251,6 +251,29 @@ def test_routing_rows_are_the_routers_choice_for_each_input_token(synced: Synced
             h.remove()
 
 
+def test_the_servers_routing_replayed_in_the_trainer_is_chosen_exactly(synced: Synced):
+    """The rows the server returned, replayed in the Megatron trainer at EP=2 from the
+    checkpoint the server serves: every router chooses them, token by token and layer by
+    layer, and the sampled tokens' log-probs are the server's."""
+    s = synced
+    if s.kind != "qwen3_moe":
+        pytest.skip("a dense model routes nothing")
+    from rl.controller.batch import build_batch
+    from tests.helpers.replay_workers import replay_checkpoint
+
+    sampled = s.client.generate(PROMPTS[:2], SamplingParams(temperature=1.0, max_new_tokens=6,
+                                                            seed=5, n=2))  # fmt: skip
+    groups = [sampled[i : i + 2] for i in range(0, len(sampled), 2)]
+    batch = build_batch(groups, [[0.0, 0.0]] * len(groups))
+    assert batch.routing is not None
+    out = spawn(replay_checkpoint, 2, s.m, str(s.hf1.parent / "step1"), s.ep, batch)
+    assert all(r["exact"] for r in out) and all(sum(r["checked"].values()) for r in out)
+    mask = batch.loss_mask.bool()
+    for r in out:
+        assert (r["logprobs"][mask] - batch.behaviour_logprobs[mask]).abs().max() < 1e-4
+        assert r["routing_agreement"] > 0.9
+
+
 def _tensors(d: Path) -> dict[str, torch.Tensor]:
     out = {}
     for f in sorted(d.glob("*.safetensors")):

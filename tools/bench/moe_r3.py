@@ -43,6 +43,7 @@ from pathlib import Path
 
 import torch
 from bench_util import peak_mb, tree_peak_rss_mb, write_result
+from common import TINY
 
 from rl.batch import TrainBatch
 from rl.config.sampling import SamplingParams
@@ -53,25 +54,17 @@ from rl.serving.launcher import ServerConfig, ServerLauncher
 
 ROOT = Path(__file__).resolve().parents[2]
 
-# tests/helpers/hf_models.py's tiny Qwen3-MoE (SHAPES, MOE_SHAPES, Arch.tiny), restated
-# here: a benchmark does not import the test helpers.
+# tests/helpers/hf_models.py's tiny Qwen3-MoE (its tiny Llama's shape, 2 layers, 4 experts):
+# a benchmark does not import the test helpers.
 TINY_MOE = {
-    "hidden_size": 64,
-    "intermediate_size": 176,
+    **TINY,
     "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "vocab_size": 99,
-    "max_position_embeddings": 128,
-    "bos_token_id": 1,
-    "eos_token_id": 2,
     "num_experts": 4,
     "num_experts_per_tok": 2,
     "moe_intermediate_size": 32,
     "decoder_sparse_step": 1,
     "mlp_only_layers": [],
     "norm_topk_prob": True,
-    "tie_word_embeddings": False,
 }
 MODEL = "tiny Qwen3-MoE: 2 layers, 4 experts top-2, hidden 64, vocab 99, fp32 checkpoint"
 VARIANTS = ("as_made", "near_tied")

@@ -150,8 +150,8 @@ def test_a_killed_server_is_restarted_with_current_weights_and_the_run_completes
     args = [*short, f"rl.steps={n}", f"rl.eval_every={n}", f"rollout.servers={servers}",
             f"rollout.weight_sync.transport={transport}", f"rollout.weight_sync.relay={relay}",
             "rollout.segment_tokens=2", f"run.output_dir={out}"]  # fmt: skip
-    if servers == 1:  # a lost score request goes again after 1 s x 8 items + 1 s
-        args += ["reward.timeout_s=1", "reward.reply_margin_s=1"]
+    if servers == 1:  # a lost score request goes again after 0.5 s x 8 items + 0.5 s
+        args += ["reward.timeout_s=0.5", "reward.reply_margin_s=0.5"]
     log = tmp_path / "job.log"
     job = subprocess.Popen(
         [sys.executable, "-m", "rl.train", *args],

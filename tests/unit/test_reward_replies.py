@@ -66,7 +66,7 @@ FAST = RewardConfig(timeout_s=0.1, reply_margin_s=0.2)
 
 
 def _requests(job: _Job, until: float = 3.0) -> list[Score]:
-    """The score requests sent so far (waiting until there is one more than taken)."""
+    """The score requests sent until now (waiting until there is one more than taken)."""
     got = []
     q = job.queues["reward/in/0"]
     deadline = time.monotonic() + until

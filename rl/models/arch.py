@@ -321,6 +321,19 @@ def spec_numel(s: TensorSpec, d: Dims) -> int:
     return _numel(s.shape(d)) * (d.experts if s.expert else 1)
 
 
+# The fields every MoE family's tiny test model sets beyond the tests' shared tiny shape
+# (tests/helpers/hf_models.py; tools/bench/moe_r3.py serves the same model): fewer layers
+# keep them fast, and PP=2 still fits.
+TINY_MOE = {
+    "num_hidden_layers": 2,
+    "num_experts": 4,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 32,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
+}
+
+
 @dataclass(frozen=True)
 class Arch:
     """One architecture, declared once (in ``rl/models/families/<name>.py``).

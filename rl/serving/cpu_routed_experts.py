@@ -28,7 +28,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable, Mapping
 from types import ModuleType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from rl.serving.after_import import patch_on_import
 
@@ -40,7 +40,7 @@ Alloc = Callable[..., "torch.Tensor"]
 
 
 def plain_host_tensor(
-    dims: tuple[int, ...], dtype: torch.dtype, device: str, pin_memory: bool, allocator: Any,
+    dims: tuple[int, ...], dtype: torch.dtype, device: str, pin_memory: bool, allocator: object,
     registration_granularity_bytes: int | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """``alloc_with_host_register``'s signature, a plain zeroed CPU tensor: not pinned,

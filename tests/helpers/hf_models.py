@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 
 from rl.models import registry
-from rl.models.arch import Arch
+from rl.models.arch import TINY_MOE, Arch
 
 SHAPES = {
     "hidden_size": 64,
@@ -23,15 +23,7 @@ SHAPES = {
 LLAMA3_ROPE = registry.get("LlamaForCausalLM").tiny["llama_tied"]["rope_parameters"]
 
 
-# Shared by the MoE kinds; fewer layers keep them fast, PP=2 still fits.
-MOE_SHAPES = {
-    "num_hidden_layers": 2,
-    "num_experts": 4,
-    "num_experts_per_tok": 2,
-    "moe_intermediate_size": 32,
-    "decoder_sparse_step": 1,
-    "mlp_only_layers": [],
-}
+MOE_SHAPES = TINY_MOE  # shared by the MoE kinds
 
 
 def tiny_models() -> dict[str, Arch]:

@@ -251,13 +251,12 @@ def test_routing_rows_are_the_routers_choice_for_each_input_token(synced: Synced
             h.remove()
 
 
+@pytest.mark.parametrize("synced", ["qwen3_moe"], indirect=True)
 def test_the_servers_routing_replayed_in_the_trainer_is_chosen_exactly(synced: Synced):
     """The rows the server returned, replayed in the Megatron trainer at EP=2 from the
     checkpoint the server serves: every router chooses them, token by token and layer by
     layer, and the sampled tokens' log-probs are the server's."""
     s = synced
-    if s.kind != "qwen3_moe":
-        pytest.skip("a dense model routes nothing")
     from rl.controller.batch import build_batch
     from tests.helpers.replay_workers import replay_checkpoint
 

@@ -49,23 +49,15 @@ from rl.batch import TrainBatch
 from rl.config.sampling import SamplingParams
 from rl.controller.batch import build_batch
 from rl.generator.client import GeneratorClient
+from rl.models import arch, registry
 from rl.runtime.launch import spawn
 from rl.serving.launcher import ServerConfig, ServerLauncher
 
 ROOT = Path(__file__).resolve().parents[2]
 
-# tests/helpers/hf_models.py's tiny Qwen3-MoE (its tiny Llama's shape, 2 layers, 4 experts):
-# a benchmark does not import the test helpers.
-TINY_MOE = {
-    **TINY,
-    "num_hidden_layers": 2,
-    "num_experts": 4,
-    "num_experts_per_tok": 2,
-    "moe_intermediate_size": 32,
-    "decoder_sparse_step": 1,
-    "mlp_only_layers": [],
-    "norm_topk_prob": True,
-}
+# tests/helpers/hf_models.py's tiny Qwen3-MoE, from where it is declared (a benchmark does
+# not import the test helpers): the tiny Llama's shape, the MoE fields, the family's own.
+TINY_MOE = {**TINY, **arch.TINY_MOE, **registry.get("Qwen3MoeForCausalLM").tiny["qwen3_moe"]}
 MODEL = "tiny Qwen3-MoE: 2 layers, 4 experts top-2, hidden 64, vocab 99, fp32 checkpoint"
 VARIANTS = ("as_made", "near_tied")
 TIMES = ("convert_and_load_s", "logprobs_own_s", "logprobs_replay_s")

@@ -91,12 +91,14 @@ class WeightedSum:
 
     name = "wsum"
 
-    def __init__(self, fused: bool = True) -> None:
+    def __init__(self, fused: bool = True, finish: bool = True) -> None:
         # fused: one Triton kernel for a CUDA payload (rl/ddma/checksum_triton.py), the
         # same value as the torch ops (tests/gpu checks); False keeps the torch ops.
-        self.fused = fused
+        # finish: that kernel also writes the header (:meth:`stamp`, :meth:`row`).
+        self.fused, self.finish = fused, finish
         self._weights: dict[torch.device, torch.Tensor] = {}
         self._factors: dict[torch.device, torch.Tensor] = {}
+        self._scratches: dict[tuple[torch.device, int], torch.Tensor] = {}
 
     def weights(self, device: torch.device) -> torch.Tensor:
         w = self._weights.get(device)
@@ -119,11 +121,7 @@ class WeightedSum:
             words = payload[:whole].clone().view(torch.int32)
         kernel = kernels.load("checksum_triton") if self.fused and payload.is_cuda else None
         if kernel is not None:
-            f = self._factors.get(payload.device)
-            if f is None:
-                f = torch.tensor(_CHUNK_FACTOR, dtype=torch.int32, device=payload.device)
-                self._factors[payload.device] = f
-            kernel.words_sum(words, w, f, total)
+            kernel.words_sum(words, w, self._factor_table(payload.device), total)
         else:
             for c, start in enumerate(range(0, words.numel(), CHUNK_WORDS)):
                 part = words[start : start + CHUNK_WORDS]
@@ -138,6 +136,47 @@ class WeightedSum:
 
     def __call__(self, payload: torch.Tensor) -> int:
         return int(self.tensor(payload).item())
+
+    def stamp(self, payload: torch.Tensor, head: torch.Tensor, values: tuple[int, ...]) -> bool:
+        """Write the header ``values`` (8 ints) into ``head`` (8 int64) with the payload's
+        checksum in slot 5, as one kernel and no other op (the fused path on a device);
+        False, having done nothing: not taken here (use :meth:`tensor`)."""
+        return self._finish(payload, head, None, values)
+
+    def row(self, payload: torch.Tensor, head: torch.Tensor, out: torch.Tensor) -> bool:
+        """Copy the header ``head`` (8 int64) and the payload's checksum into ``out`` (9
+        int64), as :meth:`stamp` does; False, having done nothing: not taken here."""
+        return self._finish(payload, head, out, None)
+
+    def _finish(self, payload, head, out, values) -> bool:
+        n = payload.numel()
+        take = self.fused and self.finish
+        kernel = kernels.for_tensor("checksum_triton", payload) if take else None
+        # A payload of whole, aligned words only: the rare rest takes the torch ops.
+        if kernel is None or not n or n % 4 or payload.data_ptr() % 4 or payload.dim() != 1:
+            return False
+        if payload.dtype != torch.uint8:
+            raise ValueError(f"a checksum runs over a 1-d uint8 tensor, got {payload.dtype}")
+        dev = payload.device
+        kernel.finish(payload.view(torch.int32), self.weights(dev), self._factor_table(dev),
+                      self._scratch(dev), _signed(n, 32), head, out, values)  # fmt: skip
+        return True
+
+    def _factor_table(self, device: torch.device) -> torch.Tensor:
+        f = self._factors.get(device)
+        if f is None:
+            f = torch.tensor(_CHUNK_FACTOR, dtype=torch.int32, device=device)
+            self._factors[device] = f
+        return f
+
+    def _scratch(self, device: torch.device) -> torch.Tensor:
+        """Two int32 zeros per device and stream (each launch leaves them zero; launches
+        on one stream never overlap, on two streams they may)."""
+        stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+        t = self._scratches.get((device, stream))
+        if t is None:
+            t = self._scratches[(device, stream)] = torch.zeros(2, dtype=torch.int32, device=device)
+        return t
 
 
 XXH3 = Xxh3()

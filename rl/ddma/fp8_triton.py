@@ -5,7 +5,9 @@ copy of the piece, plus two copies into the bucket; packing an FP8 bucket ran at
 of the link. Here one program quantizes one block: it reads the block from memory once
 (any strides: a TP shard's column slice too; a second pass over it hits the cache), takes
 its amax, and writes the e4m3 bytes and the float32 ``scale_inv`` straight into their
-places in the bucket. One launch per piece, no host synchronisation.
+places in the bucket. No host synchronisation; one launch for a whole bucket's pieces
+(:func:`quantize_table`, from the table rl/ddma/fused.py keeps on the device), or one
+for a single piece (:func:`quantize_into`).
 
 Bit-identical to the torch path (tests/unit/test_ddma_triton.py runs this kernel under
 Triton's interpreter against it, tests/gpu on CUDA), hence the care taken:
@@ -36,7 +38,7 @@ from rl.ddma.fp8 import AMAX_FLOOR, FP8_MAX, scale_shape
 # Bit patterns of float32 values the kernel compares as integers.
 _FLOOR_BITS = struct.unpack("<i", struct.pack("<f", AMAX_FLOOR))[0]
 _MAX_BITS = struct.unpack("<i", struct.pack("<f", FP8_MAX))[0]
-_INPUTS = (torch.float32, torch.bfloat16, torch.float16)
+INPUTS = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 # Block sizes a program takes (tl.arange needs a power of two), and the rows of a block it
 # holds in registers at a time.
 MAX_BLOCK = 128
@@ -62,10 +64,10 @@ def _e4m3_bits(y, MAX_BITS: tl.constexpr):
 
 
 @triton.jit
-def _quantize(x_ptr, q_ptr, s_ptr, rows, cols, stride_r, stride_c, col_blocks,
-              BLOCK: tl.constexpr, ROWS: tl.constexpr, FLOOR_BITS: tl.constexpr,
-              MAX_BITS: tl.constexpr):  # fmt: skip
-    pid = tl.program_id(0)
+def _block(x_ptr, q_ptr, s_ptr, pid, rows, cols, stride_r, stride_c, col_blocks,
+           BLOCK: tl.constexpr, ROWS: tl.constexpr, FLOOR_BITS: tl.constexpr,
+           MAX_BITS: tl.constexpr):  # fmt: skip
+    """Block ``pid`` (row-major over the blocks) of one piece."""
     br, bc = pid // col_blocks, pid % col_blocks
     c = bc * BLOCK + tl.arange(0, BLOCK)[None, :]
     # Two passes over the block, ROWS rows at a time: its amax, then its values (the second
@@ -90,10 +92,32 @@ def _quantize(x_ptr, q_ptr, s_ptr, rows, cols, stride_r, stride_c, col_blocks,
     tl.store(s_ptr + pid, scale)
 
 
+@triton.jit
+def _quantize(x_ptr, q_ptr, s_ptr, rows, cols, stride_r, stride_c, col_blocks,
+              BLOCK: tl.constexpr, ROWS: tl.constexpr, FLOOR_BITS: tl.constexpr,
+              MAX_BITS: tl.constexpr):  # fmt: skip
+    _block(x_ptr, q_ptr, s_ptr, tl.program_id(0), rows, cols, stride_r, stride_c, col_blocks,
+           BLOCK, ROWS, FLOOR_BITS, MAX_BITS)  # fmt: skip
+
+
+@triton.jit(do_not_specialize=["map_at"])
+def _quantize_table(tab_ptr, map_at, X: tl.constexpr, BLOCK: tl.constexpr,
+                    ROWS: tl.constexpr, FLOOR_BITS: tl.constexpr,
+                    MAX_BITS: tl.constexpr):  # fmt: skip
+    pid = tl.program_id(0)
+    row = tab_ptr + tl.load(tab_ptr + map_at + pid) * 9
+    x = tl.load(row).to(tl.pointer_type(X))
+    q = tl.load(row + 1).to(tl.pointer_type(tl.uint8))
+    s = tl.load(row + 2).to(tl.pointer_type(tl.float32))
+    _block(x, q, s, pid - tl.load(row + 8), tl.load(row + 3), tl.load(row + 4),
+           tl.load(row + 5), tl.load(row + 6), tl.load(row + 7), BLOCK, ROWS, FLOOR_BITS,
+           MAX_BITS)  # fmt: skip
+
+
 def supports(w: torch.Tensor, block: int) -> bool:
     """Whether :func:`quantize_into` takes this piece (else the torch path does)."""
     return (
-        w.dim() == 2 and w.dtype in _INPUTS and 0 < block <= MAX_BLOCK and block & (block - 1) == 0
+        w.dim() == 2 and w.dtype in INPUTS and 0 < block <= MAX_BLOCK and block & (block - 1) == 0
     )
 
 
@@ -111,9 +135,28 @@ def quantize_into(w: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, block: 
         raise ValueError(f"scale must be contiguous float32 of shape {(srows, scols)}")
     if not rows * cols:
         return
-    sub = min(block, ROWS)
-    warps = max(1, min(8, sub * block // 512))  # 16 values a thread: about 64 registers
     _quantize[(srows * scols,)](
         w, q.view(torch.uint8), scale, rows, cols, w.stride(0), w.stride(1), scols,
-        BLOCK=block, ROWS=sub, FLOOR_BITS=_FLOOR_BITS, MAX_BITS=_MAX_BITS, num_warps=warps,
+        **_meta(block),
     )  # fmt: skip
+
+
+def _meta(block: int) -> dict:
+    sub = min(block, ROWS)
+    warps = max(1, min(8, sub * block // 512))  # 16 values a thread: about 64 registers
+    return {"BLOCK": block, "ROWS": sub, "FLOOR_BITS": _FLOOR_BITS, "MAX_BITS": _MAX_BITS,
+            "num_warps": warps}  # fmt: skip
+
+
+# A table row (rl/ddma/fused.py): the piece's address, its e4m3 data's and its scales'
+# (bytes), rows, columns, the two strides (elements), blocks along a row, first program.
+FIELDS = 9
+
+
+def quantize_table(
+    table: torch.Tensor, pieces: int, programs: int, dtype: torch.dtype, block: int
+) -> None:
+    """:func:`quantize_into` of every piece in ``table`` (int64 on the device: ``pieces``
+    rows of :data:`FIELDS`, then each of ``programs`` programs' piece; one program a
+    block), all of input ``dtype``, in one launch."""
+    _quantize_table[(programs,)](table, pieces * FIELDS, X=INPUTS[dtype], **_meta(block))

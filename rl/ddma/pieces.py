@@ -11,18 +11,20 @@ Pure logic: torch tensors only, no torch.distributed.
 
 from __future__ import annotations
 
-from types import ModuleType
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
 
-from rl.ddma import kernels
 from rl.ddma.plan import ALIGN, Bucket, Piece, Plan, round_up
 
 # On a device, pieces below this are copied in batches: a launch per piece costs the host
 # more time than such a copy takes an H100 (8 MiB: about 5 us). Larger ones keep copy_'s
 # own kernel, which covers a tensor in one launch.
 BATCH_BYTES = 8 << 20
+
+SrcGetter = Callable[[str, int | None], torch.Tensor]  # (Megatron key, layer) -> local shard
+DstGetter = Callable[[str], torch.Tensor]  # SGLang name -> this rank's destination tensor
 
 
 class Place(NamedTuple):
@@ -118,9 +120,3 @@ def copy(pairs: list[tuple[torch.Tensor, torch.Tensor]], device: bool) -> None:
         ss.append(s)
     for ds, ss in groups.values():
         torch._foreach_copy_(ds, ss)
-
-
-def quantizer(buf: torch.Tensor) -> ModuleType | None:
-    """The Triton quantizer (rl/ddma/fp8_triton.py) for FP8 pieces packed into ``buf``: on
-    a CUDA buffer where Triton imports; None: the torch ops of rl/ddma/fp8.py."""
-    return kernels.load("fp8_triton") if buf.is_cuda else None

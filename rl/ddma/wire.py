@@ -25,12 +25,10 @@ Pure logic: torch tensors only, no torch.distributed.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
 from rl.ddma import checksum as cks
-from rl.ddma import fp8, pieces
+from rl.ddma import fp8, fused, pieces
 from rl.ddma.plan import HEADER_BYTES, Bucket, Plan, is_scale, scale_name
 
 MAGIC = 0x44444D41  # "DDMA": payload checksum xxh3
@@ -69,12 +67,15 @@ def write_header(
     values = (MAGICS[kind.name], plan.digest, version, bucket.index, bucket.nbytes, 0,
               bucket.src, bucket.dst)  # fmt: skip
     head = buf[:HEADER_BYTES].view(torch.int64)
+    body = buf[HEADER_BYTES : bucket.nbytes]
+    if payload and isinstance(kind, cks.WeightedSum) and kind.stamp(body, head, values):
+        return  # one kernel summed the payload and wrote the header
     if buf.is_cuda:  # a pageable host tensor would make the copy wait for the device
         head.copy_(torch.tensor(values, dtype=torch.int64, pin_memory=True), non_blocking=True)
     else:
         head.copy_(torch.tensor(values, dtype=torch.int64))
     if payload:  # on a device the sum stays there: no host sync to stamp it
-        head[5] = kind.tensor(buf[HEADER_BYTES : bucket.nbytes])
+        head[5] = kind.tensor(body)
 
 
 def read_header(buf: torch.Tensor) -> dict[str, int]:
@@ -87,20 +88,26 @@ def verify(
     """Raise :class:`BucketError` unless ``buf`` is exactly ``bucket`` of ``plan`` at
     ``version`` with an intact payload (``payload=False``: the header only)."""
     kind = cks.for_device(buf.device)
-    head = buf[:HEADER_BYTES].view(torch.int64)
-    got = None
-    if payload and buf.is_cuda:  # header and checksum come back in one transfer
-        got = kind.tensor(buf[HEADER_BYTES : bucket.nbytes])
-        head = torch.cat([head, got.view(1)])
-    row = head.tolist()
+    summed = payload and buf.is_cuda  # header and checksum come back in one transfer
+    row = (_row(buf, bucket, kind) if summed else buf[:HEADER_BYTES].view(torch.int64)).tolist()
     h = dict(zip(_FIELDS, row[:8], strict=True))
     _check_header(h, plan, bucket, version)
     if not payload:
         return
     sent = _KIND_OF[h["magic"]]  # the sender's kind, whatever device it ran on
-    if got is None or sent is not kind:
+    if not summed or sent is not kind:
         row = [*row[:8], sent(buf[HEADER_BYTES : bucket.nbytes])]
     _check_sum(h, row[8], sent, bucket)
+
+
+def _row(buf: torch.Tensor, bucket: Bucket, kind: cks.Kind) -> torch.Tensor:
+    """The header and the payload's checksum (``kind``), 9 int64 on the buffer's device,
+    queued there (one kernel where it can)."""
+    head, body = buf[:HEADER_BYTES].view(torch.int64), buf[HEADER_BYTES : bucket.nbytes]
+    row = head.new_empty(9)
+    if isinstance(kind, cks.WeightedSum) and kind.row(body, head, row):
+        return row
+    return torch.cat([head, kind.tensor(body).to(head.device).view(1)])
 
 
 def _where(bucket: Bucket) -> str:
@@ -157,10 +164,12 @@ class Deferred:
     def add(
         self, buf: torch.Tensor, plan: Plan, bucket: Bucket, version: int, payload: bool = True
     ) -> None:
-        head = buf[:HEADER_BYTES].view(torch.int64)
         kind = cks.for_device(buf.device) if payload else None
-        got = kind.tensor(buf[HEADER_BYTES : bucket.nbytes]) if kind else head.new_zeros(())
-        self._rows.append(torch.cat([head, got.to(head.device).view(1)]))
+        if kind is None:
+            head = buf[:HEADER_BYTES].view(torch.int64)
+            self._rows.append(torch.cat([head, head.new_zeros(1)]))
+        else:
+            self._rows.append(_row(buf, bucket, kind))
         self._of.append((plan, bucket, version, kind))
 
     def finish(self) -> None:
@@ -190,8 +199,8 @@ def dst_dtype(plan: Plan, name: str, dtype: torch.dtype) -> torch.dtype:
     return torch.float8_e4m3fn if plan.quantized(name) else dtype
 
 
-SrcGetter = Callable[[str, int | None], torch.Tensor]  # (Megatron key, layer) -> local shard
-DstGetter = Callable[[str], torch.Tensor]  # SGLang name -> this rank's destination tensor
+SrcGetter = pieces.SrcGetter
+DstGetter = pieces.DstGetter
 
 
 def pack(
@@ -214,19 +223,15 @@ def copy_pieces(
 ) -> None:
     """The payload half of :func:`pack` (no header)."""
     block = plan.fp8_block
-    kernel = pieces.quantizer(buf) if block else None
     typed = pieces.Typed(buf)
     plain = []
-    for pl in pieces.places(plan, bucket, dtype):
+    for pl in fused.pack(buf, plan, bucket, src, dtype):  # what no kernel took
         p = pl.piece
         part = src(p.key, p.layer).narrow(p.dim, p.src_start, p.length)  # type: ignore[arg-type]
         data, scale = typed.views(pl, dtype)
         if scale is None:
             plain.append((data, part))
-        # Block-aligned (checked by the planner): these are the destination's blocks.
-        elif kernel is not None and part.device == buf.device and kernel.supports(part, block):
-            kernel.quantize_into(part, data, scale, block)
-        else:
+        else:  # block-aligned (checked by the planner): these are the destination's blocks
             q, s = fp8.quantize_blockwise(part, block)  # type: ignore[arg-type]
             data.copy_(q)
             scale.copy_(s)
@@ -240,7 +245,7 @@ def unpack(
     """Scatter-copy a verified message (of ``dtype`` elements) into the destination."""
     typed = pieces.Typed(buf)
     pairs = []
-    for pl in pieces.places(plan, bucket, dtype):
+    for pl in fused.unpack(buf, plan, bucket, dst, dtype):  # what no kernel took
         p = pl.piece
         data, scale = typed.views(pl, dtype)
         pairs.append((dst(p.dst_name).narrow(p.dim, p.dst_start, p.length), data))

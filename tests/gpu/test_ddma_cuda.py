@@ -168,9 +168,9 @@ def test_triton_fp8_quantizer_is_bit_identical_to_the_torch_one_on_cuda():
     a TP column slice, a transposed view, bf16 and fp32, every e4m3 value and the ties
     between them at a scale of 1 and scaled (here ``div_rn`` is the hardware's, not numpy's
     as in tests/unit/test_ddma_triton.py)."""
-    from rl.ddma import fp8, fp8_triton, pieces
+    from rl.ddma import fp8, fp8_triton, kernels
 
-    assert pieces.quantizer(torch.empty(1, device=CUDA)) is fp8_triton
+    assert kernels.for_tensor("fp8_triton", torch.empty(1, device=CUDA)) is fp8_triton
     g = torch.Generator().manual_seed(0)
     grid = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
     grid = grid[~grid.isnan()].unique()
@@ -232,3 +232,47 @@ def test_pack_and_deferred_receive_never_wait_for_the_device_and_catch_a_flipped
         with pytest.raises(wire.BucketError) as later:
             check.finish()
         assert str(later.value) == str(now.value)
+
+
+def _send_and_receive(plan: Plan, shards: list[dict], tables: bool) -> list[torch.Tensor]:
+    """Every bucket packed, checked (deferred) and scattered on CUDA, with the bucket
+    tables or without; every message, then every destination tensor."""
+    from rl.ddma import fused
+
+    dtype = torch.bfloat16
+    msgs = [torch.zeros(plan.bucket_bytes, dtype=torch.uint8, device=CUDA) for _ in plan.buckets]
+    outs = [{n: torch.zeros(s, device=CUDA, dtype=wire.dst_dtype(plan, n, dtype))
+             for n, s in plan.dst_shapes.items()} for _ in range(plan.dst.tp)]  # fmt: skip
+    fused.ENABLED = cks.WSUM.finish = tables
+    try:
+        check = wire.Deferred()
+        for b, msg in zip(plan.buckets, msgs, strict=True):
+            wire.pack(msg, plan, b, _getter(shards[b.src]), dtype, 5)
+            check.add(msg[: b.nbytes], plan, b, 5)
+            wire.unpack(msg[: b.nbytes], plan, b, outs[b.dst].__getitem__, dtype)
+        check.finish()
+    finally:
+        fused.ENABLED = cks.WSUM.finish = True
+    return msgs + [t.view(torch.uint8) for out in outs for t in out.values()]
+
+
+def test_bucket_tables_give_the_per_piece_paths_bytes_on_cuda():
+    """rl/ddma/fused.py's copy and quantizer tables, and the checksum kernel's own header,
+    against the per-piece path (a torch copy a piece, the torch quantizer, the header from
+    pinned memory): every message and every destination byte for byte, at the device
+    benchmark's layouts at toy sizes (TP gathers and scatters, FP8, a MoE layer's experts)."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools" / "bench"))
+    import weight_sync_device as bench
+
+    g = torch.Generator(CUDA).manual_seed(0)
+    for name, shape in bench.real_cases(smoke=True).items():
+        plan = make_plan(shape.dims, shape.src, shape.dst, 2, shape.bucket_bytes,
+                         fp8_block=shape.fp8_block)  # fmt: skip
+        shards = [{k: torch.randn(s, generator=g, device=CUDA).to(torch.bfloat16)
+                   for k, s in plan.src_shapes.items()} for _ in range(plan.src.world)]  # fmt: skip
+        got = _send_and_receive(plan, shards, tables=True)
+        want = _send_and_receive(plan, shards, tables=False)
+        for i, (x, y) in enumerate(zip(got, want, strict=True)):
+            assert torch.equal(x, y), (name, i)

@@ -129,25 +129,119 @@ def _e4m3_sweep(errors: list[str]) -> None:
     _check_equal(out, y.clamp(-448.0, 448.0).to(torch.float8_e4m3fn), "e4m3 sweep", errors)
 
 
-def _fp8_bucket(errors: list[str]) -> None:
-    """wire.pack through the kernel (forced on a CPU buffer) gives the torch path's bytes."""
-    from rl.ddma import fp8_triton, pieces
+def _tables(on: bool) -> None:
+    """The kernels on host tensors (``on``), else every piece through torch's copies."""
+    from rl.ddma import kernels
 
-    tiny = km.Dims(**{**D.__dict__, "layers": 1, "hidden": 32, "ffn": 64, "heads": 2})
-    plan = make_plan(tiny, SrcLayout(2), DstLayout(1), 2, 1 << 12, fp8_block=16)
-    assert len(plan.buckets) > 2
-    shards = _shards(plan, torch.bfloat16)
-    for b in plan.buckets:
+    kernels.ON_HOST = on
+
+
+FUSED_CASES = {  # name: dims, layouts, transfer dtype, FP8 block, bucket bytes
+    "bf16 tp2 -> tp1 (strided scatter)": (D, SrcLayout(2), DstLayout(1), torch.bfloat16, None,
+                                          1 << 14),
+    "fp32 tp1 -> tp2 (strided gather)": (D, SrcLayout(1), DstLayout(2), torch.float32, None,
+                                         1 << 15),
+    "fp8 tp2 -> tp1": (km.Dims(**{**D.__dict__, "layers": 1, "hidden": 32, "ffn": 64,
+                                  "heads": 2}), SrcLayout(2), DstLayout(1), torch.bfloat16, 16,
+                       1 << 12),
+    "moe ep2 -> tp2": (km.Dims(**{**D.__dict__, "layers": 1, "experts": 4, "moe_ffn": 32,
+                                  "qk_norm": True, "arch": "Qwen3MoeForCausalLM"}),
+                       SrcLayout(1, dp=2, ep=2), DstLayout(2), torch.bfloat16, None, 1 << 13),
+    "odd sizes (2-byte units)": (km.Dims(**{**D.__dict__, "layers": 1, "hidden": 34, "ffn": 70,
+                                            "heads": 2, "head_dim": 17, "vocab": 101,
+                                            "padded_vocab": 101}),
+                                 SrcLayout(1), DstLayout(1), torch.bfloat16, None, 1 << 12),
+}  # fmt: skip
+
+
+def _transfer_all(plan, shards, dtype, buf, kept, outs) -> tuple[list[torch.Tensor], dict]:
+    """Every bucket packed into one reused buffer, kept in its own buffer of ``kept`` (as
+    a receiver's ring), and scattered from there into ``outs`` (per destination rank);
+    all refilled first. The messages and destinations, copied."""
+    buf.fill_(0xAB)
+    msgs = []
+    for b, keep in zip(plan.buckets, kept, strict=True):
         get = lambda k, i, s=shards[b.src]: s[(k, i)]  # noqa: E731
-        want = wire.pack(torch.zeros(plan.bucket_bytes, dtype=torch.uint8), plan, b, get,
-                         torch.bfloat16, 3).clone()  # fmt: skip
-        saved, pieces.quantizer = pieces.quantizer, lambda buf: fp8_triton
-        try:
-            got = wire.pack(torch.zeros(plan.bucket_bytes, dtype=torch.uint8), plan, b, get,
-                            torch.bfloat16, 3)  # fmt: skip
-        finally:
-            pieces.quantizer = saved
-        _check_equal(got, want, f"bucket {b.index}", errors)
+        msgs.append(keep[: b.nbytes].copy_(wire.pack(buf, plan, b, get, dtype, 3)))
+    for out in outs:
+        for t in out.values():
+            t.fill_(7.0)
+    for b, msg in zip(plan.buckets, msgs, strict=True):
+        wire.verify(msg, plan, b, 3)
+        wire.unpack(msg, plan, b, outs[b.dst].__getitem__, dtype)
+    got = {(r, n): t.clone() for r, out in enumerate(outs) for n, t in out.items()}
+    return [m.clone() for m in msgs], got
+
+
+def _fused(errors: list[str]) -> None:
+    """rl/ddma/fused.py's tables through the copy kernel and the table quantizer give the
+    torch path's messages and destinations byte for byte: TP gathers and scatters of column
+    slices, FP8 data and scales, a MoE layer's expert slices, sizes that take 2-byte units;
+    a buffer reused with another bucket's stale bytes; the cache reused while the sources
+    stay, rebuilt when a getter hands out new tensors (LoRA's merged shards)."""
+    from rl.ddma import fused
+
+    units, quantized = set(), 0
+    for name, (d, src, dst, dtype, block, size) in FUSED_CASES.items():
+        plan = make_plan(d, src, dst, dtype.itemsize, size, fp8_block=block)
+        shards = _shards(plan, dtype)
+        buf = torch.empty(plan.bucket_bytes, dtype=torch.uint8)
+        kept = [torch.empty_like(buf) for _ in plan.buckets]
+        outs = [{n: torch.empty(s, dtype=wire.dst_dtype(plan, n, dtype))
+                 for n, s in plan.dst_shapes.items()} for _ in range(plan.dst.tp)]  # fmt: skip
+        _tables(False)
+        want_msgs, want = _transfer_all(plan, shards, dtype, buf, kept, outs)
+        _tables(True)
+        fused._JOBS.clear()
+        jobs = []
+        for attempt in ("built", "cached", "new sources"):
+            if attempt == "new sources":
+                shards = [{k: v.clone() for k, v in s.items()} for s in shards]
+            msgs, got = _transfer_all(plan, shards, dtype, buf, kept, outs)
+            jobs.append(len(fused._JOBS))
+            for b, m, w in zip(plan.buckets, msgs, want_msgs, strict=True):
+                _check_equal(m, w, f"{name} ({attempt}): bucket {b.index}", errors)
+            for k in want:
+                _check_equal(got[k], want[k], f"{name} ({attempt}): {k}", errors)
+        n = len(plan.buckets)  # a pack and an unpack job each, then n more packs
+        if jobs != [2 * n, 2 * n, 3 * n]:
+            errors.append(f"{name}: {jobs} jobs after each pass over {n} buckets")
+        units |= {u for j in fused._JOBS.values() for *_, u in j.copies}
+        quantized += sum(len(j.quants) for j in fused._JOBS.values())
+        rest = sum(len(j.rest) for j in fused._JOBS.values())
+        if rest:
+            errors.append(f"{name}: {rest} places left to torch")
+    _tables(False)
+    if not {2, 8} <= units or not quantized:
+        errors.append(f"cases cover units {units} and {quantized} quantizer tables")
+
+
+def _wsum_finish(errors: list[str]) -> None:
+    """The checksum kernel's own epilogue: the sender's header stamped with the sum, the
+    receiver's row of header and sum, equal to the torch ops' sum; its scratch left zero
+    for the next launch; a payload of partial words declined."""
+    from rl.ddma import checksum as cks
+    from rl.ddma import checksum_triton
+
+    checksum_triton.BLOCK = 128  # more programs from fewer words (the interpreter is slow)
+    _tables(True)
+    g = torch.Generator().manual_seed(2)
+    for n in (4, 1024, 4 * 128 * 7 + 4):
+        body = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g)
+        values = (wire.MAGIC_WSUM, -(2**62) + 5, 3, n, n + 64, 0, 1, 2**40)
+        head = torch.zeros(8, dtype=torch.int64)
+        row = torch.zeros(9, dtype=torch.int64)
+        took = cks.WSUM.stamp(body, head, values) and cks.WSUM.row(body, head, row)
+        want = [*values[:5], cks.WeightedSum(fused=False)(body), *values[6:]]
+        if not took or head.tolist() != want or row.tolist() != [*want, want[5]]:
+            errors.append(f"{n} bytes: {took} {head.tolist()} {row.tolist()} != {want}")
+        scratch = cks.WSUM._scratch(body.device)
+        if scratch.tolist() != [0, 0]:
+            errors.append(f"{n} bytes: scratch left at {scratch.tolist()}")
+    odd = torch.zeros(6, dtype=torch.uint8)
+    if cks.WSUM.stamp(odd, torch.zeros(8, dtype=torch.int64), (0,) * 8):
+        errors.append("a payload of 6 bytes taken by the kernel")
+    _tables(False)
 
 
 def _wsum(errors: list[str]) -> None:
@@ -174,7 +268,8 @@ def _wsum(errors: list[str]) -> None:
             errors.append(f"wsum of {n} words (chunk {chunk}): {int(out)} != {int(want)}")
 
 
-CHECKS = {f.__name__[1:]: f for f in (_fp8_shapes, _fp8_values, _e4m3_sweep, _fp8_bucket, _wsum)}
+CHECKS = {f.__name__[1:]: f for f in (_fp8_shapes, _fp8_values, _e4m3_sweep, _fused, _wsum,
+                                      _wsum_finish)}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -325,7 +420,8 @@ def test_real_shape_benchmark_runs_at_toy_sizes():
         assert case["pack_GBps"] > 0 and case["receive_GBps"] > 0, (name, case)
         assert case["buckets"] > 1, name
     assert got["8b_bf16_64mb"]["buckets"] > got["8b_bf16_512mb"]["buckets"]
-    assert got["8b_fp8_512mb"]["same_bytes_as_torch_quantizer"] is True
+    assert all(case["same_bytes_as_per_piece_path"] is True for case in got.values())
+    assert got["8b_fp8_512mb"]["pack_per_piece_input_GBps"] > 0
     full = got["30b_a3b_bf16"]["full_model_extrapolated"]
     assert "EXTRAPOLATED" in full["note"] and full["layers"] == 48
     assert full["model_bytes"] > 10 * got["30b_a3b_bf16"]["payload_bytes"]

@@ -25,7 +25,9 @@ sender's device time (gather, FP8 quantization, header and checksum), ``receive_
 the receiver's (checksum and header checks deferred to one host sync at the end, as
 rl/ddma/engine.py does into a staging copy; ``receive_immediate_GBps``: one host sync per
 bucket, as into live weights). Rates are set against NVLink (450 GB/s a direction) and
-a 400 Gb/s NIC (50 GB/s). ``--smoke`` runs the same code on CPU at toy sizes:
+a 400 Gb/s NIC (50 GB/s). The baseline, in the same run: ``*_per_piece_GBps``, the same
+work without the bucket tables (rl/ddma/fused.py), and ``*_vs_per_piece`` the speed-ups.
+``--smoke`` runs the same code on CPU at toy sizes:
 
     PYTHONPATH=. python tools/bench/weight_sync_device.py --smoke
 """
@@ -41,7 +43,7 @@ from pathlib import Path
 import torch
 
 from rl.ddma import checksum as cks
-from rl.ddma import pieces, wire
+from rl.ddma import fused, wire
 from rl.ddma.plan import HEADER_BYTES, DstLayout, Plan, SrcLayout, make_plan, round_up
 from rl.weights import keymap as km
 
@@ -245,14 +247,17 @@ def _host(fn, dev: torch.device, reps: int) -> float:
     return statistics.median(times[1:])
 
 
-class _NoKernel:
-    """The torch quantizer in place of the Triton one, for the FP8 case's comparison."""
+class _PerPiece:
+    """The per-piece path in place of the bucket tables (rl/ddma/fused.py) and the
+    checksum's own header epilogue: a torch copy per large piece, batched small ones, the
+    torch FP8 quantizer, the header from pinned memory. The baseline, in the same run."""
 
     def __enter__(self) -> None:
-        self.saved, pieces.quantizer = pieces.quantizer, lambda buf: None
+        self.saved = fused.ENABLED, cks.WSUM.finish
+        fused.ENABLED, cks.WSUM.finish = False, False
 
     def __exit__(self, *exc) -> None:
-        pieces.quantizer = self.saved
+        fused.ENABLED, cks.WSUM.finish = self.saved
 
 
 def real_case(shape: Shape, dev: torch.device, reps: int) -> dict:
@@ -311,8 +316,15 @@ def real_case(shape: Shape, dev: torch.device, reps: int) -> dict:
         "receive_immediate": _timed(lambda: receive_all(False), dev, reps),
         "checksum": _timed(lambda: [kind.tensor(m[HEADER_BYTES:]) for m in msgs], dev, reps),
     }
+    with _PerPiece():
+        rates["pack_per_piece"] = _timed(pack_all, dev, reps)
+        rates["receive_per_piece"] = _timed(receive_all, dev, reps)
+        again = torch.zeros_like(store)
+        pack_all([again[at[i] : at[i] + b.nbytes] for i, b in enumerate(plan.buckets)])
     for name, seconds in rates.items():
         res[f"{name}_GBps"] = _sig(payload / seconds / GB)
+    for side in ("pack", "receive"):
+        res[f"{side}_vs_per_piece"] = _sig(rates[f"{side}_per_piece"] / rates[side])
     n = len(plan.buckets)
     for name, fn in (("pack", pack_all), ("receive", receive_all)):
         res[f"{name}_us_per_bucket"] = _sig(rates[name] / n * 1e6)
@@ -326,36 +338,11 @@ def real_case(shape: Shape, dev: torch.device, reps: int) -> dict:
         sources *= dtype.itemsize
         res["input_bytes"] = sources
         res["pack_input_GBps"] = _sig(sources / rates["pack"] / GB)
-        with _NoKernel():
-            torch_s = _timed(pack_all, dev, reps)
-            again = torch.zeros_like(store)
-            pack_all([again[at[i] : at[i] + b.nbytes] for i, b in enumerate(plan.buckets)])
-        res["pack_torch_quantizer_input_GBps"] = _sig(sources / torch_s / GB)
-        if dev.type == "cuda":  # the Triton kernel alone, every FP8 piece: its own rate
-            kernel, quantized = pieces.quantizer(msgs[0]), [0]
-
-            def quantize_only() -> None:
-                for b, msg in zip(plan.buckets, msgs, strict=True):
-                    typed = pieces.Typed(msg)
-                    for pl in pieces.places(plan, b, dtype):
-                        q, s = typed.views(pl, dtype)
-                        if s is not None and kernel is not None:
-                            p = pl.piece
-                            part = getters[b.src](p.key, p.layer).narrow(p.dim, p.src_start,
-                                                                       p.length)  # fmt: skip
-                            kernel.quantize_into(part, q, s, plan.fp8_block)
-                            quantized[0] += part.numel() * part.element_size()
-
-            try:  # a probe: its failure must not cost the case's figures
-                quantize_only()
-                per_call, quantized[0] = quantized[0], 0
-                rate = per_call / _timed(quantize_only, dev, reps) / GB
-                res["fp8_kernel_input_GBps"] = _sig(rate)
-            except Exception as e:
-                res["fp8_kernel_error"] = f"{type(e).__name__}: {str(e)[:200]}"
-        res["same_bytes_as_torch_quantizer"] = all(
-            torch.equal(m, again[at[i] : at[i] + m.numel()]) for i, m in enumerate(msgs)
-        )
+        res["pack_per_piece_input_GBps"] = _sig(sources / rates["pack_per_piece"] / GB)
+    # The two paths' messages, headers included, byte for byte.
+    res["same_bytes_as_per_piece_path"] = all(
+        torch.equal(m, again[at[i] : at[i] + m.numel()]) for i, m in enumerate(msgs)
+    )
     if shape.full_layers:
         res["full_model_extrapolated"] = _extrapolate(shape, plan, rates)
     if dev.type == "cuda":

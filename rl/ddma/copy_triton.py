@@ -8,8 +8,8 @@ of device time for a piece of a few MB). Here every copy of a bucket is a row of
 addresses, rows, bytes per row and the two row strides. Each program copies one tile of
 ``ROWS`` x ``COLS`` units of one copy; a second table maps programs to copies.
 
-A copy moves bits, in units of 1, 2, 4 or 8 bytes (the largest that divides every
-address, stride and row length of the copies in the launch): no cast, so NaN payloads and
+A copy moves bits, in units of 1, 2, 4, 8 or 16 bytes (the largest that divides every
+address, stride and row length of a copy; one launch per unit): no cast, so NaN payloads and
 e4m3 bytes pass unchanged, and the result is exactly ``copy_``'s.
 
 GPU-only in production: imported lazily (rl/ddma/kernels.py) for CUDA buffers where Triton
@@ -25,11 +25,15 @@ import triton.language as tl
 FIELDS = 8  # per copy: src, dst (byte addresses), rows, cols, src and dst row strides,
 # tiles along a row, first program (all but the addresses in units)
 ROWS, COLS = 16, 256  # a program's tile, in units: 32 KiB at 8-byte units
-UNITS = {1: tl.int8, 2: tl.int16, 4: tl.int32, 8: tl.int64}
+# Bytes of a unit -> the type moved; 16: 8-byte words in aligned pairs (every address a
+# multiple of 16 bytes, every stride and row an even number of words), which Triton then
+# moves as 16-byte vectors. It cannot see that from addresses read out of a table.
+UNITS = {1: tl.int8, 2: tl.int16, 4: tl.int32, 8: tl.int64, 16: tl.int64}
 
 
 @triton.jit(do_not_specialize=["map_at"])
-def _copy(tab_ptr, map_at, UNIT: tl.constexpr, R: tl.constexpr, C: tl.constexpr):
+def _copy(tab_ptr, map_at, UNIT: tl.constexpr, PAIRS: tl.constexpr, R: tl.constexpr,
+          C: tl.constexpr):  # fmt: skip
     pid = tl.program_id(0)
     row = tab_ptr + tl.load(tab_ptr + map_at + pid) * 8
     src = tl.load(row).to(tl.pointer_type(UNIT))
@@ -37,6 +41,10 @@ def _copy(tab_ptr, map_at, UNIT: tl.constexpr, R: tl.constexpr, C: tl.constexpr)
     rows, cols = tl.load(row + 2), tl.load(row + 3)
     src_stride, dst_stride = tl.load(row + 4), tl.load(row + 5)
     tiles, first = tl.load(row + 6), tl.load(row + 7)
+    if PAIRS:
+        src, dst = tl.multiple_of(src, 16), tl.multiple_of(dst, 16)
+        cols = tl.multiple_of(cols, 2)
+        src_stride, dst_stride = tl.multiple_of(src_stride, 2), tl.multiple_of(dst_stride, 2)
     t = pid - first
     r = (t // tiles) * R + tl.arange(0, R)[:, None]
     c = (t % tiles) * C + tl.arange(0, C)[None, :]
@@ -45,7 +53,14 @@ def _copy(tab_ptr, map_at, UNIT: tl.constexpr, R: tl.constexpr, C: tl.constexpr)
     tl.store(dst + r * dst_stride + c, x, mask=keep)
 
 
+def words(unit: int) -> int:
+    """Bytes of the type a table of ``unit``-byte units counts in."""
+    return min(unit, 8)
+
+
 def copy(table: torch.Tensor, copies: int, programs: int, unit: int) -> None:
     """Run the copies of ``table`` (int64 on the device: ``copies`` rows of
-    :data:`FIELDS`, then each of ``programs`` programs' copy)."""
-    _copy[(programs,)](table, copies * FIELDS, UNIT=UNITS[unit], R=ROWS, C=COLS, num_warps=4)
+    :data:`FIELDS`, then each of ``programs`` programs' copy), counted in words of
+    :func:`words` bytes."""
+    _copy[(programs,)](table, copies * FIELDS, UNIT=UNITS[unit], PAIRS=unit == 16, R=ROWS,
+                       C=COLS, num_warps=4)  # fmt: skip

@@ -66,10 +66,12 @@ def _e4m3_bits(y, MAX_BITS: tl.constexpr):
 @triton.jit
 def _block(x_ptr, q_ptr, s_ptr, pid, rows, cols, stride_r, stride_c, col_blocks,
            BLOCK: tl.constexpr, ROWS: tl.constexpr, FLOOR_BITS: tl.constexpr,
-           MAX_BITS: tl.constexpr):  # fmt: skip
-    """Block ``pid`` (row-major over the blocks) of one piece."""
+           MAX_BITS: tl.constexpr, DENSE: tl.constexpr):  # fmt: skip
+    """Block ``pid`` (row-major over the blocks) of one piece; ``DENSE``: ``stride_c`` is 1
+    (see :func:`dense`)."""
     br, bc = pid // col_blocks, pid % col_blocks
     c = bc * BLOCK + tl.arange(0, BLOCK)[None, :]
+    along = c.to(tl.int64) if DENSE else c.to(tl.int64) * stride_c
     # Two passes over the block, ROWS rows at a time: its amax, then its values (the second
     # read hits the cache). Holding a whole 128x128 block in registers would leave room
     # for one program per SM, too few to keep the memory busy.
@@ -77,7 +79,7 @@ def _block(x_ptr, q_ptr, s_ptr, pid, rows, cols, stride_r, stride_c, col_blocks,
     for r0 in range(0, BLOCK, ROWS):
         r = br * BLOCK + r0 + tl.arange(0, ROWS)[:, None]
         keep = (r < rows) & (c < cols)  # a partial edge block: padding zeros raise no amax
-        at = r.to(tl.int64) * stride_r + c.to(tl.int64) * stride_c
+        at = r.to(tl.int64) * stride_r + along
         x = tl.load(x_ptr + at, mask=keep, other=0.0).to(tl.float32)
         amax = tl.maximum(amax, x.to(tl.int32, bitcast=True) & 0x7FFFFFFF)
     top = tl.max(tl.max(amax, axis=1), axis=0)
@@ -85,7 +87,7 @@ def _block(x_ptr, q_ptr, s_ptr, pid, rows, cols, stride_r, stride_c, col_blocks,
     for r0 in range(0, BLOCK, ROWS):
         r = br * BLOCK + r0 + tl.arange(0, ROWS)[:, None]
         keep = (r < rows) & (c < cols)
-        at = r.to(tl.int64) * stride_r + c.to(tl.int64) * stride_c
+        at = r.to(tl.int64) * stride_r + along
         x = tl.load(x_ptr + at, mask=keep, other=0.0).to(tl.float32)
         q = _e4m3_bits(tl.math.div_rn(x, scale), MAX_BITS)
         tl.store(q_ptr + r.to(tl.int64) * cols + c, q.to(tl.uint8), mask=keep)
@@ -97,21 +99,24 @@ def _quantize(x_ptr, q_ptr, s_ptr, rows, cols, stride_r, stride_c, col_blocks,
               BLOCK: tl.constexpr, ROWS: tl.constexpr, FLOOR_BITS: tl.constexpr,
               MAX_BITS: tl.constexpr):  # fmt: skip
     _block(x_ptr, q_ptr, s_ptr, tl.program_id(0), rows, cols, stride_r, stride_c, col_blocks,
-           BLOCK, ROWS, FLOOR_BITS, MAX_BITS)  # fmt: skip
+           BLOCK, ROWS, FLOOR_BITS, MAX_BITS, False)  # fmt: skip
 
 
 @triton.jit(do_not_specialize=["map_at"])
-def _quantize_table(tab_ptr, map_at, X: tl.constexpr, BLOCK: tl.constexpr,
-                    ROWS: tl.constexpr, FLOOR_BITS: tl.constexpr,
+def _quantize_table(tab_ptr, map_at, X: tl.constexpr, DENSE: tl.constexpr,
+                    BLOCK: tl.constexpr, ROWS: tl.constexpr, FLOOR_BITS: tl.constexpr,
                     MAX_BITS: tl.constexpr):  # fmt: skip
     pid = tl.program_id(0)
     row = tab_ptr + tl.load(tab_ptr + map_at + pid) * 9
     x = tl.load(row).to(tl.pointer_type(X))
     q = tl.load(row + 1).to(tl.pointer_type(tl.uint8))
     s = tl.load(row + 2).to(tl.pointer_type(tl.float32))
-    _block(x, q, s, pid - tl.load(row + 8), tl.load(row + 3), tl.load(row + 4),
-           tl.load(row + 5), tl.load(row + 6), tl.load(row + 7), BLOCK, ROWS, FLOOR_BITS,
-           MAX_BITS)  # fmt: skip
+    cols, stride_r = tl.load(row + 4), tl.load(row + 5)
+    if DENSE:  # the hints take where the values are made, not on a callee's arguments
+        x, q = tl.multiple_of(x, 16), tl.multiple_of(q, 16)
+        cols, stride_r = tl.multiple_of(cols, 16), tl.multiple_of(stride_r, 16)
+    _block(x, q, s, pid - tl.load(row + 8), tl.load(row + 3), cols, stride_r, tl.load(row + 6),
+           tl.load(row + 7), BLOCK, ROWS, FLOOR_BITS, MAX_BITS, DENSE)  # fmt: skip
 
 
 def supports(w: torch.Tensor, block: int) -> bool:
@@ -153,10 +158,20 @@ def _meta(block: int) -> dict:
 FIELDS = 9
 
 
+def dense(x: int, q: int, stride_r: int, stride_c: int, cols: int) -> bool:
+    """Whether a piece at address ``x`` (its e4m3 data at ``q``) of these strides and
+    columns (in elements) is ``DENSE``: rows of contiguous values, every address, row
+    stride and row 16-byte aligned, which Triton then reads and writes as 16-byte vectors
+    (it cannot see that in values read from a table)."""
+    return stride_c == 1 and not (x % 16 or q % 16 or stride_r % 16 or cols % 16)
+
+
 def quantize_table(
-    table: torch.Tensor, pieces: int, programs: int, dtype: torch.dtype, block: int
-) -> None:
+    table: torch.Tensor, pieces: int, programs: int, dtype: torch.dtype, block: int,
+    dense: bool = False,
+) -> None:  # fmt: skip
     """:func:`quantize_into` of every piece in ``table`` (int64 on the device: ``pieces``
     rows of :data:`FIELDS`, then each of ``programs`` programs' piece; one program a
-    block), all of input ``dtype``, in one launch."""
-    _quantize_table[(programs,)](table, pieces * FIELDS, X=INPUTS[dtype], **_meta(block))
+    block), all of input ``dtype`` and all :func:`dense` if ``dense``, in one launch."""
+    _quantize_table[(programs,)](table, pieces * FIELDS, X=INPUTS[dtype], DENSE=dense,
+                                 **_meta(block))  # fmt: skip

@@ -44,10 +44,10 @@ class _Copy(NamedTuple):
 
 class _Job(NamedTuple):
     """A bucket's launches: (table, rows, programs, unit) copies, (table, rows, programs,
-    input dtype) quantizations, and the places left to the torch path."""
+    (input dtype, dense)) quantizations, and the places left to the torch path."""
 
     copies: list[tuple[torch.Tensor, int, int, int]]
-    quants: list[tuple[torch.Tensor, int, int, torch.dtype]]
+    quants: list[tuple[torch.Tensor, int, int, tuple[torch.dtype, bool]]]
     rest: list[int]
 
 
@@ -97,9 +97,9 @@ def _run(what: tuple, tensors: list[torch.Tensor], places: list[Place], build) -
             _JOBS[key] = job
     for table, rows, programs, unit in job.copies:
         kernels.load("copy_triton").copy(table, rows, programs, unit)  # type: ignore[union-attr]
-    for table, rows, programs, x in job.quants:
+    for table, rows, programs, (x, dense) in job.quants:
         fp8 = kernels.load("fp8_triton")
-        fp8.quantize_table(table, rows, programs, x, plan.fp8_block)  # type: ignore[union-attr]
+        fp8.quantize_table(table, rows, programs, x, plan.fp8_block, dense)  # type: ignore[union-attr]
     return [places[i] for i in job.rest]
 
 
@@ -121,7 +121,7 @@ def _fits(t: torch.Tensor, dim: int, length: int, shape: tuple[int, ...], buf: t
 def _pack_job(buf: torch.Tensor, plan: Plan, places, tensors, dtype: torch.dtype) -> _Job:
     fp8 = kernels.load("fp8_triton") if plan.fp8_block else None
     base, copies, rest = buf.data_ptr(), [], []
-    quants: dict[torch.dtype, list[list[int]]] = {}
+    quants: dict[tuple[torch.dtype, bool], list[list[int]]] = {}
     for i, (pl, t) in enumerate(zip(places, tensors, strict=True)):
         p = pl.piece
         if not _fits(t, p.dim, p.length, pl.shape, buf):
@@ -139,7 +139,8 @@ def _pack_job(buf: torch.Tensor, plan: Plan, places, tensors, dtype: torch.dtype
             rows, cols = pl.shape
             srows, scols = pl.scale_shape
             row = [x, base + pl.at, base + 4 * pl.scale_at, rows, cols, *t.stride(), scols]
-            quants.setdefault(t.dtype, []).append([*row, srows * scols])
+            key = (t.dtype, fp8.dense(x, base + pl.at, *t.stride(), cols))
+            quants.setdefault(key, []).append([*row, srows * scols])
     return _Job(_copy_tables(copies, buf.device), _quant_tables(quants, buf.device), rest)
 
 
@@ -168,15 +169,15 @@ def _unpack_job(buf: torch.Tensor, plan: Plan, places, tensors, dtype: torch.dty
 
 
 def _unit(c: _Copy) -> int:
-    """The widest of 8, 4, 2 and 1 bytes dividing every address, length and stride."""
-    u = 8
+    """The widest of 16, 8, 4, 2 and 1 bytes dividing every address, length and stride."""
+    u = 16
     for v in (c.src, c.dst, c.cols, *((c.src_stride, c.dst_stride) if c.rows > 1 else ())):
         u = gcd(u, v)
     return u
 
 
 def _copy_tables(copies: list[_Copy], device: torch.device) -> list:
-    from rl.ddma.copy_triton import COLS, ROWS
+    from rl.ddma.copy_triton import COLS, ROWS, words
 
     groups: dict[int, list[_Copy]] = {}
     for c in copies:
@@ -187,17 +188,17 @@ def _copy_tables(copies: list[_Copy], device: torch.device) -> list:
     out = []
     for unit, group in sorted(groups.items()):
         rows: list[list[int]] = []
+        w = words(unit)
         for c in group:
-            cols = c.cols // unit
-            if c.rows == 1 and cols > COLS:  # a run as rows of COLS units, and the rest
+            cols = c.cols // w
+            if c.rows == 1 and cols > COLS:  # a run as rows of COLS words, and the rest
                 whole = cols // COLS
                 rows.append([c.src, c.dst, whole, COLS, COLS, COLS])
                 if cols % COLS:
-                    tail = whole * COLS * unit
+                    tail = whole * COLS * w
                     rows.append([c.src + tail, c.dst + tail, 1, cols % COLS, 0, 0])
             else:
-                rows.append([c.src, c.dst, c.rows, cols, c.src_stride // unit,
-                             c.dst_stride // unit])  # fmt: skip
+                rows.append([c.src, c.dst, c.rows, cols, c.src_stride // w, c.dst_stride // w])
         for r in rows:
             r.append(-(-r[3] // COLS))  # tiles along a row
         programs = [-(-r[2] // ROWS) * r[6] for r in rows]
@@ -205,11 +206,11 @@ def _copy_tables(copies: list[_Copy], device: torch.device) -> list:
     return [launch for launch in out if launch[2]]
 
 
-def _quant_tables(quants: dict[torch.dtype, list[list[int]]], device: torch.device) -> list:
+def _quant_tables(quants: dict[tuple[torch.dtype, bool], list[list[int]]], device) -> list:
     out = []
-    for x, rows in quants.items():
+    for group, rows in quants.items():
         programs = [r.pop() for r in rows]  # its blocks
-        out.append((*_table(rows, programs, device), x))
+        out.append((*_table(rows, programs, device), group))
     return [launch for launch in out if launch[2]]  # (empty pieces have no blocks)
 
 

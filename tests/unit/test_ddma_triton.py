@@ -147,6 +147,9 @@ FUSED_CASES = {  # name: dims, layouts, transfer dtype, FP8 block, bucket bytes
     "moe ep2 -> tp2": (km.Dims(**{**D.__dict__, "layers": 1, "experts": 4, "moe_ffn": 32,
                                   "qk_norm": True, "arch": "Qwen3MoeForCausalLM"}),
                        SrcLayout(1, dp=2, ep=2), DstLayout(2), torch.bfloat16, None, 1 << 13),
+    "fp8, rows of 24 (not dense)": (km.Dims(**{**D.__dict__, "layers": 1, "hidden": 24,
+                                               "ffn": 48, "heads": 2, "head_dim": 16}),
+                                    SrcLayout(1), DstLayout(1), torch.float32, 8, 1 << 12),
     "odd sizes (2-byte units)": (km.Dims(**{**D.__dict__, "layers": 1, "hidden": 34, "ffn": 70,
                                             "heads": 2, "head_dim": 17, "vocab": 101,
                                             "padded_vocab": 101}),
@@ -181,7 +184,7 @@ def _fused(errors: list[str]) -> None:
     stay, rebuilt when a getter hands out new tensors (LoRA's merged shards)."""
     from rl.ddma import fused
 
-    units, quantized = set(), 0
+    units, quantized = set(), set()
     for name, (d, src, dst, dtype, block, size) in FUSED_CASES.items():
         plan = make_plan(d, src, dst, dtype.itemsize, size, fp8_block=block)
         shards = _shards(plan, dtype)
@@ -207,13 +210,14 @@ def _fused(errors: list[str]) -> None:
         if jobs != [2 * n, 2 * n, 3 * n]:
             errors.append(f"{name}: {jobs} jobs after each pass over {n} buckets")
         units |= {u for j in fused._JOBS.values() for *_, u in j.copies}
-        quantized += sum(len(j.quants) for j in fused._JOBS.values())
+        quantized |= {q[-1] for j in fused._JOBS.values() for q in j.quants}
         rest = sum(len(j.rest) for j in fused._JOBS.values())
         if rest:
             errors.append(f"{name}: {rest} places left to torch")
     _tables(False)
-    if not {2, 8} <= units or not quantized:
-        errors.append(f"cases cover units {units} and {quantized} quantizer tables")
+    dense = {d for _, d in quantized}
+    if not {2, 16} <= units or dense != {True, False}:
+        errors.append(f"the cases cover copy units {units} and quantizer groups {quantized}")
 
 
 def _wsum_finish(errors: list[str]) -> None:
@@ -286,6 +290,52 @@ def interpreted() -> dict[str, list[str]]:
 def test_kernel_is_bit_exact_under_the_interpreter(interpreted, check):
     assert check in interpreted, interpreted
     assert interpreted[check] == [], interpreted[check][:5]
+
+
+# ------------------------------------------------------------------ compiled for a GPU
+def _ptx(fn, signature: dict[str, str], constants: dict, warps: int = 4) -> str:
+    """``fn`` compiled for Hopper (sm_90) by Triton and the ptxas it ships: no GPU needed."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    sig = {**signature, **dict.fromkeys(constants, "constexpr")}
+    src = ASTSource(fn=fn, signature=sig, constexprs=constants)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps}).asm[
+        "ptx"
+    ]
+
+
+def test_kernels_compile_for_hopper_and_move_16_byte_vectors():
+    """What the interpreter cannot show: every kernel variant compiles for a GPU, and the
+    table kernels, whose addresses Triton reads from memory and so cannot analyse, still
+    load and store 16-byte vectors where their hints say they may (as the per-piece
+    quantizer does from its arguments' specialisation); without the hints they were 2- and
+    8-byte scalar accesses."""
+    import triton.language as tl
+
+    from rl.ddma import checksum_triton, copy_triton, fp8_triton
+
+    table = {"tab_ptr": "*i64", "map_at": "i64"}
+    for unit, t in copy_triton.UNITS.items():
+        consts = {"UNIT": t, "PAIRS": unit == 16, "R": copy_triton.ROWS, "C": copy_triton.COLS}
+        ptx = _ptx(copy_triton._copy, table, consts)
+        if unit == 16:
+            assert "ld.global.v2.b64" in ptx and "st.global.v2.b64" in ptx
+    meta = fp8_triton._meta(128)
+    warps = meta.pop("num_warps")
+    for x in (tl.bfloat16, tl.float32):
+        for dense in (True, False):
+            ptx = _ptx(fp8_triton._quantize_table, table, {"X": x, "DENSE": dense, **meta}, warps)
+            if dense and x == tl.bfloat16:
+                assert "ld.global.v4.b32" in ptx and "st.global.v4.b32" in ptx
+    words = {"x_ptr": "*i32", "w_ptr": "*i32", "f_ptr": "*i32", "out_ptr": "*i64", "n": "i32",
+             "per_program": "i32", "scratch_ptr": "*i32", "programs": "i32", "length": "i32",
+             "head_ptr": "*i64", **dict.fromkeys(["h0", "h1", "h2", "h3", "h4", "h6", "h7"],
+                                                 "i64")}  # fmt: skip
+    for finish in (0, 1, 2):
+        consts = {"CHUNK": 1 << 20, "FACTORS": 4096, "BLOCK": 2048, "FINISH": finish}
+        assert "atom.global" in _ptx(checksum_triton._wsum, words, consts)
 
 
 # ------------------------------------------------------------------ deferred verification

@@ -32,6 +32,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
@@ -66,7 +67,7 @@ def _sglang_of(out: Path) -> list[psutil.Process]:
     return found
 
 
-def _outsider(pid: int, out: Path, target: Path, log: Path) -> None:
+def _outsider(pid: int, out: Path, target: Path, log: Path, popped: threading.Event) -> None:
     """A process on the node with the store's port: what it can do without the job's key,
     and with the queues' names (test_a_killed_server_is_restarted...'s docstring)."""
     import io
@@ -104,9 +105,10 @@ def _outsider(pid: int, out: Path, target: Path, log: Path) -> None:
     # A lost request: the next one sent once RL has begun (a group's: the evaluation's
     # before it would hold the whole loop for its longer deadline), which the reward rank
     # never sees. It is held still meanwhile, so the pop does not race it (the store hands
-    # an item to whichever waiter asks first: racing, the outsider once took its last
-    # requests only as the job ended, too late for any deadline). One pop, since the
-    # request sent again could be the next one.
+    # an item to whichever waiter asks first: racing, the outsider once took its requests
+    # only as the job ended, too late for any deadline), and the server is killed only
+    # after it (the restart outlasts the deadline, so the request goes again before the
+    # end). One pop, since the request sent again could be the next one.
     reward = _rank(pid, "msrl:reward")
     while "[rl] step 1/" not in log.read_text():
         time.sleep(0.05)
@@ -115,6 +117,7 @@ def _outsider(pid: int, out: Path, target: Path, log: Path) -> None:
         store.queue_pop(queue_name(key, "reward/in/0"))
     finally:
         reward.resume()
+        popped.set()
 
 
 def _rank(pid: int, title: str) -> psutil.Process:
@@ -175,15 +178,18 @@ def test_a_killed_server_is_restarted_with_current_weights_and_the_run_completes
         stderr=subprocess.STDOUT,
         start_new_session=True,
     )
-    outsider = None
-    if servers == 1:  # from the start: its lost requests are sent again long before the end
-        outsider = ThreadPoolExecutor(1).submit(_outsider, job.pid, out, tmp_path / "pwned", log)
+    outsider, popped = None, threading.Event()
+    if servers == 1:  # from the start: its lost request is sent again long before the end
+        outsider = ThreadPoolExecutor(1).submit(_outsider, job.pid, out, tmp_path / "pwned", log,
+                                                popped)  # fmt: skip
     try:
         deadline = time.monotonic() + 900
         while len(_rl_steps(out)) < 2:
             assert job.poll() is None, log.read_text()[-4000:]
             assert time.monotonic() < deadline, "the job never reached RL step 2"
             time.sleep(0.2)
+        if outsider is not None:
+            assert popped.wait(timeout=300) or outsider.result(timeout=1), "nothing popped"
         victims = _sglang_of(out)
         assert len(victims) == servers, victims
         for v in victims:  # each server's HTTP port listens on loopback only

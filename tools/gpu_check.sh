@@ -3,6 +3,7 @@
 #
 #   tools/gpu_check.sh            # builds (or reuses) the GPU venv: requirements/gpu.txt added
 #   MSRL_PYTHON=python3 tools/gpu_check.sh   # an interpreter that already has the packages
+#                                            # (or has them beside it in .whl/: tools/gpu_wheels.sh)
 #
 # In this order, so that a lent machine's time goes to the figures first:
 # 1. tools/bench/weight_sync.py --device cuda: DDMA's device work (pack; verify + unpack) at
@@ -41,6 +42,13 @@ within() {
 }
 
 "$py" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else "no CUDA device: torch.cuda.is_available() is False")'
+# Wheels that tools/gpu_wheels.sh put in .whl/ for a machine that reaches no package index.
+if compgen -G "$root/.whl/*.whl" > /dev/null; then
+  "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target "$tmp/site" "$root"/.whl/*.whl
+  export PYTHONPATH="$root:$tmp/site${PYTHONPATH#"$root"}"
+  echo "installed for this check from .whl/: $(cd "$root/.whl" && echo *.whl)"
+fi
 
 within 150 "$py" tools/bench/weight_sync.py --device cuda --out "$tmp/bench.json" 2>&1 | tee "$tmp/bench.log" \
   || echo "the weight-sync benchmark failed or ran out of time: see its log" > "$tmp/bench.failed"

@@ -94,14 +94,6 @@ def _block(x_ptr, q_ptr, s_ptr, pid, rows, cols, stride_r, stride_c, col_blocks,
     tl.store(s_ptr + pid, scale)
 
 
-@triton.jit
-def _quantize(x_ptr, q_ptr, s_ptr, rows, cols, stride_r, stride_c, col_blocks,
-              BLOCK: tl.constexpr, ROWS: tl.constexpr, FLOOR_BITS: tl.constexpr,
-              MAX_BITS: tl.constexpr):  # fmt: skip
-    _block(x_ptr, q_ptr, s_ptr, tl.program_id(0), rows, cols, stride_r, stride_c, col_blocks,
-           BLOCK, ROWS, FLOOR_BITS, MAX_BITS, False)  # fmt: skip
-
-
 @triton.jit(do_not_specialize=["map_at"])
 def _quantize_table(tab_ptr, map_at, X: tl.constexpr, DENSE: tl.constexpr,
                     BLOCK: tl.constexpr, ROWS: tl.constexpr, FLOOR_BITS: tl.constexpr,
@@ -138,12 +130,14 @@ def quantize_into(w: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, block: 
         raise ValueError(f"q must be contiguous e4m3 of shape {tuple(w.shape)}")
     if scale.dtype != torch.float32 or scale.shape != (srows, scols) or not scale.is_contiguous():
         raise ValueError(f"scale must be contiguous float32 of shape {(srows, scols)}")
-    if not rows * cols:
+    blocks = srows * scols
+    if not blocks:
         return
-    _quantize[(srows * scols,)](
-        w, q.view(torch.uint8), scale, rows, cols, w.stride(0), w.stride(1), scols,
-        **_meta(block),
-    )  # fmt: skip
+    # A table of one piece: the kernel a bucket's pieces take (rl/ddma/fused.py).
+    x, at = w.data_ptr(), q.data_ptr()
+    row = [x, at, scale.data_ptr(), rows, cols, *w.stride(), scols, 0]
+    table = torch.tensor(row + [0] * blocks, dtype=torch.int64).to(w.device)
+    quantize_table(table, 1, blocks, w.dtype, block, dense(x, at, w.stride(0), w.stride(1), cols))
 
 
 def _meta(block: int) -> dict:

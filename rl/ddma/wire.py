@@ -8,17 +8,19 @@ buffer lies (:mod:`rl.ddma.checksum`: xxh3 in host memory, a weighted sum on the
 of a CUDA buffer), and the magic says which kind, so a receiver on either device verifies
 a sender on either.
 
-The gather-copy (pack) and scatter-copy (unpack) are torch copies per piece
-(rl/ddma/pieces.py): one memcpy-speed pass over the bytes, no intermediate tensors.
-Casting to the destination dtype happens inside the same copy.
+The gather-copy (pack) and scatter-copy (unpack) are one memcpy-speed pass over the
+bytes, no intermediate tensors: on a CUDA buffer a bucket's copies, and its FP8 pieces'
+quantization, are one Triton launch each from a table kept on the device
+(rl/ddma/fused.py; the same bytes as rl/ddma/fp8.py); whatever those kernels do not take
+(a cast to the destination dtype, a host tensor, another device) is a torch copy per
+piece, small ones in batches (rl/ddma/pieces.py).
 
 On a CUDA buffer nothing waits for the device, so the host runs ahead and a small bucket
-costs what its bytes cost: the header comes from pinned memory, small pieces are copied
-in batches, FP8 pieces are quantized by one Triton kernel each (rl/ddma/fp8_triton.py,
-the same bytes as rl/ddma/fp8.py), and :func:`verify` reads header and checksum back in
-one transfer. :class:`Deferred` goes further where a caller may write a bucket before it
-is verified (into a staging copy swapped in only once the whole version has been
-verified): the checks of a whole sync then cost one host sync.
+costs what its bytes cost: the checksum kernel writes the header itself, and
+:func:`verify` reads header and checksum back in one transfer. :class:`Deferred` goes
+further where a caller may write a bucket before it is verified (into a staging copy
+swapped in only once the whole version has been verified): the checks of a whole sync
+then cost one host sync.
 
 Pure logic: torch tensors only, no torch.distributed.
 """

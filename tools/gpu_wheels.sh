@@ -22,7 +22,7 @@ mkdir -p "$dest"
 # The venv's versions, so that the GPU machine runs what CI tests.
 mapfile -t pins < <("$py" - <<'PY'
 from importlib.metadata import version
-for name in ("megatron-core", "hydra-core", "omegaconf", "transformers"):
+for name in ("megatron-core", "hydra-core", "omegaconf", "transformers", "antlr4-python3-runtime"):
     print(f"{name}=={version(name)}")
 PY
 )
@@ -32,8 +32,7 @@ for p in manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_24_x86_64 \
   platforms+=(--platform "$p")
 done
 "$py" -m pip download -q --no-deps --only-binary=:all: --python-version "$pyver" \
-  --implementation cp "${platforms[@]}" -d "$dest" "${pins[@]}"
-antlr="antlr4-python3-runtime==$("$py" -c 'from importlib.metadata import version; print(version("antlr4-python3-runtime"))')"
-"$py" -m pip wheel -q --no-deps -w "$dest" "$antlr"
+  --implementation cp "${platforms[@]}" -d "$dest" "${pins[@]:0:4}"
+"$py" -m pip wheel -q --no-deps -w "$dest" "${pins[4]}"  # antlr4: source only on PyPI
 ls -l "$dest"
 echo "$(du -sh "$dest" | cut -f1) in $dest: copy it along with the tree; tools/gpu_check.sh installs what it finds there"

@@ -24,6 +24,9 @@ the next push re-forms the topology without the lost server). When its generator
 has restarted it, :meth:`repush` gives it the current version, in a new group. ``lock``
 keeps a re-push between whole steps: it is held from a train step to the push of its
 weights, so what the trainer holds is always ``weight_version`` when a re-push runs.
+A server that would not flush its prefix cache at commit (:class:`NotFlushed`) is left
+out and reported the same way: alive, it keeps its previous version and gets no rollouts
+(the client routes by version) until the next push, which it takes part in.
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ from rl.ddma import transport as transports
 from rl.ddma.engine import TransferError
 from rl.ddma.group import group_name
 from rl.ddma.plan import Plan, plan_for
-from rl.generator.ddma_target import SGLangTarget, UpstreamLost
+from rl.generator.ddma_target import NotFlushed, SGLangTarget, UpstreamLost
 
 if TYPE_CHECKING:
     from rl.config.schema import RootConfig
@@ -210,7 +213,9 @@ class WeightSync:
                 else:
                     try:
                         self.targets[i].commit(version)  # aborts its version itself on failure
-                    except (TransferError, UpstreamLost):  # overlap: found out at commit
+                    # Overlap: found out at commit. Or the server would not drop its cache:
+                    # alive, it keeps its previous version, behind until a later one lands.
+                    except (TransferError, UpstreamLost, NotFlushed):
                         lost.append(i)
                 committed += 1
         except BaseException:

@@ -17,6 +17,11 @@ server is to each side of the transport's lifecycle:
   :meth:`commit` / :meth:`abort` bracket the transfer: generation is paused only for
   that window, and a failed version is discarded whole.
 
+A version is never served over KV that another version computed: :meth:`commit` empties
+the server's prefix cache (``/flush_cache``) while generation is paused and before the
+staged weights are swapped in, and a server that keeps refusing the flush gets the
+version aborted instead (:class:`NotFlushed`).
+
 Every call carries the server's admin key: the target's own (tests, benchmarks: the
 launcher's), else the job's (:func:`rl.serving.server_api.job_keys`), which trainer
 ranks and the controller derive from the job's secret, so the generic sender
@@ -27,8 +32,10 @@ from __future__ import annotations
 
 import json
 import os
+import time
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
+from http import HTTPStatus
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +54,12 @@ from rl.serving import server_api as api
 # (rollout.weight_sync.staging=none) and after such a version failed: it matches no real
 # version, so clients route it nothing until a complete version is committed.
 NOT_READY = -1
+# How long a commit keeps asking a server to flush its prefix cache before it aborts the
+# version there. SGLang answers a flush with HTTP 400 while a batch still holds KV (an
+# in_place pause keeps its running batch); each refusal retracts generation again, which
+# empties the batch within one scheduler step, so a refusal that outlasts this is no race.
+FLUSH_DEADLINE_S = 10.0
+FLUSH_WAIT_S = (0.05, 1.0)  # the wait after the first refusal, doubled up to the second
 
 
 class SyncError(RuntimeError):
@@ -56,6 +69,11 @@ class SyncError(RuntimeError):
 
 class UpstreamLost(SyncError):
     """The server missed the version because a relaying server above it was lost."""
+
+
+class NotFlushed(SyncError):
+    """The server refused to flush its prefix cache until the deadline: the version was
+    aborted there (as a failed commit is), so it never serves it over old KV."""
 
 
 class SGLangTarget:
@@ -75,8 +93,10 @@ class SGLangTarget:
         transport: str = "ipc",
         overlap: bool = False,
         device: str = "cpu",
+        flush_deadline: float = FLUSH_DEADLINE_S,
     ) -> None:
         self.url, self.plan, self.dtype, self.timeout = url.rstrip("/"), plan, dtype, timeout
+        self.flush_deadline = flush_deadline
         self.transport = transports.get(transport)
         # Where the buckets lie: the group's backend, the slots and the server ranks'
         # receive buffers follow it.
@@ -131,11 +151,12 @@ class SGLangTarget:
         try:
             return api.call(self.url, call, self.keys, self.timeout)
         except api.CallError as e:
-            if e.answered:
-                raise SyncError(str(e)) from e
-            raise TransferError(
-                f"generator {self.url} disconnected during {e.route}: {e.detail}"
-            ) from e
+            raise self._error(e) from e
+
+    def _error(self, e: api.CallError) -> SyncError | TransferError:
+        if e.answered:
+            return SyncError(str(e))
+        return TransferError(f"generator {self.url} disconnected during {e.route}: {e.detail}")
 
     def _control(self, op: str, version: int, **extra: object) -> list[dict]:
         ctl = {"op": op, "plan": self.spec, "version": version, **extra}
@@ -239,12 +260,17 @@ class SGLangTarget:
         self._control("discard", version, staging=self.staging)
 
     def commit(self, version: int) -> None:
-        """Swap the staged version in on every rank (only if all of them hold all of it),
-        set the server's version, drop the KV cache and resume generation."""
+        """Once every rank holds all of the staged version, drop the prefix cache, swap the
+        version in on every rank, set the server's version and resume generation. Raises
+        :class:`NotFlushed` (the version aborted here) if the cache was not dropped."""
         try:
             if not self._session:  # overlap: generation went on while the buckets came
                 self._pause()
             self._control("prepare", version)
+            # Before the swap: while generation is paused the scheduler computes no KV, so
+            # from here to continue_generation the cache can only get the new weights'. A
+            # flush after the swap could fail with the old weights already gone.
+            self._flush(version)
             self.receivers = self._control("commit", version)
         except BaseException:
             self.abort(version)
@@ -252,8 +278,39 @@ class SGLangTarget:
         self._call(api.end_weight_update())
         self._session = False
         self._call(api.update_weight_version(version))
-        self._call(api.flush_cache())
         self._call(api.continue_generation())
+
+    def _flush(self, version: int) -> None:
+        """Empty the server's prefix cache, retracting generation again after each refusal,
+        until ``flush_deadline``; else say so in one line and raise :class:`NotFlushed`."""
+        t0 = time.monotonic()
+        wait, tries = FLUSH_WAIT_S[0], 0
+        while True:
+            tries += 1
+            try:
+                api.call(self.url, api.flush_cache(), self.keys, self.timeout)
+                return
+            except api.CallError as e:
+                # SGLang 0.5.23 answers 400 when it did not flush (its scheduler not idle,
+                # or another caller's flush waiting for idle); no other answer is a race
+                # that a retry could win.
+                if e.status != HTTPStatus.BAD_REQUEST:
+                    raise self._error(e) from e
+                last = e.detail.strip()
+            if time.monotonic() - t0 + wait > self.flush_deadline:
+                break
+            # A batch still running (an in_place pause keeps it, a request may have slipped
+            # in) goes back to the queue, its KV freed.
+            self._call(api.pause_generation("retract"))
+            time.sleep(wait)
+            wait = min(2 * wait, FLUSH_WAIT_S[1])
+        why = (
+            f"[ddma] {self.url}: weight version {version} aborted on this server: it refused "
+            f"to flush its prefix cache {tries} times in {time.monotonic() - t0:.1f}s "
+            f"(HTTP 400: {last!r}), and a version is never served over older KV"
+        )
+        print(why, flush=True)
+        raise NotFlushed(why)
 
     def abort(self, version: int) -> None:
         """Drop the staged version; the server resumes on its previous weights, unless they

@@ -337,6 +337,51 @@ def test_staging_none_incomplete_version_keeps_the_server_out(client, served, fr
     assert not target.receivers[0]["torn"]
 
 
+# A prompt long enough that its cached prefix is most of what a request computes.
+CACHED = [1, *torch.randint(3, 99, (40,), generator=torch.Generator().manual_seed(5)).tolist()]
+SERVED_TOL = 1e-4  # SGLang on CPU against transformers (FACTS: not bit-reproducible)
+
+
+def _cached_generate(url: str, keys, prompt: list[int]) -> tuple[list[int], list[float], int]:
+    """Greedy ids, their log-probs, and how many prompt tokens came from the prefix cache."""
+    from rl.generator.types import parse_result
+    from rl.serving import server_api as api
+
+    out = api.call(url, api.generate([prompt], [{"temperature": 0, "max_new_tokens": 6}]), keys)
+    ids, logprobs, _, _ = parse_result(out)
+    return ids, logprobs, int(out["meta_info"]["cached_tokens"])
+
+
+def test_a_prefix_cached_before_a_commit_is_never_reused_after_it(client, served, model_dir):
+    """After each commit a prompt the previous weights cached gets the log-probs transformers
+    gives on the new weights, from a cache that held none of it (the commit flushed it);
+    asked again, the prefix the new weights cached gives them too. Within SERVED_TOL: each
+    version moves these log-probs by more than 100 times that."""
+    d = model_dims(model_dir, 2)
+    plan = make_plan(d, SrcLayout(2), CPU_DST, 4, 1 << 16)
+    url = client.urls[0]
+    target = SGLangTarget(url, plan, torch.float32)
+    for seed in (20, 21):
+        _cached_generate(url, client.keys, CACHED)  # now cached, by the old weights
+        assert _cached_generate(url, client.keys, CACHED)[2] >= len(CACHED) - 1
+        hf = _perturbed(model_dir, seed)
+        version = client.weight_versions()[0] + 1
+        target.begin(version)
+        _stage_all(target, megatron_globals(hf, d), version)
+        target.commit(version)
+        ids, first, cached = _cached_generate(url, client.keys, CACHED)
+        old = served.score(CACHED, ids)
+        served.load_weights(hf.items())
+        want = served.score(CACHED, ids)
+        assert max(abs(a - b) for a, b in zip(old, want, strict=True)) > 100 * SERVED_TOL
+        assert max(abs(a - b) for a, b in zip(first, want, strict=True)) < SERVED_TOL
+        assert cached == 0
+        again, logprobs, cached = _cached_generate(url, client.keys, CACHED)
+        assert (again, cached >= len(CACHED) - 1) == (ids, True)
+        assert max(abs(a - b) for a, b in zip(logprobs, want, strict=True)) < SERVED_TOL
+        client.adopt_version(version)
+
+
 def test_status_outside_the_servers_directory_is_refused(client, tmp_path):
     """A status path the server did not start with is never written; the server logs why,
     and its own status files (the target's) still work."""

@@ -31,10 +31,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script:
 
 from rl.metrics import last_attempts, read_jsonl
 
-# Step metrics that time things, count what a resumed attempt counts afresh, or count what
-# the stream held when a save cut it (replacement groups drawn just before or just after).
-TIMED = ("gen_idle_frac", "trainer_idle_frac", "resumed_segments", "uniform_skipped_total",
-         "leftover_groups", "leftover_rollouts")  # fmt: skip
+# Step metrics that time things, or count what a resumed attempt counts afresh or what the
+# stream had skipped when the trainer's prefetch took its batch. (What a save holds,
+# ``leftover_*``, is the stream at the round's cut in a deterministic run: compared.)
+TIMED = ("gen_idle_frac", "trainer_idle_frac", "resumed_segments", "uniform_skipped_total")
 
 
 def _jsonl(path: Path) -> list[dict]:

@@ -22,19 +22,30 @@ seeds (rl/generator/types.py) and the servers' batch-invariant products
 (rl/serving/cpu_batch_invariant.py) make a group's samples a function of its prompt,
 its place and the weights; so the batches, and the run, repeat bit for bit.
 
+The cut: what a step's ledger record and a save hold is the stream as the round after the
+step opened (its prompts drawn, before any step due in it settles), not what a settle has
+changed by the time the controller looks (a uniform group skipped, its replacement drawn
+from the prompt stream): :meth:`LockstepStream.snapshot` holds such a group again and not
+its replacement, with the prompt stream's position of the cut, and
+:meth:`LockstepStream.take_set_aside` leaves its skip to the next record. So two runs
+write the same ledger (rl/controller/rollout_state.py), whatever the timing.
+
 Resume: a snapshot is taken after the push of a save step, so round ``first`` of the
 resumed job has begun already. Its groups keep their step; a sample cut back to the
 tokens it had when its segment was sent runs that segment again, one whose last token is
-of the current version waits for the next round, as it would have.
+of the current version waits for the next round, as it would have. A group held again is
+skipped again, and its replacement drawn from the same place. Ids: a group's is its place
+in the prompt stream (which its samples' seeds are made from), its samples' are
+:func:`~rl.controller.rollouts.rollout_stem`'s, and a resumed stream marks none as its own:
+the samples at a place are the same in every attempt, so are their ids.
 """
 
 from __future__ import annotations
 
-import itertools
 import time
 from typing import TYPE_CHECKING
 
-from rl.controller.rollouts import Group, RolloutStream, StreamState
+from rl.controller.rollouts import Group, RolloutStream, StreamState, rollout_stem
 from rl.generator.types import Rollout
 
 if TYPE_CHECKING:
@@ -73,6 +84,9 @@ class LockstepStream(RolloutStream):
         self._settled: dict[int, list[Group]] = {}  # kept, not yet taken by the trainer
         self._next_settle = version  # steps settle in this order
         self._restored_round = False
+        # The round's cut (see the module's docstring): the prompts drawn and the prompt
+        # stream's position as it opened, and how many groups set aside then are untaken.
+        self._cut_drawn, self._cut_position, self._cut_aside = 0, position(), 0
 
     # ------------------------------------------------------------------ the schedule
     def _due(self, step: int) -> int:
@@ -94,14 +108,20 @@ class LockstepStream(RolloutStream):
             self._steps[step] = [self._draw(step) for _ in range(self.gate.per_step)]
         self._resume_parked()
 
+    def _mark_cut(self) -> None:
+        """The round has opened (its prompts drawn): this is its cut."""
+        self._cut_drawn, self._cut_position = self.drawn, self.position()
+        self._cut_aside = len(self._aside)
+
     def _draw(self, step: int) -> Group:
+        """The next prompt's group, for ``step``; its id is its place in the prompt stream."""
         item = self.next_item()
-        group = Group(next(self._ids), item, self.committed, index=self.drawn, step=step)
+        group = Group(self.drawn, item, self.committed, index=self.drawn, step=step)
         self.drawn += 1
         self.started += 1
         futures = self.client.submit(list(item.prompt_ids), self.sampling, group=group.gid,
                                      segment_tokens=self._budget(group),
-                                     rid_prefix=self._rid_prefix)  # fmt: skip
+                                     rid=rollout_stem(group.index))  # fmt: skip
         for f in futures:
             group.rollouts.append(f.rollout)
             self._gen[f] = (group, 0)
@@ -136,6 +156,7 @@ class LockstepStream(RolloutStream):
     def start(self) -> LockstepStream:
         with self._cv:
             self._open_round()
+            self._mark_cut()
         super().start()
         return self
 
@@ -149,6 +170,7 @@ class LockstepStream(RolloutStream):
                 )
             self.committed, self._restored_round = version, False
             self._open_round()
+            self._mark_cut()
             self._poke()
 
     def _start_groups(self) -> None:  # called by the thread, under the lock, each wake-up
@@ -197,9 +219,25 @@ class LockstepStream(RolloutStream):
             self.consumed += len(batch)
             return batch, self._window(batch, trainer_version, t0, dropped)
 
+    def take_set_aside(self) -> list[tuple[str, Group]]:
+        """The groups skipped by the round's cut and not taken yet: those of the steps due
+        in earlier rounds. A group skipped since is the snapshot's, and the next call's."""
+        with self._cv:
+            n, self._cut_aside = self._cut_aside, 0
+            taken, self._aside = self._aside[:n], self._aside[n:]
+            return taken
+
+    def _cut_point(self) -> tuple[int, dict]:
+        return self._cut_drawn, self._cut_position
+
     def _held(self) -> list[Group]:
-        settled = [g for s in sorted(self._settled) for g in self._settled[s]]
-        return settled + [g for s in sorted(self._steps) for g in self._steps[s]]
+        """Every group drawn and not trained on by the round's cut, in step and draw order:
+        a group skipped since is held, a replacement drawn since is not."""
+        since = [g for _, g in self._aside[self._cut_aside :]]
+        held = [*(g for s in self._settled.values() for g in s),
+                *(g for s in self._steps.values() for g in s), *since]  # fmt: skip
+        held = [g for g in held if g.index < self._cut_drawn]
+        return sorted(held, key=lambda g: (g.step, g.index))
 
     def restore(self, state: StreamState) -> dict[str, float]:
         """Before :meth:`start`: the snapshot of a save step's end, taken in round
@@ -221,7 +259,6 @@ class LockstepStream(RolloutStream):
                 for r in g.rollouts:
                     if r.finished:
                         continue
-                    r.rid = f"{r.rid}@{state.step}"
                     if r.versions and r.versions[-1] == self.committed:
                         self._parked.append((g, r))  # this round's segment is done
                     else:  # its segment of this round was on a server: again
@@ -229,8 +266,6 @@ class LockstepStream(RolloutStream):
                         resumed += 1
             self.started += len(state.groups)
             self.drawn = state.drawn
-            self._ids = itertools.count(max((g.gid for g in state.groups), default=-1) + 1)
-            self._rid_prefix = f"s{state.step}."
             self._next_settle = min(self._steps, default=self.committed)
             self._restored_round = True
             self._restored = {"resume_groups": float(len(state.groups)),

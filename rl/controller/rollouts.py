@@ -23,6 +23,17 @@ Resume: :meth:`RolloutStream.snapshot` is what an RL checkpoint saves of the str
 group drawn and not trained on, and the prompt stream's position; the file format is in
 rl/controller/rollout_state.py), and :meth:`RolloutStream.restore` takes it up in a
 resumed job before the thread starts.
+
+Rollout ids (the ledger's, rl/controller/rollout_state.py): what a sample is, never when it
+arrived. Sample ``i`` of the group drawn ``index``-th from the run's prompt stream is
+``g<index>.<i>`` (:func:`rollout_stem`), so runs that draw the same prompts name their
+samples alike. A resumed free-running attempt samples a place of the run otherwise than
+the lost attempt did (timing sets the versions), and that one may have written its samples
+into the ledger under those ids before it was lost: so the resumed attempt marks what it
+samples, ``s<step>.`` before a new group's ids and ``@<step>`` after those of a carried-over
+sample it goes on with (``step``: the checkpoint it resumed from). A deterministic run's
+samples at a place are the same in every attempt; its stream marks nothing
+(rl/controller/lockstep.py).
 """
 
 from __future__ import annotations
@@ -47,6 +58,19 @@ from rl.tasks.scoring import ScoreResult
 if TYPE_CHECKING:
     from rl.controller.episodes import EpisodeDriver
     from rl.generator.client import GeneratorClient, RolloutFuture
+
+
+def rollout_stem(index: int, resumed_from: int | None = None) -> str:
+    """The stem of the ids of the group drawn ``index``-th from the run's prompt stream (its
+    samples are ``<stem>.<i>``); ``resumed_from``: the checkpoint step of a free-running
+    attempt that samples it, which marks it as its own."""
+    return f"g{index}" if resumed_from is None else f"s{resumed_from}.g{index}"
+
+
+def carried_rid(rid: str, resumed_from: int) -> str:
+    """The id of a sample cut mid-response by a free-running attempt's loss, which the
+    attempt resumed from checkpoint step ``resumed_from`` goes on with."""
+    return f"{rid}@{resumed_from}"
 
 
 class StreamClosed(RuntimeError):
@@ -139,7 +163,7 @@ class RolloutStream:
         self.first = self.committed = version
         self.started = self.consumed = self.drawn = 0
         self._ids = itertools.count()
-        self._rid_prefix = ""  # a resumed attempt's: its ids never repeat an earlier one's
+        self._resumed_from: int | None = None  # a free-running resumed attempt's marks
         self._uniform_run = 0  # uniform groups since the last group kept
         self.uniform_warn, self.uniform_fail = UNIFORM_WARN, UNIFORM_FAIL
         self._gen: dict[cf.Future, tuple[Group, int]] = {}  # segment -> (group, tokens before)
@@ -248,6 +272,11 @@ class RolloutStream:
         with self._cv:
             return len(self._parked)
 
+    def _cut_point(self) -> tuple[int, dict[str, Any]]:
+        """The prompts drawn and the prompt stream's position a snapshot holds with the
+        groups of :meth:`_held` (under the lock): now's."""
+        return self.drawn, self.position()
+
     def _held(self) -> list[Group]:
         """Every group drawn and not trained on: the scored queue first, in its order."""
         pending = [g for g, _ in [*self._gen.values(), *self._parked, *self._env.values()]]
@@ -285,15 +314,16 @@ class RolloutStream:
             copies = [replace(g, rollouts=[cut(r) for r in g.rollouts],
                               results=None if g.results is None else list(g.results))
                       for g in groups.values()]  # fmt: skip
-            return StreamState(0, self.committed, self.drawn, self.position(), groups=copies)
+            drawn, position = self._cut_point()
+            return StreamState(0, self.committed, drawn, position, groups=copies)
 
     def restore(self, state: StreamState) -> dict[str, float]:
         """Before :meth:`start`: take up a snapshot's groups under the version the
         stream was built with. A group whose oldest token is already more than the
         gate's lag behind can never be trained on: it is dropped and counted. Scored
         groups go to the front of the queue, finished ones to the reward executor, and
-        unfinished samples resume at once from their tokens (under new request ids: the
-        old ones belong to the lost attempt's numbering)."""
+        unfinished samples resume at once from their tokens. Ids: this attempt's marks,
+        see the module's docstring."""
         carried = dropped = resumed = 0
         with self._cv:
             for g in state.groups:
@@ -315,13 +345,13 @@ class RolloutStream:
                     self._scoring[self.score(g)] = g
                 for r in g.rollouts:
                     if not r.finished:
-                        r.rid = f"{r.rid}@{state.step}"
+                        r.rid = carried_rid(r.rid, state.step)
                         self._parked.append((g, r))
                         resumed += 1
             self.started += carried
             self.drawn = state.drawn
             self._ids = itertools.count(max((g.gid for g in state.groups), default=-1) + 1)
-            self._rid_prefix = f"s{state.step}."
+            self._resumed_from = state.step
             self._resume_parked()
             self._restored = {"resume_groups": float(carried), "resume_rollouts": float(resumed),
                               "resume_dropped_groups": float(dropped)}  # fmt: skip
@@ -406,7 +436,7 @@ class RolloutStream:
                 self.sampling,
                 group=group.gid,
                 segment_tokens=self.segment_tokens,
-                rid_prefix=self._rid_prefix,
+                rid=rollout_stem(group.index, self._resumed_from),
             )
             for f in futures:
                 group.rollouts.append(f.rollout)

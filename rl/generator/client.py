@@ -212,17 +212,17 @@ class GeneratorClient:
         *,
         group: int | None = None,
         segment_tokens: int | None = None,
-        rid_prefix: str = "",
+        rid: str | None = None,
     ) -> list[RolloutFuture]:
         """Start ``sampling.n`` rollouts of one prompt, sent as one request (see
         ``resume_many``). Validation happens here, so a bad request raises before anything
         is sent. With ``segment_tokens``, each future resolves after at most that many new
-        tokens; resume it with ``resume``. ``rid_prefix``: of the rollouts' ids."""
+        tokens; resume it with ``resume``. ``rid``: the stem of the rollouts' ids
+        (``<rid>.<sample>``), unique among the client's rollouts; None: made up here."""
         self.limits.check(prompt_ids, sampling)
         if segment_tokens is not None and segment_tokens < 1:
             raise RequestError(f"segment_tokens={segment_tokens} must be >= 1")
-        return self.resume_many(new_rollouts(prompt_ids, sampling, group, rid_prefix),
-                                segment_tokens)  # fmt: skip
+        return self.resume_many(new_rollouts(prompt_ids, sampling, group, rid), segment_tokens)
 
     def resume(self, rollout: Rollout, segment_tokens: int | None = None) -> RolloutFuture:
         """Continue an unfinished rollout (prompt + tokens so far go back in). The future

@@ -28,10 +28,11 @@ FINISHED = ("stop", "length", "abort")
 _ids = itertools.count()
 
 
-def new_rid(prefix: str = "") -> str:
-    """A rollout id unique in this process; ``prefix`` keeps it unique across the attempts
-    of one run (each attempt's process counts from 0)."""
-    return f"{prefix}r{next(_ids)}"
+def new_rid() -> str:
+    """A rollout id unique in this process, in the order rollouts are made: for rollouts
+    no run's ledger names (an evaluation's, a benchmark's). A run's rollout stream names
+    its own from what each rollout is (rl/controller/rollouts.py)."""
+    return f"r{next(_ids)}"
 
 
 def _is_int(v: object) -> bool:
@@ -158,7 +159,7 @@ class Rollout:
     finish_reason: str | None = None
     segments: int = 0
     server: int | None = None  # the server that produced the last segment
-    rid: str = field(default_factory=lambda: new_rid())
+    rid: str = field(default_factory=new_rid)
     # [start, count] runs of output_ids that an environment wrote (multi-turn episodes):
     # in the context, out of the loss.
     observed: list[list[int]] = field(default_factory=list)
@@ -289,10 +290,12 @@ def routing_versions(r: Rollout) -> list[int]:
 
 
 def new_rollouts(
-    prompt_ids: list[int], sampling: SamplingParams, group: int | None, rid_prefix: str = ""
+    prompt_ids: list[int], sampling: SamplingParams, group: int | None, rid: str | None = None
 ) -> list[Rollout]:
-    """The ``sampling.n`` fresh rollouts of one prompt, each with its own request id."""
-    return [Rollout(list(prompt_ids), sampling, i, group, rid=new_rid(rid_prefix))
+    """The ``sampling.n`` fresh rollouts of one prompt, each with its own id: sample
+    ``i``'s is ``<rid>.<i>`` (the caller keeps ``rid`` unique), or :func:`new_rid`'s."""
+    return [Rollout(list(prompt_ids), sampling, i, group,
+                    rid=new_rid() if rid is None else f"{rid}.{i}")
             for i in range(sampling.n)]  # fmt: skip
 
 

@@ -19,11 +19,10 @@ class FakeClient(ABC):
         sampling: SamplingParams,
         group: int | None = None,
         segment_tokens: int | None = None,
-        rid_prefix: str = "",
+        rid: str | None = None,
     ) -> list[Future]:
         """``sampling.n`` rollouts of one prompt, each a future with its ``rollout``."""
-        return self.resume_many(new_rollouts(prompt_ids, sampling, group, rid_prefix),
-                                segment_tokens)  # fmt: skip
+        return self.resume_many(new_rollouts(prompt_ids, sampling, group, rid), segment_tokens)
 
     def resume(self, rollout: Rollout, segment_tokens: int | None = None) -> Future:
         return self.resume_many([rollout], segment_tokens)[0]

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 PLACES = ("groups", "dropped", "skipped")  # per step: trained on, too old, no signal
+CARRIED = ("restored_at", "rollouts")  # what a resumed attempt adds to a group it carried over
 
 
 def ledger(out: Path) -> list[dict]:
@@ -37,3 +38,14 @@ def where_each_group_went(recs: list[dict]) -> dict[int, str]:
     missing = sorted(set(range(max(seen) + 1)) - set(seen))
     assert not missing, f"groups drawn and recorded nowhere: {missing[:10]}"
     return seen
+
+
+def as_if_uninterrupted(line: str) -> str:
+    """A ledger line without what a resumed attempt adds to the groups it carried over (the
+    step they were saved at, their samples), written as the controller writes a line: a
+    resumed deterministic run's line is then the uninterrupted run's, byte for byte."""
+    rec = json.loads(line)
+    for g in rec["groups"]:
+        for key in CARRIED:
+            g.pop(key, None)
+    return json.dumps(rec)

@@ -11,7 +11,8 @@ log-probs and versions; newer versions after), train on every prompt of the one 
 stream exactly once across both attempts, and log each step once.
 
 With ``rl.deterministic=true`` more holds: a killed-and-resumed run ends bit-equal to an
-uninterrupted one (samples, logged numbers, checkpoint bytes; tools/compare_runs.py).
+uninterrupted one (samples, logged numbers, checkpoint bytes; tools/compare_runs.py), and
+writes its rollout ledger but for what the resume adds to the groups it carried over.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ import torch
 
 from rl.generator import routing
 from rl.runtime.supervise import MARK_ENV
-from tests.helpers.ledger import where_each_group_went
+from tests.helpers.ledger import as_if_uninterrupted, where_each_group_went
 from tests.helpers.procs import live_tagged
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -290,7 +291,9 @@ def test_a_deterministic_job_repeats_and_resumes_bit_for_bit(tmp_path):
     """Two runs of the same job, the second killed right after step 2's checkpoint (while
     samples are cut mid-response) and resumed: every step trains the same prompts on the
     same samples (tokens, log-probs, versions), logs the same numbers (timings aside), and
-    the final weights, the policy's and the critic's, are bit-equal."""
+    the final weights, the policy's and the critic's, are bit-equal. The ledgers too: the
+    lines the second run's first attempt wrote are the first run's byte for byte, and the
+    resumed attempt's are once what a resume adds to the groups it carried over is out."""
     a, b = tmp_path / "a", tmp_path / "b"
     jobs = [_start(a, tmp_path / "a.log", DETERMINISTIC)]
     try:
@@ -317,3 +320,8 @@ def test_a_deterministic_job_repeats_and_resumes_bit_for_bit(tmp_path):
     resumed = [r for rec in _jsonl(b / "trained_prompts.jsonl") for g in rec["groups"]
                for r in g.get("rollouts", ())]  # fmt: skip
     assert any(len(set(r["versions"])) > 1 for r in resumed), "no sample spans two versions"
+    ledger_a, ledger_b = (x / "trained_prompts.jsonl" for x in (a, b))
+    lines_a, lines_b = ledger_a.read_text().splitlines(), ledger_b.read_text().splitlines()
+    assert len(lines_a) == 4 and lines_b[:2] == lines_a[:2]  # uninterrupted up to its kill
+    uninterrupted = "".join(as_if_uninterrupted(x) + "\n" for x in lines_b)
+    assert uninterrupted.encode() == ledger_a.read_bytes()

@@ -1,16 +1,20 @@
 """The deterministic run's rollout stream (rl/controller/lockstep.py) against a fake
 generator whose segments and scores come back after random delays: the batches, every
-token's version and the prompt order repeat whatever the timing, a resumed stream goes on
-exactly as the uninterrupted one, and the free-running stream, driven the same way, does
-not repeat (so the comparison can fail). The real job: tests/servers/test_deterministic_job.py."""
+token's version, the prompt order and the rollout ids repeat whatever the timing, and so
+does the run's ledger; a resumed stream goes on exactly as the uninterrupted one; and the
+free-running stream, driven the same way, does not repeat (so the comparison can fail).
+The real job: test_a_deterministic_job_repeats_and_resumes_bit_for_bit in
+tests/servers/test_rl_resume.py."""
 
 from __future__ import annotations
 
 import hashlib
+import json
 import random
 import threading
 import time
 from concurrent.futures import Future
+from pathlib import Path
 
 import pytest
 
@@ -23,6 +27,7 @@ from rl.generator.types import Rollout
 from rl.tasks.common import Example
 from rl.tasks.scoring import ScoreResult
 from tests.helpers.fake_generator import FakeClient
+from tests.helpers.ledger import as_if_uninterrupted, where_each_group_went
 
 SAMPLING = SamplingParams(n=3, max_new_tokens=6)
 EOS = 0
@@ -95,14 +100,17 @@ def _stream(cls, client, seed, prompts, version, lag, seg, last):
 
 
 def _record(groups) -> list:
-    return [(g.step, g.item.uid, [(r.output_ids, r.versions) for r in g.rollouts])
+    return [(g.step, g.item.uid, [(r.rid, r.output_ids, r.versions) for r in g.rollouts])
             for g in groups]  # fmt: skip
 
 
 def _steps(stream, client, first: int, last: int, log: list, save_at: int | None = None,
-           settle_s: float = 0.0):  # fmt: skip
+           settle_s: float = 0.0, out: Path | None = None, look_s: float = 0.0,
+           saves: tuple[int, ...] = ()):  # fmt: skip
     """The controller's order: take step s, (train), finish the round, push s+1; at
-    ``save_at``, a snapshot ``settle_s`` after the push."""
+    ``save_at``, a snapshot ``settle_s`` after the push, and stop there. With ``out``,
+    RLRun's ledger record of each step in it, ``look_s`` after the push: the groups set
+    aside, and at ``saves`` and the last step those the stream holds (the snapshot)."""
     for s in range(first, last + 1):
         time.sleep(random.random() * 0.003)  # training takes a while
         groups, _ = stream.next_batch(s)
@@ -110,9 +118,13 @@ def _steps(stream, client, first: int, last: int, log: list, save_at: int | None
         stream.finish_round()
         client.version = s + 1
         stream.commit(s + 1)
+        time.sleep(look_s + (settle_s if s == save_at else 0.0))
+        held = stream.snapshot() if s in (save_at, last, *saves) else None
+        if out is not None:
+            left = None if held is None else held.groups
+            rollout_state.log_trained(out, s, groups, (), stream.take_set_aside(), left)
         if s == save_at:
-            time.sleep(settle_s)
-            return stream.snapshot()
+            return held
     return None
 
 
@@ -132,13 +144,13 @@ def test_batches_and_versions_repeat_whatever_the_timing(lag, seg):
     assert _run(LockstepStream, 1, lag, seg) == first
     for s, groups in enumerate(first, start=1):
         assert len(groups) == 2 and all(step == s for step, _, _ in groups)
-        versions = [v for _, _, samples in groups for _, vs in samples for v in vs]
+        versions = [v for _, _, samples in groups for _, _, vs in samples for v in vs]
         start = max(1, s - lag)
         assert min(versions) >= start and max(versions) <= s
         if seg is None:  # a group runs to its end in the round it starts in
             assert set(versions) == {start}
     if seg is not None and lag:  # samples longer than a segment span versions
-        assert any(len(set(vs)) > 1 for g in first for _, _, ss in g for _, vs in ss)
+        assert any(len(set(vs)) > 1 for g in first for _, _, ss in g for _, _, vs in ss)
     uids = [int(uid[1:]) for g in first for _, uid, _ in g]
     assert all(u % 4 != 3 for u in uids)  # uniform groups (prompt id % 4 == 0) replaced
 
@@ -152,13 +164,16 @@ def test_the_free_running_stream_does_not_repeat():
 
 @pytest.mark.parametrize(
     ("lag", "seg", "save_at", "settle_s"),
-    [(1, 2, 2, 0.0), (2, 2, 3, 0.0), (2, 2, 3, 0.1), (2, None, 2, 0.0), (2, None, 2, 0.1)],
-)
+    [(1, 2, 2, 0.0), (2, 2, 3, 0.0), (2, 2, 3, 0.1), (2, None, 2, 0.0), (2, None, 2, 0.1),
+     (2, 2, 4, 0.0)],
+)  # fmt: skip
 def test_a_resumed_stream_goes_on_as_the_uninterrupted_one(lag, seg, save_at, settle_s):
     """Saved after a save step's push (as RLRun.save does), through the JSON file, into a
     new stream on a new client: the rest of the run is the uninterrupted run's. Saved at
     once, the round's segments are on the servers (cut back, run again); saved 0.1 s
-    later, they are back and parked until the next round."""
+    later, they are back and parked until the next round. Saved at 4 (lag 2), the last
+    group drawn is a replacement of step 4's: the resumed stream's groups still take their
+    ids, and their samples' seeds, from their places in the prompt stream."""
     whole = _run(LockstepStream, 5, lag, seg)
     client, prompts, log = _JitterClient(6), _Prompts(), []
     stream = _stream(LockstepStream, client, 6, prompts, 1, lag, seg, 6).start()
@@ -177,6 +192,55 @@ def test_a_resumed_stream_goes_on_as_the_uninterrupted_one(lag, seg, save_at, se
     finally:
         resumed.close()
     assert log == whole
+
+
+@pytest.mark.parametrize(("lag", "seg"), [(1, None), (2, 2)])
+def test_two_runs_and_a_resumed_one_write_the_same_ledger(tmp_path, lag, seg):
+    """RLRun's ledger (rl/controller/rollout_state.py) of two runs that save at step 3,
+    whose controller looks at the stream at once after each push, and 30 ms later (by then
+    the next round's uniform groups are skipped and replaced): byte-equal. A third run
+    stopped at step 3's save and resumed in a new stream writes it too, once what a resume
+    adds to the groups it carried over (the step, their samples) is taken out."""
+    ledgers = []
+    for seed, look_s in ((0, 0.0), (1, 0.03)):
+        out = tmp_path / f"run{seed}"
+        out.mkdir()
+        client, prompts = _JitterClient(seed), _Prompts()
+        stream = _stream(LockstepStream, client, seed, prompts, 1, lag, seg, 6).start()
+        try:
+            _steps(stream, client, 1, 6, [], out=out, look_s=look_s, saves=(3,))
+        finally:
+            stream.close()
+        ledgers.append((out / rollout_state.TRAINED).read_bytes())
+    assert ledgers[1] == ledgers[0]
+    lines = ledgers[0].decode().splitlines()
+    assert any(rec["skipped"] for rec in map(json.loads, lines))  # replacements were drawn
+    assert '"g0.0"' in lines[0]  # the first prompt's first sample
+
+    out = tmp_path / "resumed"
+    out.mkdir()
+    client, prompts = _JitterClient(2), _Prompts()
+    stream = _stream(LockstepStream, client, 2, prompts, 1, lag, seg, 6).start()
+    try:
+        state = _steps(stream, client, 1, 6, [], save_at=3, out=out, look_s=0.03)
+    finally:
+        stream.close()
+    assert state is not None
+    state = rollout_state.from_json(rollout_state.to_json(state))
+    client2, prompts2 = _JitterClient(3, version=4), _Prompts(state.drawn)
+    resumed = _stream(LockstepStream, client2, 3, prompts2, 4, lag, seg, 6)
+    resumed.restore(state)
+    resumed.start()
+    try:
+        _steps(resumed, client2, 4, 6, [], out=out, saves=(3,))
+    finally:
+        resumed.close()
+    text = (out / rollout_state.TRAINED).read_text()
+    assert text.splitlines()[:3] == lines[:3]
+    assert "".join(as_if_uninterrupted(x) + "\n" for x in text.splitlines()) == ledgers[0].decode()
+    recs = [json.loads(x) for x in text.splitlines()]
+    assert any("restored_at" in g for rec in recs for g in rec["groups"])
+    where_each_group_went(recs)  # every group drawn in one place
 
 
 def test_a_round_goes_one_version_at_a_time():

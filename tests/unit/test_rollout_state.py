@@ -148,8 +148,8 @@ def test_a_restored_stream_trains_the_queue_first_and_resumes_samples_from_their
     assert prompts.drawn == 0  # nothing new: the budget is full
     resumed = {(r.group, r.sample_index): r for r in client.sent}
     assert sorted(resumed) == [(1, 0), (2, 0), (2, 1), (4, 0), (4, 1), (5, 0), (5, 1)]
-    for key, r in resumed.items():  # from their saved tokens, under new request ids
-        assert r.output_ids == saved[key] and r.rid.endswith("@7")
+    for (gid, i), r in resumed.items():  # from their saved tokens; ids marked as this attempt's
+        assert r.output_ids == saved[gid, i] and r.rid == f"g{gid}.{i}@7"
     assert 3 in scores.pending  # finished, scored again
     stream.start()
     try:
@@ -179,6 +179,8 @@ def test_a_restored_stream_trains_the_queue_first_and_resumes_samples_from_their
     assert stream.drawn == 6 + prompts.drawn  # the stream's count goes on from the saved one
     gids = sorted({x.group for x in new})
     assert gids == list(range(6, 6 + prompts.drawn))  # new group ids, past the restored
+    # Their samples' ids: their places in the prompt stream, marked as this attempt's.
+    assert {x.rid for x in new} == {f"s7.g{k}.{i}" for k in gids for i in range(SAMPLING.n)}
 
 
 def test_groups_too_old_for_the_resumed_version_are_dropped_and_counted():

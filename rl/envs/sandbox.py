@@ -95,39 +95,35 @@ def _namespaces() -> bool:
         return False
 
 
-@functools.cache
-def _private_root() -> bool:
-    """Whether a run can be given its private root here: the boot enters one, with every
-    mount and pivot a run makes, around an empty ``main.py``."""
-    if not _namespaces():
-        return False
+def _boots(prefix: list[str], *, private_root: bool, seccomp: bool) -> bool:
+    """Whether the boot, under ``prefix`` and with the mechanisms asked for, runs an empty
+    ``main.py`` to its end here."""
     base = Path(tempfile.mkdtemp(prefix="sandbox-probe-"))
     try:
-        workdir, spec = _prepare(base, "", private_root=True, landlock=False, seccomp=False)
-        cmd = [*_UNSHARE, *_MOUNT, *_boot(spec)]
+        workdir, spec = _prepare(
+            base, "", private_root=private_root, landlock=False, seccomp=seccomp
+        )
+        cmd = [*prefix, *_boot(spec)]
         done = subprocess.run(cmd, cwd=workdir, env=_env(workdir), capture_output=True, timeout=10)
         return done.returncode == 0
     except (OSError, subprocess.TimeoutExpired):
         return False
     finally:
         shutil.rmtree(base, ignore_errors=True)
+
+
+@functools.cache
+def _private_root() -> bool:
+    """Whether a run can be given its private root here: the boot enters one, with every
+    mount and pivot a run makes."""
+    return _namespaces() and _boots([*_UNSHARE, *_MOUNT], private_root=True, seccomp=False)
 
 
 @functools.cache
 def _seccomp() -> bool:
-    """Whether the boot can install the seccomp filter here: it does, around an empty
-    ``main.py`` (refused on a kernel without seccomp filters or an architecture
-    rl/envs/seccomp.py has no table for)."""
-    base = Path(tempfile.mkdtemp(prefix="sandbox-probe-"))
-    try:
-        workdir, spec = _prepare(base, "", private_root=False, landlock=False, seccomp=True)
-        cmd = _boot(spec)
-        done = subprocess.run(cmd, cwd=workdir, env=_env(workdir), capture_output=True, timeout=10)
-        return done.returncode == 0
-    except (OSError, subprocess.TimeoutExpired):
-        return False
-    finally:
-        shutil.rmtree(base, ignore_errors=True)
+    """Whether the boot can install the seccomp filter here (refused on a kernel without
+    seccomp filters, or an architecture rl/envs/seccomp.py has no table for)."""
+    return _boots([], private_root=False, seccomp=True)
 
 
 @functools.cache

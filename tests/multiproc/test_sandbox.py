@@ -154,6 +154,8 @@ ESCAPES = {
     + _FAILS.format(call="libc.mount(b'x', b'.', b'tmpfs', 0, None)", what="mount"),
     "bind the root elsewhere": _LIBC
     + _FAILS.format(call="libc.mount(b'/', b'.', None, 4096 | 16384, None)", what="mount"),
+    "trace the run's pid 1": _LIBC
+    + _FAILS.format(call="libc.ptrace(16, 1, 0, 0)", what="ptrace"),  # PTRACE_ATTACH
     "a user namespace of its own": _LIBC
     + _FAILS.format(call="libc.unshare(0x10000000 | 0x20000)", what="unshare"),
     "read /proc/1/cmdline": "print(open('/proc/1/cmdline').read())",

@@ -152,10 +152,9 @@ def settings(cfg: RootConfig) -> list[str]:
             "start from experiment=hf_model"
         )
     if "python" in cfg.env.tools:
-        from rl.envs.sandbox import host_socket_warning
+        from rl.envs.sandbox import launch_warnings
 
-        if (line := host_socket_warning()) is not None:
-            lines.append(f"warning: {line}")
+        lines += [f"warning: {line}" for line in launch_warnings()]
     return lines
 
 

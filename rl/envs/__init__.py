@@ -4,8 +4,8 @@
   answered with observations or ends it) and ``ToolEnvironment``;
 - ``toolcall``: tool calls parsed in the model's own chat-template format;
 - ``tools``: built-in and user tools, schema checks, calls that never raise;
-- ``sandbox`` (with ``private_root``, ``landlock`` and ``sandbox_boot``): untrusted code,
-  contained; ``tool_worker``: a user's tools in worker processes;
+- ``sandbox`` (with ``private_root``, ``landlock``, ``seccomp`` and ``sandbox_boot``):
+  untrusted code, contained; ``tool_worker``: a user's tools in worker processes;
 - ``chat``: observation tokens as the template renders them;
 - ``setup``: all of it as the ``env`` config sets it up, checked before launch.
 

@@ -17,12 +17,17 @@ Each run gets its own directory and, where the machine allows:
   system library directories, written only in the run's directory (so neither the job's
   secret file nor its checkpoints can be read or changed), no TCP, no signals to
   processes outside the run, and no mount, umount or pivot_root;
+- a **seccomp filter** (rl/envs/seccomp.py): ptrace and its kin, bpf, perf_event_open,
+  userfaultfd, the key store, kexec, module loading, io_uring, every mount call, unshare,
+  setns and clone into new namespaces fail with EPERM (clone3 with ENOSYS, so libc falls
+  back to clone, whose flags the filter reads);
 - **rlimits**: CPU seconds, address space, processes, file size;
 - a wall-clock limit, after which the whole process group is killed;
 - an environment of four variables, none of the job's.
 
-``containment()`` names what this machine gives, and ``host_socket_warning()`` is the line
-to print at launch when nothing keeps the host's named sockets out of reach. A run never
+``containment()`` names what this machine gives, and ``launch_warnings()`` are the lines
+to print at launch for what it lacks: nothing keeps the host's named sockets out of reach
+(``host_socket_warning()``), or no syscall filter (``seccomp_warning()``). A run never
 raises for what the code did: a timeout, a crash or a limit is a :class:`RunResult` the
 tool turns into an observation.
 """
@@ -48,7 +53,7 @@ from rl.envs import landlock
 _BOOT = Path(__file__).with_name("sandbox_boot.py")
 _SYSTEM_READ = ("/usr", "/lib", "/lib64", "/bin", "/etc/ld.so.cache", "/etc/localtime")
 # sandbox_boot.py's exit statuses when a mechanism containment() named failed in the run
-PRIVATE_ROOT_REFUSED, LANDLOCK_REFUSED = 96, 97
+PRIVATE_ROOT_REFUSED, LANDLOCK_REFUSED, SECCOMP_REFUSED = 96, 97, 98
 
 
 @dataclass(frozen=True)
@@ -90,16 +95,15 @@ def _namespaces() -> bool:
         return False
 
 
-@functools.cache
-def _private_root() -> bool:
-    """Whether a run can be given its private root here: the boot enters one, with every
-    mount and pivot a run makes, around an empty ``main.py``."""
-    if not _namespaces():
-        return False
+def _boots(prefix: list[str], *, private_root: bool, seccomp: bool) -> bool:
+    """Whether the boot, under ``prefix`` and with the mechanisms asked for, runs an empty
+    ``main.py`` to its end here."""
     base = Path(tempfile.mkdtemp(prefix="sandbox-probe-"))
     try:
-        workdir, spec = _prepare(base, "", private_root=True, landlock=False)
-        cmd = [*_UNSHARE, *_MOUNT, *_boot(spec)]
+        workdir, spec = _prepare(
+            base, "", private_root=private_root, landlock=False, seccomp=seccomp
+        )
+        cmd = [*prefix, *_boot(spec)]
         done = subprocess.run(cmd, cwd=workdir, env=_env(workdir), capture_output=True, timeout=10)
         return done.returncode == 0
     except (OSError, subprocess.TimeoutExpired):
@@ -109,10 +113,24 @@ def _private_root() -> bool:
 
 
 @functools.cache
+def _private_root() -> bool:
+    """Whether a run can be given its private root here: the boot enters one, with every
+    mount and pivot a run makes."""
+    return _namespaces() and _boots([*_UNSHARE, *_MOUNT], private_root=True, seccomp=False)
+
+
+@functools.cache
+def _seccomp() -> bool:
+    """Whether the boot can install the seccomp filter here (refused on a kernel without
+    seccomp filters, or an architecture rl/envs/seccomp.py has no table for)."""
+    return _boots([], private_root=False, seccomp=True)
+
+
+@functools.cache
 def containment() -> tuple[str, ...]:
     """What isolates a run on this machine, by name: ``namespaces`` (user, net, pid),
-    ``private-root``, ``landlock-files``, ``landlock-tcp``, ``landlock-signals`` and always
-    ``rlimits``."""
+    ``private-root``, ``landlock-files``, ``landlock-tcp``, ``landlock-signals``,
+    ``seccomp`` and always ``rlimits``."""
     out = ["namespaces"] if _namespaces() else []
     if _private_root():
         out.append("private-root")
@@ -123,7 +141,15 @@ def containment() -> tuple[str, ...]:
         out.append("landlock-tcp")
     if version >= 6:
         out.append("landlock-signals")
+    if _seccomp():
+        out.append("seccomp")
     return (*out, "rlimits")
+
+
+def launch_warnings() -> list[str]:
+    """The lines to print at launch, one per layer this machine lacks that leaves the
+    host open to the python tool's code (none on a machine that has them all)."""
+    return [line for line in (host_socket_warning(), seccomp_warning()) if line is not None]
 
 
 def host_socket_warning() -> str | None:
@@ -137,6 +163,18 @@ def host_socket_warning() -> str | None:
         "sandbox: no private root on this machine (unshare --mount failed): the python "
         "tool's code can connect to any named unix socket of the host whose path it knows "
         "(e.g. /run/dbus/system_bus_socket, /var/run/docker.sock)"
+    )
+
+
+def seccomp_warning() -> str | None:
+    """The one line to print at launch when no seccomp filter narrows the system calls
+    sandboxed code can make; None when the boot installs one."""
+    if "seccomp" in containment():
+        return None
+    return (
+        "sandbox: no seccomp filter on this machine (the kernel or this architecture "
+        "refused it): the python tool's code can make every system call the kernel allows "
+        "it (ptrace, bpf, io_uring, unshare, ...), which widens what a kernel bug exposes"
     )
 
 
@@ -194,14 +232,15 @@ def _reason(code: int | None, timed_out: bool) -> str:
 
 
 def _prepare(
-    base: Path, code: str, *, private_root: bool, landlock: bool
+    base: Path, code: str, *, private_root: bool, landlock: bool, seccomp: bool
 ) -> tuple[Path, dict[str, object]]:
     """The run's directory with ``code`` as its ``main.py``, and the boot's spec: beside the
     directory, the empty mount point of the private root."""
     workdir = base / "work"
     workdir.mkdir()
     (workdir / "main.py").write_text(code)
-    spec: dict[str, object] = {"workdir": str(workdir), "landlock": landlock, "root": None}
+    spec: dict[str, object] = {"workdir": str(workdir), "root": None}
+    spec |= {"landlock": landlock, "seccomp": seccomp}
     if private_root:
         (base / "root").mkdir()
         spec["root"] = str(base / "root")
@@ -234,6 +273,7 @@ def run_python(code: str, limits: Limits = Limits(), base_dir: str | None = None
             code,
             private_root="private-root" in where,
             landlock="landlock-files" in where,
+            seccomp="seccomp" in where,
         )
         cmd = _boot(spec)
         processes = limits.processes

@@ -1,10 +1,10 @@
 """The first code a sandboxed Python runs (``python -I sandbox_boot.py '<json>'``): move
-into its private root, restrict itself with Landlock, then run the user's ``main.py`` in its
-own directory.
+into its private root, restrict itself with Landlock, filter its system calls with
+seccomp, then run the user's ``main.py`` in its own directory.
 
 Run by path with ``-I``, so nothing from the job's environment or working directory is
-imported; it loads private_root.py and landlock.py beside it by path, for the same reason,
-and before the private root hides this directory.
+imported; it loads private_root.py, landlock.py and seccomp.py beside it by path, for the
+same reason, and before the private root hides this directory.
 """
 
 import importlib.util
@@ -18,6 +18,7 @@ from types import ModuleType
 
 PRIVATE_ROOT_REFUSED = 96  # the exit status when the private root was wanted and failed
 LANDLOCK_REFUSED = 97  # the exit status when Landlock was wanted and the kernel refused it
+SECCOMP_REFUSED = 98  # the exit status when the seccomp filter was wanted and refused
 
 
 def _load(name: str) -> ModuleType:
@@ -33,6 +34,7 @@ def main() -> None:
     spec = json.loads(sys.argv[1])
     workdir = spec["workdir"]
     landlock = _load("landlock") if spec["landlock"] else None
+    seccomp = _load("seccomp") if spec.get("seccomp") else None
     if spec.get("root"):
         try:
             _load("private_root").enter(spec["root"], spec["read"], workdir, ["/dev/null"])
@@ -45,6 +47,12 @@ def main() -> None:
         except OSError as e:
             print(f"sandbox: Landlock refused: {e}", file=sys.stderr)
             sys.exit(LANDLOCK_REFUSED)
+    if seccomp is not None:  # last: the mounts and the pivot above are calls it denies
+        try:
+            seccomp.install()
+        except OSError as e:
+            print(f"sandbox: seccomp refused: {e}", file=sys.stderr)
+            sys.exit(SECCOMP_REFUSED)
     os.chdir(workdir)
     # Under `unshare --pid` this process is the namespace's init, which ignores signals it
     # has no handler for, SIGXCPU included: the code runs in a child, and init waits.

@@ -390,7 +390,8 @@ def test_a_launch_with_the_python_tool_warns_when_host_sockets_are_in_reach(monk
 
     tools = ["env.tools=[python]", "env.chat_template=chatml_tools"]
     monkeypatch.setattr(sandbox, "containment", lambda: ("namespaces", "rlimits"))
-    (line,) = [x for x in settings(composed(tools)) if x.startswith("warning: ")]
-    assert line.startswith("warning: sandbox: no private root on this machine")
-    monkeypatch.setattr(sandbox, "containment", lambda: ("namespaces", "private-root"))
+    root, syscalls = [x for x in settings(composed(tools)) if x.startswith("warning: ")]
+    assert root.startswith("warning: sandbox: no private root on this machine")
+    assert syscalls.startswith("warning: sandbox: no seccomp filter on this machine")
+    monkeypatch.setattr(sandbox, "containment", lambda: ("private-root", "seccomp"))
     assert not [x for x in settings(composed(tools)) if x.startswith("warning: ")]

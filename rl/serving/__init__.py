@@ -9,5 +9,7 @@ generator's policy servers and the reward ranks' LLM judge.
 * ``cpu_shim``: what SGLang needs on a CPU-only machine, loaded into each server by a
   ``sitecustomize``: per-request seeds (``cpu_seeds``), batch-invariant products
   (``cpu_batch_invariant``), no tqdm semaphore (``server_footprint``), forked children
-  (``cpu_fork``), each a patch applied after its module imports (``after_import``).
+  (``cpu_fork``), routed experts in plain memory (``cpu_routed_experts``), Qwen2-MoE's gated
+  shared expert in torch (``cpu_shared_expert_gate``), each a patch applied after its module
+  imports (``after_import``).
 """

@@ -42,11 +42,12 @@ def make_model(
     seed: int = 0,
     score: bool = False,
     extra: dict[str, object] | None = None,
+    bias_std: float = 1.0,
 ) -> Path:
     """The tiny random model ``kind`` (a family's ``Arch.tiny``: the shared tiny shape, the
     MoE shape for an MoE family, then the kind's own fields), saved in ``path``; with
     ``score``, the family's ``*ForSequenceClassification`` of one label (a reward model);
-    ``extra``: HF config fields over all of those.
+    ``extra``: HF config fields over all of those; ``bias_std``: the biases' spread.
 
     Expert weights are random (transformers 5 initialises its stacked expert parameters with
     normal(0, initializer_range)); norms and biases get the random perturbation below."""
@@ -63,7 +64,8 @@ def make_model(
     with torch.no_grad():  # random, non-trivial norms and biases (defaults are 1 and 0)
         for name, p in model.named_parameters():
             if name.endswith("norm.weight") or name.endswith(".bias"):
-                p.copy_(1.0 + 0.1 * torch.randn_like(p) if "norm" in name else torch.randn_like(p))
+                p.copy_(1.0 + 0.1 * torch.randn_like(p) if "norm" in name
+                        else bias_std * torch.randn_like(p))  # fmt: skip
     model = model.to(dtype).eval()
     model.save_pretrained(path)
     return path

@@ -1,21 +1,26 @@
-"""DDMA into a live SGLang server (CPU, TP=1, fp32) for the Qwen3 families.
+"""DDMA into a live SGLang server (CPU, TP=1, fp32) for the Qwen families.
 
-The end to end of tests/servers/test_ddma_sglang.py (there for Llama) for two more architectures,
+The end to end of tests/servers/test_ddma_sglang.py (there for Llama) for more architectures,
 one live server per model, started from that model's HF directory, one after the other:
 
 * ``qwen3`` (dense; QK-norm, head_dim 32 != hidden / heads): a Megatron TP=2 trainer;
   the CPU server pads the MLP width 176 to 192, which the plan zero-fills;
 * ``qwen3_moe`` (every layer MoE, 4 experts top-2): a Megatron trainer with expert
   parallelism (TP=1, DP=2, EP=2), each rank owning two experts, which it moves into
-  SGLang's fused ``w13_weight[e]`` / ``w2_weight[e]`` slabs (width 32: not padded).
+  SGLang's fused ``w13_weight[e]`` / ``w2_weight[e]`` slabs (width 32: not padded);
+* ``qwen2_moe`` (q/k/v biases, 4 experts top-2 not renormalised, and a shared expert of
+  width 48 under a sigmoid gate): the same EP=2 trainer; SGLang runs the gated shared
+  expert in torch on CPU (rl/serving/cpu_shared_expert_gate.py), and pads its width to 64.
 
-The trainer takes one optimizer step at a small learning rate and DDMAs its shards into
-the server as version 1; SGLang's greedy tokens then equal transformers' on the trainer's
-checkpoint converted to HF, and their log-probs agree within ``TOL``. The step must have
-changed what the server serves by far more than ``TOL`` (and, under EP, each EP rank's
-experts on their own), so a sync that delivered nothing, or only part, fails.
+Before any sync, the server as started serves transformers' greedy tokens on the same
+checkpoint, log-probs within ``START_TOL``. The trainer then takes one optimizer step at a
+small learning rate and DDMAs its shards into the server as version 1; SGLang's greedy
+tokens then equal transformers' on the trainer's checkpoint converted to HF, and their
+log-probs agree within ``TOL``. The step must have changed what the server serves by far
+more than ``TOL`` (and, under EP, each EP rank's experts on their own), so a sync that
+delivered nothing, or only part, fails.
 
-The MoE server also returns routed experts (routing replay, rl/generator/routing.py, on
+The MoE servers also return routed experts (routing replay, rl/generator/routing.py, on
 CPU through rl/serving/cpu_routed_experts.py): each rollout holds one row per input
 token, transformers' router's choice for that token on the trainer's checkpoint, the
 same whether the rollout was cut into segments or not.
@@ -52,13 +57,24 @@ from tests.helpers.hf_reference import HFReferenceGenerator
 PROMPTS = [[1, 5, 6, 7], [1, 40, 41, 42, 43], [1, 77, 12, 60]]
 GREEDY = SamplingParams(temperature=0, max_new_tokens=10)
 TOL = 1e-4  # SGLang against transformers, as in tests/servers/test_ddma_sglang.py
+# The server as started against transformers on the same checkpoint, no sync between: only
+# the two fp32 forwards differ (FACTS: CPU SGLang is not bit-reproducible).
+START_TOL = 1e-5
 # kind -> (trainer tp, trainer ep, lr); dp = world / tp, world 2 in both. One Adam step
 # moves every weight by about lr (no warm-up): small, as FACTS advises (lr 1e-3 collapsed a
 # real model), yet large enough that the step is visible past TOL. Qwen3 at 3e-5 moves the
 # served log-probs by ~2e-3. The routed experts of the tiny MoE weigh ~30x less in its
 # output: at 3e-5 reverting one EP rank's experts moves them by only ~4e-5 (< TOL, so a
-# stale expert would pass unseen); at 3e-4 by ~3.5e-4, which the parity check catches.
-CASES = {"qwen3": (2, 1, 3e-5), "qwen3_moe": (1, 2, 3e-4)}
+# stale expert would pass unseen); at 3e-4 by ~3.5e-4, which the parity check catches
+# (Qwen2-MoE's, beside its shared expert: 2.5e-4 and 6.0e-4).
+CASES = {"qwen3": (2, 1, 3e-5), "qwen3_moe": (1, 2, 3e-4), "qwen2_moe": (1, 2, 3e-4)}
+MOE = ("qwen3_moe", "qwen2_moe")
+# Qwen2-MoE's q/k/v biases at make_model's default spread (1) add one vector to every token
+# that outweighs the tiny embeddings, and its routers then send nearly every token to the
+# same experts (the step's batch: layer 1 chose experts 0 and 1 for 64 of 64 tokens, so
+# one EP rank's experts were never trained, and the routing rows nearly constant). At 0.05
+# the biases still dominate q, k and v and every expert gets tokens. Qwen3 has no biases.
+BIAS_STD = 0.05
 
 
 @dataclass
@@ -71,6 +87,7 @@ class Synced:
     client: GeneratorClient
     versions_before: list[int]
     out: list[dict]  # per trainer rank: metrics, DDMA stats, plan rank
+    served0: list[Rollout]  # what the server served before the sync
     m: object  # the trainer's model config
     ref: HFReferenceGenerator  # transformers on hf1
     seconds: dict
@@ -86,12 +103,12 @@ def synced(request, tmp_path_factory):
     kind = request.param
     tp, ep, lr = CASES[kind]
     root = tmp_path_factory.mktemp(f"ddma_{kind}")
-    hf0 = make_model(kind, root / kind)
+    hf0 = make_model(kind, root / kind, bias_std=BIAS_STD)
     m, dtype = prepare_hf_to_mcore(str(hf0), tp, 1, vocab_multiple=128, dtype=None, ep=ep)
     assert dtype == "float32"
     keys = ServerKeys.random()  # the trainer ranks start before the server: hand them over
     server = replace(ServerConfig.from_rollout(compose([]).rollout, str(hf0)), keys=keys,
-                     return_routed_experts=kind == "qwen3_moe")  # fmt: skip
+                     return_routed_experts=kind in MOE)  # fmt: skip
     assert (server.device, server.tp) == ("cpu", 1)  # the layout train_then_sync plans for
     g = torch.Generator().manual_seed(3)
     tokens = torch.randint(3, 99, (4, 16), generator=g)
@@ -108,6 +125,7 @@ def synced(request, tmp_path_factory):
             launcher = stack.enter_context(ServerLauncher(server, n=1, log_dir=root / "logs"))
             client = stack.enter_context(GeneratorClient.for_launcher(launcher))
             versions_before = client.weight_versions()  # before the trainer may commit
+            served0 = client.generate(PROMPTS, GREEDY)
             url = client.urls[0]
         finally:
             # Atomically (the ranks poll for it); empty: they give up instead of waiting.
@@ -119,7 +137,7 @@ def synced(request, tmp_path_factory):
         mcore_to_hf(str(root / "step1"), str(root / "hf1"))
         seconds = {"server_ready": round(t1 - t0, 1), "trainer_done": round(t2 - t0, 1)}
         yield Synced(
-            kind, tp, ep, hf0, root / "hf1", client, versions_before, out, m,
+            kind, tp, ep, hf0, root / "hf1", client, versions_before, out, served0, m,
             HFReferenceGenerator(root / "hf1"), seconds,
         )  # fmt: skip
         launcher.stop(grace=0)  # the module is done, nothing in flight: no drain
@@ -131,6 +149,20 @@ def _max_diff(a: list[float], b: list[float]) -> float:
 
 def _served(s: Synced) -> list[Rollout]:
     return s.client.generate(PROMPTS, GREEDY)
+
+
+def test_the_server_as_started_serves_transformers(synced: Synced):
+    """Before any sync, the server serves transformers' greedy tokens on the checkpoint it
+    started from, log-probs within ``START_TOL`` (for Qwen2-MoE: its gated shared expert,
+    through rl/serving/cpu_shared_expert_gate.py; without it the server dies at start)."""
+    ref = HFReferenceGenerator(synced.hf0)
+    diffs = []
+    for prompt, got in zip(PROMPTS, synced.served0, strict=True):
+        want = ref.generate(prompt, GREEDY)
+        assert got.output_ids == want.output_ids
+        diffs.append(_max_diff(got.logprobs, want.logprobs))
+    print(f"[{synced.kind}] as started: max |SGLang - transformers| log-prob {max(diffs):.2e}")
+    assert max(diffs) < START_TOL
 
 
 def test_step_reaches_sglang_exactly(synced: Synced):
@@ -184,9 +216,14 @@ def test_each_rank_sent_only_its_part(synced: Synced):
         assert shapes["model.layers.0.mlp.experts.w13_weight[3]"] == (64, 64)
         assert shapes["model.layers.1.mlp.experts.w2_weight[0]"] == (64, 32)
         assert not any("experts" in p.dst_name for p in plan.fills)
+    if s.kind == "qwen2_moe":  # the shared expert 48 -> 64; its gate one row
+        assert shapes["model.layers.0.mlp.shared_expert.gate_up_proj.weight"] == (2 * 64, 64)
+        assert shapes["model.layers.1.mlp.shared_expert.down_proj.weight"] == (64, 64)
+        assert shapes["model.layers.0.mlp.shared_expert_gate.weight"] == (1, 64)
+        assert {p.dst_name for p in plan.fills if "shared_expert." in p.dst_name}
 
 
-@pytest.mark.parametrize("synced", ["qwen3_moe"], indirect=True)
+@pytest.mark.parametrize("synced", MOE, indirect=True)
 def test_every_ep_rank_delivered_its_experts(synced: Synced, tmp_path):
     """Under EP each rank owns two experts. Reverting one owner's experts to their
     pre-step weights (everything else post-step) gives a model whose log-probs are more
@@ -221,7 +258,7 @@ def test_every_ep_rank_delivered_its_experts(synced: Synced, tmp_path):
         assert moved > 2 * TOL
 
 
-@pytest.mark.parametrize("synced", ["qwen3_moe"], indirect=True)
+@pytest.mark.parametrize("synced", MOE, indirect=True)
 def test_routing_rows_are_the_routers_choice_for_each_input_token(synced: Synced):
     """Rollouts cut every 3 tokens hold ``len(prompt) + len(output) - 1`` rows, the rows
     of the uncut rollouts: a resumed segment asks only for the rows it adds. Row ``i`` is
@@ -232,7 +269,8 @@ def test_routing_rows_are_the_routers_choice_for_each_input_token(synced: Synced
     cut, whole = s.client.generate(PROMPTS, GREEDY, segment_tokens=3), _served(s)
     assert sum(r.segments for r in cut) > len(PROMPTS)
     picked: list[torch.Tensor] = []
-    routers = [m for m in s.ref.model.modules() if type(m).__name__ == "Qwen3MoeTopKRouter"]
+    routers = [m for m in s.ref.model.modules() if type(m).__name__.endswith("MoeTopKRouter")]
+    assert len(routers) == 2  # one per layer: Qwen3MoeTopKRouter, Qwen2MoeTopKRouter
     hooks = [m.register_forward_hook(lambda m, i, out: picked.append(out[2])) for m in routers]
     try:
         for prompt, r, w in zip(PROMPTS, cut, whole, strict=True):

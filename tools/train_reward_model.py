@@ -13,7 +13,8 @@ decoder with a fresh one-label scalar head (``*ForSequenceClassification``), so 
 the policy's tokenizer. A pair is a JSON line with ``prompt_ids``, ``chosen_ids`` and
 ``rejected_ids`` (token ids), or ``prompt``, ``chosen`` and ``rejected`` (text, tokenized
 with ``--init``'s tokenizer). The loss is the pairwise ``-log sigmoid(s_chosen -
-s_rejected)``, a sequence's score its last token's value (as the RL job pools it).
+s_rejected)``, a sequence's score its value at its rightmost token that is not the model's
+``pad_token_id`` (as transformers and the RL job pool it).
 
 Writes the model, the tokenizer files of ``--init``, and ``reward_stats.json``: the held-out
 pairs' accuracy (the chosen scored above the rejected), and the mean and std of their
@@ -121,15 +122,21 @@ def read_pairs(path: str, init: str) -> list[Pair]:
 
 
 def scores(model, seqs: list[list[int]], pad: int) -> torch.Tensor:
-    """Each sequence's last token's value (the RL job's pooling), ``[N]``."""
+    """Each sequence's value at its rightmost token that is not ``pad`` (the model's
+    ``pad_token_id``): where the RL job and transformers pool it; 0 for one of pad ids only
+    (as the RL job scores it), ``[N]``."""
+    from rl.companion.reward_model import scored_positions
+
     width = max(len(s) for s in seqs)
     ids = torch.full((len(seqs), width), pad, dtype=torch.long)
     mask = torch.zeros_like(ids)
     for i, s in enumerate(seqs):
         ids[i, : len(s)], mask[i, : len(s)] = torch.tensor(s), 1
     hidden = model.model(input_ids=ids, attention_mask=mask).last_hidden_state
-    last = torch.tensor([len(s) - 1 for s in seqs])
-    return model.score(hidden[torch.arange(len(seqs)), last])[:, 0]
+    at = scored_positions(seqs, pad)
+    where = torch.tensor([0 if t is None else t for t in at])
+    real = torch.tensor([t is not None for t in at], dtype=hidden.dtype)
+    return model.score(hidden[torch.arange(len(seqs)), where])[:, 0] * real
 
 
 def pair_scores(model, batch: list[Pair], pad: int) -> tuple[torch.Tensor, torch.Tensor]:

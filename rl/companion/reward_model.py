@@ -1,6 +1,7 @@
 """The reward model (``reward_model=``): a frozen HF ``*ForSequenceClassification``
-checkpoint with one label, scoring each sample (prompt + response) by its last token's
-value, as HF's sequence classifier pools it.
+checkpoint with one label, scoring each sample (prompt + response) where the checkpoint's
+own class pools it (:func:`scored_positions`): at its rightmost token that is not the
+checkpoint's ``pad_token_id``.
 
 It runs on the model executor (rl/companion/service.py), on ranks and a layout of its own
 (``reward_model.trainer``), converted once from HF to that layout and cached. Its scores
@@ -80,9 +81,34 @@ class Normaliser:
         return z if self.mode == "standard" else 1.0 / (1.0 + math.exp(-z))
 
 
-def sequence_scores(values: torch.Tensor, lengths: Sequence[int]) -> list[float]:
-    """Each row's score: the value at its last token (row ``i`` holds ``lengths[i]``)."""
-    return [float(values[i, n - 1]) for i, n in enumerate(lengths)]
+def pad_token_id(path: str) -> int | None:
+    """The checkpoint's ``pad_token_id`` (its config.json's; a config with a
+    ``text_config``: that one's, as transformers reads it), None where it has none."""
+    hf = json.loads((Path(path) / "config.json").read_text())
+    pad = hf.get("text_config", hf).get("pad_token_id")
+    return None if pad is None else int(pad)
+
+
+def scored_positions(seqs: Sequence[Sequence[int]], pad_id: int | None) -> list[int | None]:
+    """The position a ``*ForSequenceClassification`` scores in each sequence fed to it
+    alone (transformers 5: ``GenericForSequenceClassification``): its rightmost token that
+    is not ``pad_id``, so a sequence that ends in pad ids is scored before them and pad ids
+    inside it change nothing. Without a pad id, its last token (transformers' rule for one
+    unpadded row). None: nothing to score (empty, or every token a pad id, where
+    transformers would take position 0)."""
+    out: list[int | None] = []
+    for s in seqs:
+        at = len(s) - 1
+        if pad_id is not None:
+            while at >= 0 and s[at] == pad_id:
+                at -= 1
+        out.append(at if at >= 0 else None)
+    return out
+
+
+def sequence_scores(values: torch.Tensor, positions: Sequence[int | None]) -> list[float]:
+    """Each row's score: its value at ``positions[i]`` (0 where that is None)."""
+    return [0.0 if t is None else float(values[i, t]) for i, t in enumerate(positions)]
 
 
 def check(cfg: RootConfig) -> None:

@@ -205,8 +205,9 @@ class TeacherConfig:
 class RewardModelConfig:
     """A frozen reward model (rl/companion/reward_model.py): an HF ``*ForSequenceClassification``
     checkpoint with one label, on ranks of its own (``reward_model.trainer``: its layout and
-    dtype), scoring each (prompt + response) by its last token's value. ``reward.fn=model``
-    or ``reward.combine`` use it. Off unless a ``reward_model=`` preset turns it on."""
+    dtype), scoring each (prompt + response) by its value at its rightmost token that is not
+    the checkpoint's ``pad_token_id``. ``reward.fn=model`` or ``reward.combine`` use it. Off
+    unless a ``reward_model=`` preset turns it on."""
 
     enabled: bool = False
     hf_checkpoint: str | None = None

@@ -148,4 +148,9 @@ def _reward_model(cfg: RootConfig, job: Job, pad_id: int) -> ModelReward | None:
     t = r.trainer
     rows = t.dp if t.max_tokens_per_microbatch else t.micro_batch_size * t.dp
     norm, weights = rm.Normaliser.from_config(r), rm.weights(cfg.reward)
-    return ModelReward(handle, norm, weights, pad_id=pad_id, rows_multiple=rows)
+    pad = rm.pad_token_id(str(r.hf_checkpoint))
+    if pad is None:
+        print("reward model: its config.json has no pad_token_id: each sample is scored at "
+              "its last token, as transformers scores one sequence alone", flush=True)  # fmt: skip
+    return ModelReward(handle, norm, weights, pad_id=pad_id, pad_token_id=pad,
+                       rows_multiple=rows)  # fmt: skip

@@ -6,6 +6,11 @@ generator keeps generating: scoring is off the step's critical path as the rule'
 sample's trained reward is the weighted sum of the rule's score and the model's normalised
 score; both stay in its metrics (``rule``, ``model``), and the held-out evaluation and the
 logged accuracy are the rule's alone.
+
+The model's score of a sample is its value where the checkpoint's own class pools it: its
+rightmost token that is not the checkpoint's ``pad_token_id``
+(:func:`~rl.companion.reward_model.scored_positions`). A sample of pad ids only scores 0
+and is counted (:attr:`ModelReward.all_pad`, logged ``reward_model_all_pad``).
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from typing import TYPE_CHECKING, TypeVar
 import torch
 
 from rl.batch import TrainBatch
-from rl.companion.reward_model import Normaliser, sequence_scores
+from rl.companion.reward_model import Normaliser, scored_positions, sequence_scores
 from rl.tasks.scoring import ScoreResult
 
 if TYPE_CHECKING:
@@ -41,12 +46,16 @@ class ModelReward:
         weights: dict[str, float],
         *,
         pad_id: int,
+        pad_token_id: int | None,
         rows_multiple: int = 1,
     ):
-        """``rows_multiple``: the model's batches are padded with empty rows to a multiple
-        of it (its micro-batch rows times its DP size)."""
+        """``pad_id``: the batch's right padding (the policy's; never scored);
+        ``pad_token_id``: the reward model's own (its config's), which its pooling skips;
+        ``rows_multiple``: the model's batches are padded with empty rows to a multiple of
+        it (its micro-batch rows times its DP size)."""
         self.handle, self.norm, self.weights, self.pad_id = handle, norm, weights, pad_id
-        self.rows_multiple = rows_multiple
+        self.pad_token_id, self.rows_multiple = pad_token_id, rows_multiple
+        self.all_pad = 0  # samples of the model's pad id only (scored 0); the run's total
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="reward-model")
 
     def scores(self, rollouts: Sequence[Rollout]) -> tuple[list[float], float]:
@@ -56,9 +65,11 @@ class ModelReward:
         tokens = torch.full((rows * self.rows_multiple, width), self.pad_id, dtype=torch.long)
         for i, s in enumerate(seqs):
             tokens[i, : len(s)] = torch.tensor(s, dtype=torch.long)
+        at = scored_positions(seqs, self.pad_token_id)
+        self.all_pad += at.count(None)  # this thread alone writes it
         t0 = time.perf_counter()
         values = self.handle.forward(TrainBatch(tokens))
-        return sequence_scores(values, [len(s) for s in seqs]), time.perf_counter() - t0
+        return sequence_scores(values, at), time.perf_counter() - t0
 
     def score(
         self, rollouts: Sequence[Rollout], rule: Future[list[ScoreResult]]

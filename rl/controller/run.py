@@ -298,14 +298,18 @@ class RLRun:
 
     def _counters(self) -> dict[str, float]:
         """The run's totals at this step: server restarts, reward failures and timeouts,
-        score requests sent again, given up and answered late, rejected messages."""
+        score requests sent again, given up and answered late, rejected messages; with a
+        reward model, the samples it scored 0 as pad ids only."""
         assert self.recovery is not None
         r = self.reward
-        return {
+        out = {
             **self.recovery.stats(), "channel_rejected": float(rejected_total()),
             "reward_failures": r.failures, "reward_timeouts": r.timeouts,
             "reward_resent": r.resent, "reward_lost": r.lost, "reward_late": r.late,
         }  # fmt: skip
+        if self.model_reward is not None:  # samples of the reward model's pad id only
+            out["reward_model_all_pad"] = float(self.model_reward.all_pad)
+        return out
 
     def _evaluate(self, step: int, m: dict[str, float]) -> dict[str, float] | None:
         """The held-out evaluation, every ``rl.eval_every`` steps and at the last."""

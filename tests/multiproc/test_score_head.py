@@ -4,8 +4,9 @@ transformers' own scores.
 
 The tiny random checkpoints are made here with transformers; each is converted at the
 layout of the case on gloo ranks, loaded into a frozen trainer, and its value of every
-token compared with ``score(hidden)`` from transformers' forward, and its last token's
-value with ``AutoModelForSequenceClassification``'s logits (the sequence score).
+token compared with ``score(hidden)`` from transformers' forward, and each sequence's score
+where the reward model pools it (rl/companion/reward_model.py) with
+``AutoModelForSequenceClassification``'s logits (transformers' own pooling).
 """
 
 from __future__ import annotations
@@ -17,14 +18,20 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from rl.companion.reward_model import scored_positions, sequence_scores
 from rl.models.hf_fields import HFConfigError
 from rl.runtime.launch import spawn
 from rl.weights.convert import hf_to_mcore, mcore_to_hf, prepare_hf_to_mcore
 from tests.helpers.hf_models import SHAPES, make_model
 from tests.helpers.workers import convert_then_values
 
-# No pad id (0) among them: transformers scores the last token that is not padding.
+# The models' pad id is 0 (make_model): transformers scores each row's rightmost token that
+# is not 0. Row 0 ends in pad ids (a response that ended in the pad id), row 1 has pad ids
+# inside, row 2 none.
 TOKENS = torch.randint(3, SHAPES["vocab_size"], (3, 20), generator=torch.Generator().manual_seed(5))
+TOKENS[0, -3:] = 0
+TOKENS[1, [4, 11, 12]] = 0
+PAD = 0
 CASES = [("llama", 1, 1), ("llama", 2, 1), ("llama", 1, 2), ("qwen2", 2, 1), ("qwen3", 1, 2)]
 SP = ("trainer.sequence_parallel=true",)  # the head sees each rank's slice of the sequence
 
@@ -58,10 +65,12 @@ def test_scores_match_transformers(models, tmp_path, kind: str, tp: int, pp: int
                 TOKENS, more)  # fmt: skip
     values, scores = hf_scores(hf, TOKENS)
     assert scores.abs().min() > 1e-3  # a real score, not a zero head
+    assert (values[0, -1] - scores[0]).abs() > 1e-3  # the pad id's value is not the score
+    at = scored_positions(TOKENS.tolist(), PAD)
     for rank_values in got:  # every rank returns the whole batch's values
         assert rank_values.shape == TOKENS.shape
         assert (rank_values - values).abs().max() < 1e-4
-        assert (rank_values[:, -1] - scores).abs().max() < 1e-4
+        assert (torch.tensor(sequence_scores(rank_values, at)) - scores).abs().max() < 1e-4
 
 
 def test_a_classifier_of_two_labels_is_refused_in_one_line(models, tmp_path):

@@ -12,7 +12,7 @@ Two runs of one job in one run directory, in order:
 
 1. three RL steps: every step logs the critic's and the reward model's figures; every
    sample's reward is its rule score plus 0.5 times transformers' score of its sequence
-   (its scalar head on the sequence's last token); the teacher's log-prob of every sampled
+   (``AutoModelForSequenceClassification``'s own pooling); the teacher's log-prob of every sampled
    token is transformers' (``AutoModelForCausalLM``); the advantages the trainer logged
    (unwhitened here) are GAE's formula, written out below, applied to the values and
    rewards of the batch the job saved (``rl.save_batches``), plus the distillation term
@@ -91,17 +91,18 @@ def hf_logprobs(path: Path, tokens: torch.Tensor) -> torch.Tensor:
 
 
 def hf_sequence_scores(path: Path, tokens: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """transformers' score of each row: its scalar head on the last token of the prompt and
-    response (which follows the last masked position). Not the model's own pooling, which
-    takes the token before the first pad id: a barely warmed-up policy samples that id."""
+    """transformers' own score of each row's prompt and response (which ends one token
+    after the last masked position), fed alone: ``AutoModelForSequenceClassification``'s
+    logit, at the rightmost token that is not the model's pad id (0, the task's PAD, which
+    a barely warmed-up policy samples, also as a response's last token)."""
     import transformers
 
     model = transformers.AutoModelForSequenceClassification.from_pretrained(path).eval()
+    assert model.config.pad_token_id == 0
     lengths = [int(m.nonzero().max()) + 2 for m in mask]
     with torch.no_grad():
-        hidden = [model.model(tokens[i : i + 1, :n]).last_hidden_state[0, -1]
-                  for i, n in enumerate(lengths)]  # fmt: skip
-        return model.score(torch.stack(hidden))[:, 0]
+        return torch.cat([model(tokens[i : i + 1, :n]).logits[:, 0]
+                          for i, n in enumerate(lengths)])  # fmt: skip
 
 
 def _rl_records(out: Path) -> list[dict]:
@@ -145,6 +146,7 @@ def test_1_the_critic_trains_beside_the_policy_and_gae_uses_its_values(
                   "reward_model_s", "critic_step_seconds",
                   "adv_distill_kl"):  # fmt: skip
             assert k in r, k
+        assert r["reward_model_all_pad"] == 0  # every sample has a BOS to score
     assert all(r["critic_updates"] == 4 for r in recs)  # 2 epochs of 2 minibatches
     assert all(r["critic_lag"] == 1 for r in recs)  # values from the critic one step behind
     lrs = [r["critic_lr"] for r in recs]

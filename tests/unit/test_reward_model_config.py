@@ -4,6 +4,7 @@ reward ranks (a stand-in handle; the real model runs in tests/servers/test_criti
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 from concurrent.futures import Future
@@ -12,8 +13,15 @@ from pathlib import Path
 import pytest
 import torch
 
+from rl.batch import TrainBatch
 from rl.checks import check
-from rl.companion.reward_model import Normaliser, sequence_scores, weights
+from rl.companion.reward_model import (
+    Normaliser,
+    pad_token_id,
+    scored_positions,
+    sequence_scores,
+    weights,
+)
 from rl.compose import compose
 from rl.config.errors import ConfigError
 from rl.config.roles import RoleMap
@@ -22,6 +30,7 @@ from rl.generator.types import Rollout
 from rl.tasks.scoring import ScoreResult, rule_fn
 from tests.helpers.hf_models import make_model
 
+ROOT = Path(__file__).resolve().parents[2]
 TINY_VOCAB = {"vocab_size": 32, "hidden_size": 64, "num_hidden_layers": 2}
 
 
@@ -120,7 +129,8 @@ class _Handle:
 def test_a_groups_rewards_weigh_the_rules_score_with_the_models_last_token_score():
     handle = _Handle()
     scorer = ModelReward(handle, Normaliser("standard", 1.0, 2.0),  # type: ignore[arg-type]
-                         {"rule": 1.0, "model": 0.5}, pad_id=0, rows_multiple=3)  # fmt: skip
+                         {"rule": 1.0, "model": 0.5}, pad_id=0, pad_token_id=None,
+                         rows_multiple=3)  # fmt: skip
     group = [Rollout([5, 6], None, output_ids=[7, 8, 2]), Rollout([5, 6], None, output_ids=[9])]  # type: ignore[arg-type]
     rule: Future[list[ScoreResult]] = Future()
     out = scorer.score(group, rule)
@@ -136,10 +146,78 @@ def test_a_groups_rewards_weigh_the_rules_score_with_the_models_last_token_score
     assert got[0].score == pytest.approx(1.0 + 0.5 * (raw[0] - 1) / 2)
     assert got[1].score == pytest.approx(0.0 + 0.5 * (raw[1] - 1) / 2)
     assert got[0].metrics["rule"] == 1.0 and got[0].metrics["x"] == 3.0
-    assert sequence_scores(torch.arange(6.0).view(2, 3), [3, 1]) == [2.0, 3.0]
+    assert sequence_scores(torch.arange(6.0).view(2, 3), [2, None]) == [2.0, 0.0]
     failed: Future[list[ScoreResult]] = Future()
     bad = scorer.score(group, failed)
     failed.set_exception(RuntimeError("reward rank lost"))
     with pytest.raises(RuntimeError, match="reward rank lost"):
         bad.result(timeout=10)
     scorer.close()
+
+
+def test_the_scored_token_is_the_rightmost_that_is_not_the_pad_id(tmp_path):
+    seqs = [[1, 5, 6, 0], [1, 5, 0, 0], [1, 0, 0, 6], [1, 5, 6], [0, 0], [], [0, 7]]
+    assert scored_positions(seqs, 0) == [2, 1, 3, 2, None, None, 1]
+    assert scored_positions(seqs, None) == [3, 3, 3, 2, 1, None, 1]  # no pad id: the last
+    # A config with a text_config: transformers reads that one's (get_text_config()).
+    (tmp_path / "config.json").write_text(
+        json.dumps({"pad_token_id": 5, "text_config": {"pad_token_id": 7}})
+    )
+    assert pad_token_id(str(tmp_path)) == 7
+
+
+class _HFValues:
+    """The reward model's handle, run by transformers: its score head on every token."""
+
+    def __init__(self, model) -> None:
+        self.model = model
+
+    def forward(self, batch: TrainBatch) -> torch.Tensor:
+        with torch.no_grad():
+            return self.model.score(self.model.model(batch.tokens).last_hidden_state)[..., 0]
+
+
+def test_each_sample_is_scored_where_transformers_pools_it(dirs):
+    """Each sample's score is ``AutoModelForSequenceClassification``'s logit of it alone:
+    responses that end in the model's pad id (0), one with pad ids inside, one with none;
+    the batch is padded with another id (the policy's, here 3). A sample of pad ids only
+    scores 0 and is counted. Without a pad id in its config, transformers scores one row
+    at its last token, and so does the job. ``tools/train_reward_model.py`` pools the same
+    way, so the models it trains read back as they were trained."""
+    import transformers
+
+    assert pad_token_id(str(dirs["rm"])) == 0 and pad_token_id(str(dirs["causal"])) is None
+    model = transformers.AutoModelForSequenceClassification.from_pretrained(dirs["rm"]).eval()
+    outs = [[7, 8, 0], [7, 0, 0], [0, 9, 0, 8], [7, 8, 9, 2]]
+    group = [Rollout([1, 5, 6], None, output_ids=o) for o in outs]  # type: ignore[arg-type]
+    seqs = [[*r.prompt_ids, *r.output_ids] for r in group]
+
+    def logit(ids: list[int]) -> float:
+        with torch.no_grad():
+            return model(torch.tensor([ids])).logits[0, 0].item()
+
+    rm = ModelReward(_HFValues(model), Normaliser(), {"model": 1.0}, pad_id=3, pad_token_id=0,  # type: ignore[arg-type]
+                     rows_multiple=4)  # fmt: skip
+    empty = Rollout([0], None, output_ids=[0, 0])  # type: ignore[arg-type]
+    raw, _ = rm.scores([*group, empty])
+    want = [logit(s) for s in seqs]
+    assert max(abs(a - b) for a, b in zip(raw, want, strict=False)) < 1e-5
+    assert raw[4] == 0.0 and rm.all_pad == 1
+    at_pad = _HFValues(model).forward(TrainBatch(torch.tensor(seqs[:1])))[0, -1].item()
+    assert abs(want[0] - at_pad) > 1e-3  # the last token's value would be another score
+    spec = importlib.util.spec_from_file_location("train_rm", ROOT / "tools/train_reward_model.py")
+    assert spec is not None and spec.loader is not None
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    with torch.no_grad():
+        trained = tool.scores(model, [*seqs, [0, 0, 0]], 0).tolist()
+    assert max(abs(a - b) for a, b in zip(trained, [*want, 0.0], strict=True)) < 1e-5
+    model.config.pad_token_id = None
+    no_pad = ModelReward(_HFValues(model), Normaliser(), {"model": 1.0}, pad_id=3,  # type: ignore[arg-type]
+                         pad_token_id=None)  # fmt: skip
+    raw, _ = no_pad.scores([*group, empty])
+    want = [logit(s) for s in [*seqs, [0, 0, 0]]]
+    assert max(abs(a - b) for a, b in zip(raw, want, strict=True)) < 1e-5
+    assert no_pad.all_pad == 0
+    rm.close()
+    no_pad.close()

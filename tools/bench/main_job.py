@@ -17,8 +17,11 @@ Per run, from the job's ``metrics.jsonl`` (medians over steps after the first fe
 - RL: the trainer's ``train_tokens_per_s`` and ``train_s``, the generator's
   ``gen_tokens_per_s``, the weight sync's ``sync_s``, the step's ``step_s``;
 - the held-out accuracy at the start and end of RL, and the whole run's wall time;
-- CPU seconds by process kind (trainer ranks, server, controller, ...) in each phase,
-  read from ``/proc`` every 0.5 s over the job's process tree: where the cores went;
+- each phase's wall time and CPU seconds by process kind (trainer ranks, server,
+  controller, ...), read from ``/proc`` every 0.5 s over the job's process tree: where
+  the cores went. Phases end where the job prints: ``setup`` at the warm-up's first line,
+  ``warmup`` at its last step's, ``rl_start`` at RL's first evaluation, ``rl`` at
+  ``done:``, ``end`` when the launcher exits;
 - the peak of the tree's summed RSS.
 
 The machine's own speed is measured before each run: a fixed fp32 matmul on one thread
@@ -30,6 +33,7 @@ and prints each tree's medians as ratios to the first tree's.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import re
@@ -91,6 +95,8 @@ class TreeSampler:
         self.cpu: dict[int, tuple[str, float]] = {}  # pid -> (kind, CPU seconds so far)
         self.peak_rss_mb = 0.0
         self.marks: list[tuple[str, dict[str, float]]] = []
+        self.ends: list[tuple[str, float]] = []  # each phase's end, seconds from the start
+        self.t0 = time.perf_counter()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
@@ -132,12 +138,14 @@ class TreeSampler:
         return dict(out)
 
     def mark(self, name: str, again: bool = False) -> None:
-        """Note the CPU seconds so far, ending phase ``name``; ``again`` moves the end of
-        the phase ended last if it is ``name``."""
+        """Note the CPU seconds and the wall time so far, ending phase ``name``; ``again``
+        moves the end of the phase ended last if it is ``name``."""
         self.sample()
         if again and self.marks and self.marks[-1][0] == name:
             self.marks.pop()
+            self.ends.pop()
         self.marks.append((name, self.by_kind()))
+        self.ends.append((name, time.perf_counter() - self.t0))
 
     def _run(self) -> None:
         while not self._stop.wait(self.period):
@@ -151,9 +159,9 @@ class TreeSampler:
 def phase_cpu(marks: list[tuple[str, dict[str, float]]]) -> dict[str, dict[str, float]]:
     """CPU seconds by kind between consecutive marks, named by the later mark."""
     out = {}
-    for (_, a), (name, b) in zip(marks, marks[1:], strict=False):
-        out[name] = {k: round(b[k] - a.get(k, 0.0), 1) for k in sorted(b)
-                     if b[k] - a.get(k, 0.0) >= 0.05}  # fmt: skip
+    for (_, a), (name, b) in itertools.pairwise(marks):
+        spent = {k: round(b[k] - a.get(k, 0.0), 1) for k in sorted(b)}
+        out[name] = {k: v for k, v in spent.items() if v > 0}
     return out
 
 
@@ -166,8 +174,7 @@ def summarize(metrics: list[dict]) -> dict:
     """The phases' figures from a run's metrics.jsonl records."""
     warm = [m for m in metrics if m.get("phase") == "warmup"]
     rl = [m for m in metrics if m.get("phase") == "rl"]
-    evals = [m["eval_accuracy"] for m in metrics
-             if m.get("phase") in ("rl_eval", "rl") and "eval_accuracy" in m]  # fmt: skip
+    evals = [m["eval_accuracy"] for m in metrics if m.get("phase") == "rl_eval"]
     out: dict[str, float | int | None] = {
         "warmup_steps": len(warm),
         "warmup_tokens_per_s": med([m["tokens_per_s"] for m in warm]),
@@ -175,7 +182,9 @@ def summarize(metrics: list[dict]) -> dict:
         # the second half alone: past the servers' start, which overlaps the warm-up's start
         "warmup_tokens_per_s_late": med([m["tokens_per_s"] for m in warm[len(warm) // 2 :]]),
         "rl_steps": len(rl),
-        "rl_train_tokens_per_s": med([m["train_tokens_per_s"] for m in rl if "train_tokens_per_s" in m]),
+        "rl_train_tokens_per_s": med(
+            [m["train_tokens_per_s"] for m in rl if "train_tokens_per_s" in m]
+        ),
         "rl_train_s": med([m["train_s"] for m in rl if "train_s" in m]),
         "gen_tokens_per_s": med([m["gen_tokens_per_s"] for m in rl if "gen_tokens_per_s" in m]),
         "sync_s": med([m["sync_s"] for m in rl if "sync_s" in m]),
@@ -196,24 +205,23 @@ def run_once(tree: Path, python: str, args: list[str], out_dir: Path) -> dict:
     cmd = [python, "-m", "rl.train", *args, f"run.output_dir={out_dir}"]
     gflops = matmul_gflops()
     t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, cwd=tree, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    out = subprocess.PIPE
+    proc = subprocess.Popen(cmd, cwd=tree, env=env, stdout=out, stderr=subprocess.STDOUT, text=True)
     sampler = TreeSampler(proc.pid)
     sampler.mark("start")
-    seen: set[str] = set()
+    firsts = {"[warmup": "setup", "[rl_eval] step 0": "rl_start", "done:": "rl"}
     tail: list[str] = []
     assert proc.stdout is not None
     for line in proc.stdout:
-        tail = (tail + [line.rstrip()])[-20:]
-        # Phase boundaries as the job prints them: ranks up (the warm-up's first eval),
-        # the warm-up's last step printed, RL's first evaluation, the end.
+        tail = [*tail, line.rstrip()][-20:]
+        # Phase boundaries as the job prints them: ranks up (the warm-up's first line), the
+        # warm-up's last step printed, RL's first evaluation, the end.
+        for prefix, name in list(firsts.items()):
+            if line.startswith(prefix):
+                del firsts[prefix]
+                sampler.mark(name)
         if line.startswith("[warmup] step"):
             sampler.mark("warmup", again=True)
-        for name, prefix in (("setup", "[warmup_eval] step 0"), ("rl_start", "[rl_eval] step 0"),
-                             ("rl", "done:")):  # fmt: skip
-            if name not in seen and line.startswith(prefix):
-                seen.add(name)
-                sampler.mark(name)
     rc = proc.wait()
     wall = time.perf_counter() - t0
     sampler.mark("end")
@@ -221,36 +229,48 @@ def run_once(tree: Path, python: str, args: list[str], out_dir: Path) -> dict:
     if rc != 0:
         raise SystemExit(f"{tree}: rl.train exited {rc}:\n" + "\n".join(tail))
     metrics = [json.loads(x) for x in (out_dir / "metrics.jsonl").read_text().splitlines()]
+    phases = {f"{b[0]}_phase_s": round(b[1] - a[1], 1) for a, b in itertools.pairwise(sampler.ends)}
     return {
         "wall_s": round(wall, 1),
         "matmul_gflops_1thread": gflops,
         **summarize(metrics),
+        **phases,
         "cpu_s_by_phase": phase_cpu(sampler.marks),
         "peak_rss_mb": round(sampler.peak_rss_mb),
     }
 
 
-def checkout(ref: str, where: Path) -> tuple[Path, str]:  # where: a folder of its own
-    """``ref`` as a folder (``.``: this working tree) and its commit."""
+def git(*args: str) -> str:
+    done = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=True)
+    return done.stdout.strip()
+
+
+def checkout(ref: str, where: Path) -> tuple[Path, str]:
+    """``ref`` as a folder (``.``: this working tree; else a detached worktree at ``where``)
+    and its commit."""
     if ref == ".":
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
-                              capture_output=True, text=True, check=True).stdout.strip()  # fmt: skip
-        dirty = subprocess.run(["git", "status", "--porcelain"], cwd=ROOT, capture_output=True,
-                               text=True, check=True).stdout.strip()  # fmt: skip
-        return ROOT, head + ("+changes" if dirty else "")
-    sha = subprocess.run(["git", "rev-parse", "--short", ref], cwd=ROOT, capture_output=True,
-                         text=True, check=True).stdout.strip()  # fmt: skip
-    path = where
-    subprocess.run(["git", "worktree", "add", "--detach", str(path), sha], cwd=ROOT,
-                   check=True, capture_output=True)  # fmt: skip
-    return path, sha
+        dirty = "+changes" if git("status", "--porcelain") else ""
+        return ROOT, git("rev-parse", "--short", "HEAD") + dirty
+    sha = git("rev-parse", "--short", ref)
+    git("worktree", "add", "--detach", str(where), sha)
+    return where, sha
+
+
+def medians_of(runs: dict[str, list[dict]]) -> dict[str, dict[str, float]]:
+    """Each tree's median of every numeric figure its runs have."""
+    out = {}
+    for label, rs in runs.items():
+        keys = {k for r in rs for k, v in r.items() if isinstance(v, (int, float))}
+        out[label] = {k: round(statistics.median(r[k] for r in rs if r.get(k) is not None), 4)
+                      for k in sorted(keys)}  # fmt: skip
+    return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tree", action="append", default=[], help="[LABEL=]REF; '.' = this tree")
-    ap.add_argument("--extra", action="append", default=[],
-                    help="LABEL=OVERRIDES: more rl.train overrides for that tree's runs")  # fmt: skip
+    ap.add_argument("--extra", action="append", default=[], metavar="LABEL=OVERRIDES",
+                    help="more rl.train overrides for that tree's runs")  # fmt: skip
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--args", default="sft.steps=60 rl.steps=25", help="rl.train overrides")
     ap.add_argument("--python", default=sys.executable)
@@ -264,7 +284,7 @@ def main() -> None:
     runs: dict[str, list[dict]] = defaultdict(list)
     commits: dict[str, str] = {}
     with tempfile.TemporaryDirectory(prefix="main_job_") as tmp:
-        trees = {}
+        trees: dict[str, Path] = {}
         try:
             for label, ref in specs:
                 trees[label], commits[label] = checkout(ref, Path(tmp) / f"tree_{label}")
@@ -273,25 +293,22 @@ def main() -> None:
                     out_dir = Path(tmp) / f"out_{label}_{r}"
                     res = run_once(trees[label], a.python, args + extra.get(label, []), out_dir)
                     runs[label].append(res)
-                    print(f"[{label} #{r}] " + json.dumps({k: v for k, v in res.items()
-                                                           if k != "cpu_s_by_phase"}), flush=True)  # fmt: skip
+                    brief = {k: v for k, v in res.items() if k != "cpu_s_by_phase"}
+                    print(f"[{label} #{r}] {json.dumps(brief)}", flush=True)
         finally:
-            for label, path in trees.items():
+            for path in trees.values():
                 if path != ROOT:
-                    subprocess.run(["git", "worktree", "remove", "--force", str(path)],
-                                   cwd=ROOT, capture_output=True)  # fmt: skip
-    keys = [k for k, v in runs[specs[0][0]][0].items() if isinstance(v, (int, float))]
-    medians = {label: {k: round(statistics.median(x[k] for x in rs if x.get(k) is not None), 4)
-                       for k in keys if any(x.get(k) is not None for x in rs)}
-               for label, rs in runs.items()}  # fmt: skip
-    base = specs[0][0]
-    ratios = {label: {k: round(m[k] / medians[base][k], 3) for k in m
-                      if medians[base].get(k)} for label, m in medians.items()}  # fmt: skip
-    for label in medians:
-        print(f"{label} ({commits[label]}) vs {base}: " + ", ".join(
-            f"{k} {medians[label][k]} ({ratios[label].get(k)}x)" for k in medians[label]))  # fmt: skip
-    write_result({"args": args, "extra": extra, "commits": commits, "runs": runs, "medians": medians,
-                  f"ratios_to_{base}": ratios}, a.out)  # fmt: skip
+                    git("worktree", "remove", "--force", str(path))
+    medians, base = medians_of(runs), specs[0][0]
+    ratios = {
+        label: {k: round(v / medians[base][k], 3) for k, v in m.items() if medians[base].get(k)}
+        for label, m in medians.items()
+    }
+    for label, m in medians.items():
+        shown = ", ".join(f"{k} {v} ({ratios[label].get(k)}x)" for k, v in m.items())
+        print(f"{label} ({commits[label]}) vs {base}: {shown}")
+    result = {"args": args, "extra": extra, "commits": commits, "runs": runs, "medians": medians}
+    write_result({**result, f"ratios_to_{base}": ratios}, a.out)
 
 
 if __name__ == "__main__":

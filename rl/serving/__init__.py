@@ -10,6 +10,7 @@ generator's policy servers and the reward ranks' LLM judge.
   ``sitecustomize``: per-request seeds (``cpu_seeds``), batch-invariant products
   (``cpu_batch_invariant``), no tqdm semaphore (``server_footprint``), forked children
   (``cpu_fork``), routed experts in plain memory (``cpu_routed_experts``), Qwen2-MoE's gated
-  shared expert in torch (``cpu_shared_expert_gate``), each a patch applied after its module
+  shared expert in torch (``cpu_shared_expert_gate``), one attention call per batch rather
+  than per request (``cpu_batched_attention``), each a patch applied after its module
   imports (``after_import``).
 """

@@ -12,8 +12,9 @@ Xeon, torch 2.14.1 with MKL 2024.2, for the shapes of SmolLM2 and the tiny model
 Decoding a few requests is exactly such a product, so the same request got log-probs
 1.6e-5 apart alone and in a batch (tools/bench/batch_invariance.py). Padding every such
 product with zero rows up to ``MIN_ROWS`` puts it on the path larger batches take.
-Norms, rotary embeddings and the torch-native attention (one request at a time) work row
-by row already.
+Norms, rotary embeddings and the torch-native attention (one request at a time: the
+batched attention of rl/serving/cpu_batched_attention.py stays off in such a run) work
+row by row already.
 
 The sampler does too, but picks its path for the whole batch: argmax when every row is
 greedy, a plain seeded draw when no row asks for top-k/top-p, else a seeded draw over the

@@ -53,13 +53,14 @@ def rotary_embedding(*args, **kwargs):
 # for a deterministic run batch-invariant products (rl/serving/cpu_batch_invariant.py), no
 # semaphore left behind (rl/serving/server_footprint.py), child processes forked, not
 # spawned (rl/serving/cpu_fork.py), routed experts in a plain host buffer
-# (rl/serving/cpu_routed_experts.py), and Qwen2-MoE's gated shared expert in torch
-# (rl/serving/cpu_shared_expert_gate.py).
+# (rl/serving/cpu_routed_experts.py), Qwen2-MoE's gated shared expert in torch
+# (rl/serving/cpu_shared_expert_gate.py), and one attention call per batch, not per request
+# (rl/serving/cpu_batched_attention.py; not in a batch-invariant run).
 SITE = '''"""Written by rl/serving/cpu_shim.py: runs rl/serving/hide_keys.py and, on CPU,
 rl/serving/cpu_no_megatron.py, rl/serving/cpu_seeds.py, rl/serving/server_footprint.py,
 rl/serving/cpu_fork.py, rl/serving/cpu_routed_experts.py,
-rl/serving/cpu_shared_expert_gate.py, and rl/serving/cpu_batch_invariant.py when the
-launcher asked."""
+rl/serving/cpu_shared_expert_gate.py, rl/serving/cpu_batched_attention.py, and
+rl/serving/cpu_batch_invariant.py when the launcher asked."""
 
 import os
 
@@ -72,8 +73,8 @@ else:
 if os.environ.get("MSRL_SERVER_CPU") == "1":
     try:
         from rl.serving import (
-            cpu_batch_invariant, cpu_fork, cpu_no_megatron, cpu_routed_experts, cpu_seeds,
-            cpu_shared_expert_gate, server_footprint
+            cpu_batch_invariant, cpu_batched_attention, cpu_fork, cpu_no_megatron,
+            cpu_routed_experts, cpu_seeds, cpu_shared_expert_gate, server_footprint
         )
     except ImportError:
         pass
@@ -85,6 +86,7 @@ if os.environ.get("MSRL_SERVER_CPU") == "1":
         cpu_fork.install()
         cpu_routed_experts.install()
         cpu_shared_expert_gate.install()
+        cpu_batched_attention.install()
 
 # Then the sitecustomize this one shadows, if the path holds one (a site's own).
 import importlib.machinery as _machinery

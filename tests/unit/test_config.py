@@ -128,7 +128,7 @@ def test_llama_param_counts_match_published(preset: str, published: float) -> No
         (["rollout.sampling.temperature=0"], ["rollout.sampling.temperature=0", "explore"]),
         (["rollout.sampling.n=4"], ["rollout.sampling.n=4", "algorithm.group_size=8"]),
         (["rollout.sampling.max_new_tokens=3"], ["max_new_tokens=3", "4 tokens", "digits=2"]),
-        (["cluster.roles.reward=0"], ["cluster.roles.reward=0", "rl.steps=400"]),
+        (["cluster.roles.reward=0"], ["cluster.roles.reward=0", "rl.steps=200"]),
         (["cluster.roles.generator=2"], ["rollout.servers=1", "cluster.roles.generator=2"]),
         (["sft.optim.lr=0"], ["sft.optim.lr=0"]),
         (["rl.steps=-1"], ["rl.steps=-1"]),

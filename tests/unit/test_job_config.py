@@ -29,7 +29,7 @@ def _refused(tmp_path: Path, *args: str) -> str:
     [
         (["algorithm.max_policy_lag=-1"], "algorithm.max_policy_lag=-1 must be >= 0"),
         (["algorithm.correction.rho=0"], "algorithm.correction.rho=0.0 must be > 0"),
-        (["cluster.roles.reward=0"], "cluster.roles.reward=0: rl.steps=400 needs at least one"),
+        (["cluster.roles.reward=0"], "cluster.roles.reward=0: rl.steps=200 needs at least one"),
         (["model=tiny_moe", "trainer.ep=2"], "trainer.ep=2 does not divide trainer.dp=1"),
     ],
 )

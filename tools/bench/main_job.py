@@ -92,7 +92,7 @@ class TreeSampler:
 
     def __init__(self, root: int, period_s: float = 0.5):
         self.root, self.period = root, period_s
-        self.cpu: dict[int, tuple[str, float]] = {}  # pid -> (kind, CPU seconds so far)
+        self.cpu: dict[int, tuple[str, float]] = {}  # pid -> (kind, CPU seconds at its last sample)
         self.peak_rss_mb = 0.0
         self.marks: list[tuple[str, dict[str, float]]] = []
         self.ends: list[tuple[str, float]] = []  # each phase's end, seconds from the start
@@ -138,7 +138,7 @@ class TreeSampler:
         return dict(out)
 
     def mark(self, name: str, again: bool = False) -> None:
-        """Note the CPU seconds and the wall time so far, ending phase ``name``; ``again``
+        """Note the CPU seconds and wall time used until now, ending phase ``name``; ``again``
         moves the end of the phase ended last if it is ``name``."""
         self.sample()
         if again and self.marks and self.marks[-1][0] == name:

@@ -120,7 +120,10 @@ def main(cfg: RootConfig) -> None:
         return
     roles, t = RoleMap.from_config(cfg), cfg.trainer
     print("\n".join(settings(cfg)), flush=True)
-    print(f"starting {roles.describe()}: trainer tp={t.tp} pp={t.pp} dp={t.dp} on {t.device}")
+    cp = f" cp={t.cp}" if t.cp > 1 else ""
+    packed = "packed" if t.packing else "padded"
+    print(f"starting {roles.describe()}: trainer tp={t.tp} pp={t.pp} dp={t.dp}{cp} on "
+          f"{t.device}, {packed} micro-batches")  # fmt: skip
     print(OmegaConf.to_yaml(cfg), flush=True)
     try:
         # A generator rank needs no Megatron-Core: started fresh, it runs (and starts its

@@ -4,8 +4,8 @@ One launch (our spawner, torchrun, or srun + torchrun) starts every rank of the 
 rank looks itself up here. Ranks are assigned in a fixed order, so every rank computes
 the same map from the same config without talking to anyone:
 
-    controller (1) | trainer (tp*pp*dp) | generator owners | reward | critic | reward_model |
-    teacher (each model executor: its own tp*pp*dp, when configured)
+    controller (1) | trainer (tp*cp*pp*dp) | generator owners | reward | critic | reward_model |
+    teacher (each model executor: its own tp*cp*pp*dp, when configured)
 
 The trainer ranks come right after the controller so that its role group's rank r is
 global rank r+1 on every launcher. Pure logic: no torch.distributed.
@@ -52,14 +52,14 @@ class RoleMap:
         rl_only = 1 if cfg.rl.steps > 0 else 0
         counts = {
             "controller": 1,
-            "trainer": t.tp * t.pp * t.dp,
+            "trainer": t.tp * t.cp * t.pp * t.dp,
             "generator": roles.generator * rl_only,
             "reward": roles.reward * rl_only,
         }
         for role in COMPANIONS:
             sec = getattr(cfg, role)
             c = sec.trainer
-            counts[role] = c.tp * c.pp * c.dp * rl_only * int(sec.enabled)
+            counts[role] = c.tp * c.cp * c.pp * c.dp * rl_only * int(sec.enabled)
         rl_steps = cfg.rl.steps
         if rl_steps > 0:
             for role in ("generator", "reward"):
@@ -105,7 +105,7 @@ class RoleMap:
         if world_size != self.world_size:
             raise RoleError(
                 f"the launcher started {world_size} ranks but the role map needs "
-                f"{self.describe()} (trainer = trainer.tp*pp*dp; set cluster.roles.* or the "
+                f"{self.describe()} (trainer = trainer.tp*cp*pp*dp; set cluster.roles.* or the "
                 f"launcher's process count)"
             )
 

@@ -133,6 +133,10 @@ class TrainerConfig:
     pp: int = 1
     dp: int = 1
     ep: int = 1  # expert parallelism (MoE): experts split over ep of the dp ranks
+    # Context parallelism: each packed sequence split over cp ranks (2*cp chunks, rank i
+    # holding chunks i and 2*cp-1-i), keys and values all-gathered in attention; the
+    # trainer's ranks are tp*cp*pp*dp. Needs trainer.packing and trainer.attention=sdpa.
+    cp: int = 1
     micro_batch_size: int = 8
     global_batch_size: int = 32
     use_distributed_optimizer: bool = True
@@ -149,6 +153,10 @@ class TrainerConfig:
     # Cut each rank's rows into micro-batches of at most this many tokens (rows x their
     # longest sequence) instead of micro_batch_size rows; null: micro_batch_size rows.
     max_tokens_per_microbatch: int | None = None
+    # Packed micro-batches: each one a single stream of its rows' own lengths (no padding
+    # but what TP/CP divisibility needs), attention causal within each row, RoPE restarted
+    # at each (rl/engine/packing.py). false: rows right-padded to a common width.
+    packing: bool = True
     lora: LoraConfig = field(default_factory=LoraConfig)
     # Megatron's sequence parallelism with tp > 1: the norms' inputs and the residual
     # stream split over the TP ranks too, each holding 1/tp of the sequence (a

@@ -54,7 +54,7 @@ def validate_optim(where: str, o: OptimConfig) -> None:
 
 def validate_trainer_fields(t: TrainerConfig) -> None:
     """The trainer section alone (its layout on the model: rl/models/checks.py)."""
-    positive("trainer", t, "tp", "pp", "dp", "ep", "micro_batch_size", "global_batch_size")
+    positive("trainer", t, "tp", "pp", "dp", "ep", "cp", "micro_batch_size", "global_batch_size")
     positive("trainer", t, "threads_per_rank")
     require(t.dp % t.ep == 0, f"trainer.ep={t.ep} does not divide trainer.dp={t.dp}")
     require(t.device in DEVICES, f"trainer.device={t.device!r} must be one of {DEVICES}")
@@ -68,11 +68,19 @@ def validate_trainer_fields(t: TrainerConfig) -> None:
         budget is None or (isinstance(budget, int) and budget >= 1),
         f"trainer.max_tokens_per_microbatch={budget!r} must be an integer >= 1 or null",
     )
+    require(isinstance(t.packing, bool), f"trainer.packing={t.packing!r} must be true or false")
     require(
-        budget is None or t.pp == 1,
-        f"trainer.max_tokens_per_microbatch={budget} needs trainer.pp=1 (pipeline stages "
-        f"exchange one fixed micro-batch shape), not trainer.pp={t.pp}",
+        not (t.packing and t.attention == "dot_product"),
+        "trainer.packing=true needs trainer.attention=sdpa (Megatron's DotProductAttention "
+        "takes no packed sequences): set trainer.packing=false to use dot_product",
     )
+    require(
+        budget is None or t.pp == 1 or t.packing,
+        f"trainer.max_tokens_per_microbatch={budget} with trainer.packing=false needs "
+        f"trainer.pp=1 (pipeline stages exchange one fixed micro-batch shape), not "
+        f"trainer.pp={t.pp}",
+    )
+    validate_context_parallel(t)
     require(t.save_interval >= 0, f"trainer.save_interval={t.save_interval} must be >= 0")
     require(
         t.recompute in RECOMPUTE, f"trainer.recompute={t.recompute!r} must be one of {RECOMPUTE}"
@@ -85,6 +93,27 @@ def validate_trainer_fields(t: TrainerConfig) -> None:
         f"trainer.sequence_parallel={t.sequence_parallel!r} must be true or false",
     )
     validate_lora(t.lora)
+
+
+def validate_context_parallel(t: TrainerConfig) -> None:
+    """``trainer.cp`` splits packed sequences over ranks in SDPA's attention."""
+    if t.cp == 1:
+        return
+    require(
+        t.packing,
+        f"trainer.cp={t.cp} splits packed sequences: it needs trainer.packing=true",
+    )
+    require(
+        t.attention == "sdpa",
+        f"trainer.cp={t.cp} needs trainer.attention=sdpa ({t.attention!r} holds the whole "
+        "sequence's scores on one rank)",
+    )
+    budget = t.max_tokens_per_microbatch
+    require(
+        budget is None or budget % (2 * t.cp) == 0,
+        f"trainer.cp={t.cp} does not divide trainer.max_tokens_per_microbatch={budget} into "
+        f"2*cp={2 * t.cp} chunks",
+    )
 
 
 def validate_lora(lora: LoraConfig) -> None:

@@ -49,6 +49,12 @@ class ParallelRank(Protocol):
     @property
     def ep_rank(self) -> int: ...
 
+    @property
+    def cp(self) -> int: ...
+
+    @property
+    def cp_rank(self) -> int: ...
+
 
 def shard_map(model: MegatronModule) -> dict[tuple[str, int | None], torch.Tensor]:
     """(keymap key, global layer or None) -> this rank's live shard.
@@ -70,13 +76,16 @@ def shard_map(model: MegatronModule) -> dict[tuple[str, int | None], torch.Tenso
 
 def source_rank(layout: ParallelRank, src: SrcLayout) -> int:
     """This trainer rank's index in the plan; checks that the plan describes this trainer
-    and places this rank where Megatron did (its experts included)."""
-    got = (layout.tp, layout.pp, layout.dp, layout.ep)
+    and places this rank where Megatron did (its experts included). Context-parallel ranks
+    hold the same weights as data-parallel ones: the plan counts DP x CP replicas, CP
+    inside DP as in Megatron's rank order."""
+    replicas, replica = layout.dp * layout.cp, layout.cp_rank + layout.cp * layout.dp_rank
+    got = (layout.tp, layout.pp, replicas, layout.ep)
     if got != (src.tp, src.pp, src.dp, src.ep):
         want = f"{src.tp},{src.pp},{src.dp},{src.ep}"
-        raise ValueError(f"plan is for trainer tp,pp,dp,ep={want}; this is {got}")
-    rank = src.rank(layout.tp_rank, layout.pp_rank, layout.dp_rank)
-    here = (layout.tp_rank, layout.pp_rank, layout.dp_rank, layout.ep_rank)
+        raise ValueError(f"plan is for trainer tp,pp,dp*cp,ep={want}; this is {got}")
+    rank = src.rank(layout.tp_rank, layout.pp_rank, replica)
+    here = (layout.tp_rank, layout.pp_rank, replica, layout.ep_rank)
     if src.coords(rank) != here:
         raise ValueError(f"trainer rank {rank} is at tp,pp,dp,ep={here}; the plan puts it at "
                          f"{tuple(src.coords(rank))}")  # fmt: skip

@@ -301,11 +301,13 @@ def plan_for(
     dp: int = 1,
     bucket_bytes: int | None = None,
 ) -> Plan:
-    """The plan for composed ``model`` / ``trainer`` / ``rollout`` configs (one server)."""
+    """The plan for composed ``model`` / ``trainer`` / ``rollout`` configs (one server);
+    ``dp`` data-parallel replicas, each of ``trainer.cp`` context-parallel ranks that hold
+    the same weights (the plan's source DP is their product)."""
     sync = rollout.weight_sync
     return make_plan(
         km.Dims.of(model),
-        SrcLayout(trainer.tp, trainer.pp, dp, ep=trainer.ep),
+        SrcLayout(trainer.tp, trainer.pp, dp * trainer.cp, ep=trainer.ep),
         DstLayout.sglang(rollout.tp, rollout.device),
         dtypes.itemsize(trainer.params_dtype),
         bucket_bytes or sync.bucket_mb << 20,

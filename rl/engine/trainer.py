@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
@@ -26,6 +26,7 @@ from rl.algorithms.reuse import Reuse, combine
 from rl.batch import TrainBatch
 from rl.engine import checkpoint
 from rl.engine.checkpoint import TrainState
+from rl.engine.packing import Pack, build_pack, plan_packs, stream_length
 from rl.models.arch import has_score_head
 from rl.models.megatron_gpt import build_gpt
 from rl.models.parallel import Layout, init_model_parallel
@@ -67,6 +68,14 @@ def pack_by_tokens(lengths: Sequence[int], budget: int) -> list[list[int]]:
     return groups
 
 
+@dataclass(frozen=True)
+class MicroBatch:
+    """One micro-batch: its rows (cut to its width) and, when packed, how they pack."""
+
+    batch: TrainBatch
+    pack: Pack | None = None
+
+
 def row_extents(batch: TrainBatch) -> list[int]:
     """How many leading columns of each row the model must see.
 
@@ -106,6 +115,7 @@ class MegatronTrainer:
         # LoRA: the checkpoint holding the frozen base, which every save then names
         self.lora_base: str | None = None
         self.token_budget: int | None = getattr(trainer_cfg, "max_tokens_per_microbatch", None)
+        self.packing: bool = getattr(trainer_cfg, "packing", False)
         if self.token_budget is not None:
             if self.token_budget < 1:
                 raise ValueError(
@@ -115,11 +125,11 @@ class MegatronTrainer:
             # [seq, micro_batch, hidden] shape for every micro-batch; budgeted
             # micro-batches differ in both rows and width, and padding them all back to one
             # shape would throw away the saving, so refuse rather than pad.
-            if layout.pp > 1:
+            if layout.pp > 1 and not trainer_cfg.packing:
                 raise ValueError(
                     f"trainer.max_tokens_per_microbatch={self.token_budget} needs trainer.pp=1 "
-                    f"(got trainer.pp={layout.pp}): pipeline stages exchange one fixed tensor "
-                    "shape per micro-batch; use trainer.micro_batch_size with pipelining"
+                    f"(got trainer.pp={layout.pp}) or trainer.packing=true: pipeline stages "
+                    "exchange one fixed tensor shape per micro-batch"
                 )
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
@@ -215,55 +225,68 @@ class MegatronTrainer:
     # ------------------------------------------------------------------ batching
     def _microbatches(
         self, batch: TrainBatch, trim: bool = True
-    ) -> tuple[list[TrainBatch], int, list[list[int]] | None]:
-        """This DP rank's rows cut into micro-batches, their count and, with a token
-        budget, each micro-batch's row indices within this rank's rows (None otherwise).
+    ) -> tuple[list[MicroBatch], list[list[int]] | None]:
+        """This DP rank's rows cut into micro-batches and, when they are not taken in
+        order (a token budget, or packing), each one's row indices within this rank's rows.
 
-        With a budget every micro-batch is trimmed to its longest row's extent
-        (``trim=False`` keeps all columns: the last column then stays the last position).
+        Packed (``trainer.packing``, rl/engine/packing.py), each micro-batch is one stream
+        of its rows' extents, ``micro_batch_size`` rows in order or, with a token budget,
+        first-fit under it; under pipelining every stream has this step's longest length.
+        Padded, a micro-batch is ``micro_batch_size`` rows at full width or, with a token
+        budget, rows of similar length trimmed to the longest one's extent. ``trim=False``
+        keeps every column (the last column then stays the last position).
 
         Ranks may end up with different numbers of micro-batches. That is safe: with no
         pipelining Megatron runs no collective per micro-batch (overlap_grad_reduce is off,
         and even with it DDP only reduces on the last micro-batch's backward), the gradient
         all-reduce and the all-reduce of the token count happen once per step in
         finalize_model_grads, and _reduce_stats and _collect make one call per step on
-        tensors of fixed shape. TP ranks of one DP rank see the same rows, so the same plan.
+        tensors of fixed shape. TP and CP ranks of one DP rank see the same rows, so the
+        same plan; so do the stages of one pipeline.
         """
         rows = batch.rows
         mbs, dp = self.tcfg.micro_batch_size, self.layout.dp
-        if self.token_budget is None:
-            if rows % (mbs * dp):
-                raise ValueError(
-                    f"batch of {rows} rows is not a multiple of "
-                    f"trainer.micro_batch_size*dp={mbs}*{dp}"
-                )
-            per_rank = rows // dp
-            lo = self.layout.dp_rank * per_rank
-            mine = batch.map(lambda v: v[lo : lo + per_rank])
-            n = per_rank // mbs
-            return (
-                [mine.map(partial(_rows, lo=i * mbs, hi=(i + 1) * mbs)) for i in range(n)],
-                n,
-                None,
-            )
-        if rows == 0 or rows % dp:
-            raise ValueError(f"batch of {rows} rows is not a positive multiple of trainer.dp={dp}")
+        fixed = self.token_budget is None
+        if rows == 0 or rows % (mbs * dp if fixed else dp):
+            what = f"trainer.micro_batch_size*dp={mbs}*{dp}" if fixed else f"trainer.dp={dp}"
+            raise ValueError(f"batch of {rows} rows is not a positive multiple of {what}")
         per_rank = rows // dp
         lo = self.layout.dp_rank * per_rank
         mine = batch.map(lambda v: v[lo : lo + per_rank])
         seq = batch.seq
-        lengths = row_extents(mine) if trim else [seq] * per_rank
-        groups = pack_by_tokens(lengths, self.token_budget)
-        out = []
+        if fixed and not self.packing:
+            n = per_rank // mbs
+            return [MicroBatch(mine.map(partial(_rows, lo=i * mbs, hi=(i + 1) * mbs)))
+                    for i in range(n)], None  # fmt: skip
+        lengths = [max(n, 1) for n in row_extents(mine)] if trim else [seq] * per_rank
+        if not self.packing:
+            assert self.token_budget is not None
+            groups = pack_by_tokens(lengths, self.token_budget)
+        elif self.token_budget is None:
+            groups = [list(range(i, i + mbs)) for i in range(0, per_rank, mbs)]
+        else:
+            groups = plan_packs(lengths, self.token_budget)
         mult = self.layout.tp if self.config.sequence_parallel else 1
+        cp = self.layout.cp
+        length = 0
+        if self.packing and self.layout.pp > 1:  # one shape for every micro-batch
+            length = max(stream_length([lengths[i] for i in g], cp=cp, multiple=mult)
+                         for g in groups)  # fmt: skip
+        out = []
         for idx in groups:
-            width = min(-(-max(max(lengths[i] for i in idx), 1) // mult) * mult, seq)
-            sel = torch.tensor(idx)
+            extents = [lengths[i] for i in idx]
+            width = max(extents)
+            if not self.packing:
+                width = min(-(-width // mult) * mult, seq)
             # Per-token tensors are cut to the width; per-row ones ([B]) keep their shape.
             # Shorter rows keep their own padding and zero loss_mask up to the width.
-            rows_of = mine.map(partial(_rows, sel=sel))
-            out.append(rows_of.per_token(partial(_columns, width=width)))
-        return out, len(out), groups
+            rows_of = mine.map(partial(_rows, sel=torch.tensor(idx)))
+            rows_of = rows_of.per_token(partial(_columns, width=width))
+            pack = None
+            if self.packing:
+                pack = build_pack(extents, width, cp=cp, multiple=mult, length=length)
+            out.append(MicroBatch(rows_of, pack))
+        return out, groups
 
     def _run(
         self,
@@ -281,33 +304,46 @@ class MegatronTrainer:
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         seq = batch.seq
-        # Sequence parallelism splits the sequence over TP ranks: pad it to a multiple.
-        pad = (-seq) % self.layout.tp if self.config.sequence_parallel else 0
+        # Sequence parallelism splits the sequence over TP ranks: pad it to a multiple
+        # (a packed stream is padded as a whole instead).
+        sp = self.config.sequence_parallel and not self.packing
+        pad = (-seq) % self.layout.tp if sp else 0
         if pad:
             batch = batch.pad_columns(pad)
         if batch.routing is not None:
             self._check_routing(batch.routing)
         # The last position is only the last column when nothing is trimmed.
-        mbs, n, groups = self._microbatches(batch, trim=collect != "last_logits")
-        self._microbatch_count = n
+        mbs, groups = self._microbatches(batch, trim=collect != "last_logits")
+        n = self._microbatch_count = len(mbs)
         forward_only = loss_fn is None
         own_ce = self.temperature != 1.0 or self._padded_vocab > self.mcfg.vocab_size
+        cp = self.layout.cp
 
         def forward_step(data_iterator, model):
-            mb = next(data_iterator).map(lambda v: v.to(self.device, non_blocking=True))
-            tokens = mb.tokens
-            if self.replay is not None:
-                self.replay.set(mb.routing)
-            positions = torch.arange(tokens.shape[1], device=self.device)
-            positions = positions.unsqueeze(0).expand_as(tokens)
+            item: MicroBatch = next(data_iterator)
+            mb = item.batch.map(lambda v: v.to(self.device, non_blocking=True))
+            pack = item.pack
             # The model's own output, uncut: logits, or a scalar head's values.
             want_logits = self.score or collect in ("logits", "last_logits")
-            labels = None if want_logits else torch.roll(tokens, -1, dims=1)
-            out = model(tokens, positions, None, labels=None if own_ce else labels)
+            if pack is None:
+                tokens = mb.tokens
+                positions = torch.arange(tokens.shape[1], device=self.device)
+                positions = positions.unsqueeze(0).expand_as(tokens)
+                labels = None if want_logits else torch.roll(tokens, -1, dims=1)
+                if self.replay is not None:
+                    self.replay.set(mb.routing)
+                out = model(tokens, positions, None, labels=None if own_ce else labels)
+            else:
+                tokens, positions, labels, params = self._packed_inputs(mb, pack)
+                labels = None if want_logits else labels
+                out = model(tokens, positions, None, labels=None if own_ce else labels,
+                            packed_seq_params=params)  # fmt: skip
 
             def loss_func(output: torch.Tensor):
                 if own_ce and not want_logits:
                     output = self._cross_entropy(output, labels)
+                if pack is not None:  # back to the micro-batch's [rows, width] layout
+                    output = self._unpacked(output, pack, logprobs=not want_logits)
                 if loss_fn is None:
                     if collect == "values":
                         value = output[:, :seq, 0].float()
@@ -331,7 +367,10 @@ class MegatronTrainer:
                 mask = mb.loss_mask
                 seqs = (mask.sum(dim=1) > 0).sum() if mask is not None else den * 0
                 stats["num_seqs"] = seqs.detach().float()
-                return res.loss_sum, den, stats
+                # Every CP rank computes the whole micro-batch's loss from the gathered
+                # outputs and backpropagates its own tokens' part; Megatron sums the cp
+                # copies of the denominator (over DP x CP), so the loss is cp times too.
+                return res.loss_sum * cp if cp > 1 else res.loss_sum, den, stats
 
             return out, loss_func
 
@@ -341,14 +380,64 @@ class MegatronTrainer:
                 data_iterator=iter(mbs),
                 model=[self.model],
                 num_microbatches=n,
-                seq_length=seq + pad,
-                micro_batch_size=self.tcfg.micro_batch_size,
+                seq_length=mbs[0].pack.length if mbs[0].pack is not None else seq + pad,
+                micro_batch_size=1 if mbs[0].pack is not None else self.tcfg.micro_batch_size,
                 forward_only=forward_only,
             )
         if groups is None or not forward_only or not per_mb:
             return per_mb  # training stats are sums: their order does not matter
         assert collect is not None  # a forward-only pass collects something
         return [{collect: self._unpack(per_mb, collect, groups, seq)}]
+
+    def _packed_inputs(self, mb: TrainBatch, pack: Pack) -> tuple:
+        """A packed micro-batch's model inputs on this CP rank: tokens, positions within
+        their segment and next-token labels ``[1, t]``, and Megatron's PackedSeqParams.
+        Routing replay follows the packing (-1, the router's own, on padding). An MoE
+        model's routers see the stream's few padding tokens, as they see a padded
+        micro-batch's padding: Megatron-Core's padding mask would leave them out of the
+        load-balancing loss, but then scales that loss's gradient by each TP rank's own
+        count, which differs between ranks under sequence parallelism."""
+        from megatron.core.packed_seq_params import PackedSeqParams
+
+        tokens = pack.pack(mb.tokens).to(self.device)
+        # A segment's last label is the next segment's first token: that position scores
+        # past its row's extent, which is never counted.
+        labels = torch.roll(tokens, -1, dims=1)
+        positions = pack.positions().to(self.device)
+        routing = pack.pack(mb.routing, fill=-1).to(self.device) if mb.routing is not None else None
+        if self.layout.cp > 1:
+            here = pack.local(self.layout.cp_rank).to(self.device)
+            tokens, labels, positions = tokens[:, here], labels[:, here], positions[:, here]
+            routing = routing[:, here] if routing is not None else None
+        if self.replay is not None:
+            self.replay.set(routing)
+        cu = pack.cu_seqlens.to(self.device)
+        params = PackedSeqParams(
+            qkv_format="thd",
+            cu_seqlens_q=cu,
+            cu_seqlens_kv=cu,
+            max_seqlen_q=pack.max_seqlen,
+            max_seqlen_kv=pack.max_seqlen,
+            cp_group=self.layout.cp_group,
+        )
+        return tokens, positions, labels, params
+
+    def _unpacked(self, output: torch.Tensor, pack: Pack, logprobs: bool) -> torch.Tensor:
+        """A packed micro-batch's per-token output ``[1, t, ...]`` (this CP rank's part)
+        as its rows' ``[rows, width, ...]``; under CP gathered from every rank first.
+        ``logprobs``: 0 at each row's last token, whose label is the next row's token."""
+        group = self.layout.cp_group
+        if self.layout.cp > 1 and group is not None:
+            from rl.models.packed_attention import gather_cp
+
+            whole = gather_cp(output[0], group, reduce=False)
+            order = pack.gathered_order().to(whole.device)
+            output = torch.zeros_like(whole).index_copy(0, order, whole).unsqueeze(0)
+        out = pack.unpack(output)
+        if not logprobs:
+            return out
+        flat = out.reshape(pack.rows * pack.width, *out.shape[2:])
+        return flat.index_fill(0, pack.ends.to(flat.device), 0).view_as(out)
 
     @staticmethod
     def _unpack(per_mb: list[dict], key: str, groups: list[list[int]], seq: int) -> torch.Tensor:
@@ -479,7 +568,9 @@ class MegatronTrainer:
 
     @torch.no_grad()
     def logprobs(self, batch: TrainBatch) -> torch.Tensor:
-        """Per-token log-probs ``[B, S]`` of the whole batch, on every rank."""
+        """Per-token log-probs ``[B, S]`` of the whole batch, on every rank. Past a row's
+        last ``loss_mask`` position they are 0 when micro-batches are trimmed or packed
+        (those columns are not run); every scored position is exact."""
         if self.score:
             raise ValueError(f"{self.mcfg.architecture} has a scalar head: it gives values()")
         per_mb = self._run(batch, None, collect="logprobs")
@@ -570,9 +661,8 @@ def build_trainer(
     initialize: bool = True,
 ) -> MegatronTrainer:
     """Initialise model parallelism on this rank's world and build the trainer."""
-    layout = init_model_parallel(
-        trainer_cfg.tp, trainer_cfg.pp, trainer_cfg.seed, ep=trainer_cfg.ep
-    )
+    t = trainer_cfg
+    layout = init_model_parallel(t.tp, t.pp, t.seed, ep=t.ep, cp=t.cp)
     return MegatronTrainer(
         model_cfg, trainer_cfg, layout, total_steps, frozen=frozen, initialize=initialize
     )

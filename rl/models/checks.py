@@ -120,6 +120,11 @@ def validate_trainer(t: TrainerConfig, m: ModelConfig) -> None:
         "): adapters there are not built (use trainer.tp=1)",
     )
     require(
+        t.cp == 1 or not m.num_experts,
+        f"trainer.cp={t.cp} with a Mixture-of-Experts model (model.num_experts="
+        f"{m.num_experts}): its load-balancing loss is not reduced over CP ranks",
+    )
+    require(
         t.ep == 1 or m.num_experts > 0,
         f"trainer.ep={t.ep} needs a Mixture-of-Experts model (model.num_experts=0)",
     )

@@ -65,6 +65,7 @@ def transformer_config(
         init_method_std=m.init_method_std,
         tensor_model_parallel_size=t.tp,
         pipeline_model_parallel_size=t.pp,
+        context_parallel_size=t.cp,
         sequence_parallel=sequence_parallel(m, t.tp, t.sequence_parallel),
         **recompute_options(t.recompute),
         params_dtype=dtype,

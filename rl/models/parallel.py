@@ -19,8 +19,10 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class Layout:
-    """This rank's place in the trainer's TP x PP x DP grid, with its process groups.
-    Expert parallelism (MoE) splits the experts over ``ep`` of the ``dp`` replicas."""
+    """This rank's place in the trainer's TP x CP x PP x DP grid, with its process groups.
+    Expert parallelism (MoE) splits the experts over ``ep`` of the ``dp`` replicas; context
+    parallelism splits each sequence over ``cp`` ranks that hold the same weights and rows
+    (gradients are reduced over DP x CP, Megatron's ``dp_cp`` group)."""
 
     tp: int
     pp: int
@@ -35,6 +37,9 @@ class Layout:
     pg_collection: ProcessGroupCollection
     ep: int = 1
     ep_rank: int = 0
+    cp: int = 1
+    cp_rank: int = 0
+    cp_group: dist.ProcessGroup | None = None
 
     @property
     def first_stage(self) -> bool:
@@ -50,9 +55,9 @@ class Layout:
 
 
 def init_model_parallel(
-    tp: int, pp: int, seed: int, group: dist.ProcessGroup | None = None, ep: int = 1
+    tp: int, pp: int, seed: int, group: dist.ProcessGroup | None = None, ep: int = 1, cp: int = 1
 ) -> Layout:
-    """Initialise Megatron's TP/PP/DP groups over ``group`` (the whole trainer world).
+    """Initialise Megatron's TP/CP/PP/DP groups over ``group`` (the whole trainer world).
 
     ``group`` must be the default (WORLD) group: Megatron-Core 0.16 builds its groups from
     the default group's ranks. Executors that share a world with the trainer get a world
@@ -69,6 +74,7 @@ def init_model_parallel(
             tensor_model_parallel_size=tp,
             pipeline_model_parallel_size=pp,
             expert_model_parallel_size=ep,
+            context_parallel_size=cp,
         )
     tensor_parallel.model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
     return Layout(
@@ -84,6 +90,9 @@ def init_model_parallel(
         pg_collection=ProcessGroupCollection.use_mpu_process_groups(),
         ep=ep,
         ep_rank=ps.get_expert_model_parallel_rank(),
+        cp=cp,
+        cp_rank=ps.get_context_parallel_rank(),
+        cp_group=ps.get_context_parallel_group(),
     )
 
 

@@ -10,9 +10,11 @@ CUDA, a flash kernel on CPU), with grouped-query attention handled inside the ke
 This module keeps ``DotProductAttention``'s interface (constructor arguments, forward
 signature, Megatron's ``[s, b, heads, dim]`` layout in and ``[s, b, heads * dim]`` out) and
 its arithmetic: scores ``q.k * softmax_scale``, causal unless a mask is given, a boolean
-mask meaning "masked out" where given. What it cannot do the same way it refuses at build
-time, in one line: attention dropout, context parallelism, sliding windows, softmax
-variants other than "vanilla", and (at call time) packed sequences and attention bias.
+mask meaning "masked out" where given. Packed sequences (``packed_seq_params`` in the
+"thd" format) and context parallelism (the attention's ``cp`` group) go through
+rl/models/packed_attention.py. What it cannot do the same way it refuses at build time,
+in one line: attention dropout, sliding windows, softmax variants other than "vanilla",
+and (at call time) attention bias, or context parallelism without packed sequences.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ import torch.nn.functional as F
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.utils import is_layer_window_attention
+
+from rl.models.packed_attention import packed_attention
 
 if TYPE_CHECKING:
     from megatron.core.packed_seq_params import PackedSeqParams
@@ -52,10 +56,6 @@ class SDPAttention(MegatronModule):
         super().__init__(config=config)
         dropout = config.attention_dropout if attention_dropout is None else attention_dropout
         refuse(dropout > 0, f"attention dropout {dropout} (config.attention_dropout)")
-        refuse(
-            config.context_parallel_size != 1,
-            f"context parallelism (context_parallel_size={config.context_parallel_size})",
-        )
         refuse(config.softmax_type != "vanilla", f"softmax_type={config.softmax_type!r}")
         refuse(
             is_layer_window_attention(
@@ -68,6 +68,8 @@ class SDPAttention(MegatronModule):
             raise ValueError("SDPAttention needs the attention's pg_collection (with tp)")
         self.pg_collection = pg_collection
         self.tp_group = pg_collection.tp
+        cp = getattr(pg_collection, "cp", None)
+        self.cp_group = cp if cp is not None and cp.size() > 1 else None
         self.layer_number = max(1, layer_number)
         self.attn_mask_type = attn_mask_type
         self.attention_type = attention_type
@@ -101,10 +103,18 @@ class SDPAttention(MegatronModule):
         construction decides. A given ``attention_mask`` (bool, True = masked out,
         broadcastable to ``[b, np, sq, sk]``) replaces the causal mask, as Megatron's
         softmax does; without one, a causal layer is causal whenever ``sq > 1``."""
-        if packed_seq_params is not None:
-            raise ValueError("SDPAttention does not take packed sequences (packed_seq_params)")
         if attention_bias is not None:
             raise ValueError("SDPAttention does not take an attention_bias")
+        gqa = self.heads_per_partition != self.groups_per_partition
+        if packed_seq_params is not None:
+            if packed_seq_params.qkv_format != "thd" or attention_mask is not None:
+                raise ValueError("SDPAttention takes packed sequences in the thd format, unmasked")
+            # [t, np, hn] (Megatron squeezed the batch of one) -> [t, np * hn]
+            out = packed_attention(query, key, value, packed_seq_params.cu_seqlens_q,
+                                   self.softmax_scale, gqa, self.cp_group)  # fmt: skip
+            return out.reshape(out.shape[0], self.hidden_size_per_partition)
+        if self.cp_group is not None:
+            raise ValueError("SDPAttention runs context parallelism on packed sequences only")
         sq, sk = query.shape[0], key.shape[0]
         mask = None
         causal = False
@@ -124,7 +134,7 @@ class SDPAttention(MegatronModule):
         # [s, b, n, d] -> [b, n, s, d]: views, no copies; the kernels take strided inputs.
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
         extra: dict[str, Any] = {}
-        if self.heads_per_partition != self.groups_per_partition:
+        if gqa:
             extra["enable_gqa"] = True
         out = F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, dropout_p=0.0, is_causal=causal,

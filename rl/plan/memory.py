@@ -12,27 +12,30 @@ Trainer GPU of pipeline stage p (P = its parameters, on this TP rank):
 * Adam ``P * (8 + 4 if bf16) / dp``: fp32 m and v, plus fp32 main weights when training
   in bf16, sharded over DP by the distributed optimizer (``/1`` without it); the routed
   experts' share over ``dp / ep`` only, the replicas of each expert (EP sits inside DP);
-* activations ``b * s * layers_per_stage * min(pp - p, microbatches) * a`` with b the
-  micro-batch, s the sequence (``rollout.context_length``, else the model's maximum) and
-  1F1B keeping ``pp - p`` micro-batches in flight on stage p. Per token and layer,
-  ``a = w * (4h + (2q + 2kv + 3f) / tp)`` bytes: without sequence parallelism
-  (``trainer.sequence_parallel``) the two norm inputs and the two column-parallel inputs
-  (4h) are replicated across TP, with it they are split too; the q/k/v tensors and the
-  attention output kept by fused (flash) attention (2q + 2kv) and SwiGLU's gate, up and
-  output (3f) are split. No s^2 term: Transformer Engine's fused attention keeps no score
-  matrix. An MoE layer (rl/models/megatron_gpt.py) differs in three ways: f is what one
-  token goes through (top-k experts plus the shared expert); the routed experts keep
-  their input, on average (even routing) k copies of each token the all-to-all brings
-  them (``k * h``, whole: with TP the dispatcher gathers the sequence, as the experts are
-  split over TP too); and with TP > 1 sequence parallelism is on (Megatron-Core requires
-  it for MoE), which splits the 4h too: ``a = w * (k * h + (4h + 2q + 2kv + 3f) / tp)``.
-  With ``trainer.recompute=full`` a layer keeps only its input, ``w * h`` (``/ tp`` under
+* activations ``b * s / cp * layers_per_stage * min(pp - p, microbatches) * a`` with b
+  the micro-batch, s the sequence (``rollout.context_length``, else the model's
+  maximum), cp the ranks of context parallelism sharing it, and 1F1B keeping ``pp -
+  p`` micro-batches in flight on stage p. Per token and layer, ``a = w * (4h + (2q +
+  2kv + 3f) / tp)`` bytes: without sequence parallelism
+  (``trainer.sequence_parallel``) the two norm inputs and the two column-parallel
+  inputs (4h) are replicated across TP, with it they are split too; the q/k/v tensors
+  and the attention output kept by fused (flash) attention (2q + 2kv; under context
+  parallelism the whole sequence's gathered keys and values, 2kv * cp per local token)
+  and SwiGLU's gate, up and output (3f) are split. No s^2 term: Transformer Engine's
+  fused attention keeps no score matrix. An MoE layer (rl/models/megatron_gpt.py)
+  differs in three ways: f is what one token goes through (top-k experts plus the
+  shared expert); the routed experts keep their input, on average (even routing) k
+  copies of each token the all-to-all brings them (``k * h``, whole: with TP the
+  dispatcher gathers the sequence, as the experts are split over TP too); and with TP
+  > 1 sequence parallelism is on (Megatron-Core requires it for MoE), which splits the
+  4h too: ``a = w * (k * h + (4h + 2q + 2kv + 3f) / tp)``. With
+  ``trainer.recompute=full`` a layer keeps only its input, ``w * h`` (``/ tp`` under
   sequence parallelism), in place of ``a``, and the backward brings one layer's ``a``
   back at a time: ``tokens * a`` once per stage;
 * with LoRA (``trainer.lora.rank``) the adapters' parameters A join the weights, and the
   grads and Adam hold A alone (the base is frozen); a push merges one targeted shard at a
   time into a temporary (the largest, ``w`` bytes an element), counted with the buffers;
-* logits (last stage) ``b * s * vocab / tp * (w + 8)``: the logits plus the fp32 copy and
+* logits (last stage) ``b * s / cp * vocab / tp * (w + 8)``: the logits plus the fp32 copy and
   softmax the vocab-parallel cross-entropy keeps;
 * a frozen reference copy ``P * w`` when ``algorithm.kl_coef > 0``; two DDMA buckets;
   and a fixed 4 GiB for the CUDA context, NCCL buffers and allocator fragmentation.
@@ -160,16 +163,18 @@ def stage_expert_params(m: ModelConfig, tp: int, pp: int, ep: int = 1) -> int:
 
 
 def activation_bytes_per_token_layer(
-    m: ModelConfig, tp: int, itemsize: int, sp: bool = False
+    m: ModelConfig, tp: int, itemsize: int, sp: bool = False, cp: int = 1
 ) -> int:
-    """``w * (4h + (2q + 2kv + 3f) / tp)``: see the module docstring; with sequence
+    """``w * (4h + (2q + 2kv * cp + 3f) / tp)``: see the module docstring; with sequence
     parallelism (``sp``) the 4h is split too. For an MoE layer f is what one token goes
     through (top-k experts plus the shared expert), and the routed experts keep their k
-    copies of the token (``k * h``, not split)."""
+    copies of the token (``k * h``, not split). Under context parallelism a rank's token
+    also keeps its share of the whole sequence's all-gathered keys and values (``cp``
+    times its own)."""
     h, q = m.hidden_size, m.num_attention_heads * kv_channels(m)
     kv = m.num_query_groups * kv_channels(m)
     replicated = 0 if sp else 4 * h
-    split = 2 * q + 2 * kv + (4 * h if sp else 0)
+    split = 2 * q + 2 * kv * cp + (4 * h if sp else 0)
     if not m.num_experts:
         return itemsize * (replicated + (split + 3 * m.ffn_hidden_size) // tp)
     k, d = m.moe_router_topk, Dims.of(m)  # Dims: the expert widths as ints
@@ -185,12 +190,19 @@ def activation_bytes(cfg: RootConfig, stage: int) -> int:
     m, t = cfg.model, cfg.trainer
     w = dtypes.itemsize(t.params_dtype)
     sp = sequence_parallel(m, t.tp, t.sequence_parallel)
-    tokens = t.micro_batch_size * sequence_length(cfg)
+    tokens = rank_tokens(cfg)
     kept = tokens * (m.num_layers // t.pp) * min(t.pp - stage, microbatches(cfg))
-    a = activation_bytes_per_token_layer(m, t.tp, w, sp)
+    a = activation_bytes_per_token_layer(m, t.tp, w, sp, t.cp)
     if t.recompute == "none":
         return kept * a
     return kept * w * m.hidden_size // (t.tp if sp else 1) + tokens * a
+
+
+def rank_tokens(cfg: RootConfig) -> int:
+    """The tokens of one micro-batch a trainer rank holds: ``micro_batch_size`` rows of the
+    sequence, split over the ``trainer.cp`` ranks of context parallelism."""
+    t = cfg.trainer
+    return -(-t.micro_batch_size * sequence_length(cfg) // t.cp)
 
 
 def microbatches(cfg: RootConfig) -> int:
@@ -219,7 +231,7 @@ def trainer_gpu(cfg: RootConfig, stage: int, dp: int | None = None) -> TrainerGP
     adam = 8 + (4 if w != 4 else 0)
     shards = dp if t.use_distributed_optimizer else 1
     expert_shards = max(1, shards // t.ep)
-    tokens = t.micro_batch_size * sequence_length(cfg)
+    tokens = rank_tokens(cfg)
     acts = activation_bytes(cfg, stage)
     logits = tokens * (padded_vocab_size(m) // t.tp) * (w + 8) if stage == t.pp - 1 else 0
     syncing = cfg.rl.steps > 0
@@ -254,9 +266,10 @@ def model_gpu(
     if trained:
         return g
     mm, w = own.model, dtypes.itemsize(t.params_dtype)
-    tokens = t.max_tokens_per_microbatch or t.micro_batch_size * sequence_length(own)
+    tokens = -(-(t.max_tokens_per_microbatch or t.micro_batch_size * sequence_length(own))
+               // t.cp)  # fmt: skip
     a = activation_bytes_per_token_layer(
-        mm, t.tp, w, sequence_parallel(mm, t.tp, t.sequence_parallel)
+        mm, t.tp, w, sequence_parallel(mm, t.tp, t.sequence_parallel), t.cp
     )
     last = stage == t.pp - 1 and not score
     logits = tokens * (padded_vocab_size(mm) // t.tp) * (w + 8) if last else 0

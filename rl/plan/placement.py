@@ -38,7 +38,7 @@ from rl.config.roles import COMPANIONS, RoleError, RoleMap
 from rl.config.validate import validate_cluster
 
 if TYPE_CHECKING:
-    from rl.config.schema import RootConfig
+    from rl.config.schema import RootConfig, TrainerConfig
 
 
 class PlanRefused(ConfigError):
@@ -141,7 +141,7 @@ def place(cfg: RootConfig) -> Placement:
     gpus, split = c.gpus_per_node, c.train_nodes + c.generation_nodes + c.model_nodes > 0
     generating = cfg.rl.steps > 0
     _check_devices(cfg, gpus)
-    trainer_gpus, servers = t.tp * t.pp * t.dp, r.servers if generating else 0
+    trainer_gpus, servers = t.tp * t.cp * t.pp * t.dp, r.servers if generating else 0
     if gpus:
         _check_tp_fits_node("trainer.tp", t.tp, gpus)
         if generating:
@@ -157,7 +157,7 @@ def place(cfg: RootConfig) -> Placement:
             have = train_nodes * gpus
             refuse(
                 trainer_gpus == have,
-                f"trainer.tp*pp*dp = {t.tp}*{t.pp}*{t.dp} = {trainer_gpus} GPUs != "
+                f"trainer.{_dims(t)} = {_sizes(t)} = {trainer_gpus} GPUs != "
                 f"cluster.train_nodes*gpus_per_node = {train_nodes}*{gpus} = {have}",
             )
             if generating:
@@ -173,7 +173,7 @@ def place(cfg: RootConfig) -> Placement:
             need = trainer_gpus + servers * r.tp
             refuse(
                 need <= gpus,
-                f"trainer.tp*pp*dp + rollout.servers*tp = {trainer_gpus} + {servers}*{r.tp} = "
+                f"trainer.{_dims(t)} + rollout.servers*tp = {trainer_gpus} + {servers}*{r.tp} = "
                 f"{need} GPUs > cluster.gpus_per_node={gpus} on the one shared node",
             )
 
@@ -257,7 +257,7 @@ def _place_models(
         ranks, t = roles.ranks(role), getattr(cfg, role).trainer
         if not ranks:
             continue
-        placed.append(f"{role}.trainer.tp*pp*dp = {len(ranks)}")
+        placed.append(f"{role}.trainer.{_dims(t)} = {len(ranks)}")
         refuse(
             not (split and gpus and not c.model_nodes),
             f"{role}.enabled=true needs GPUs of its own on a cluster of separate nodes: set "
@@ -309,3 +309,13 @@ def check_cpus(cfg: RootConfig, placement: Placement) -> dict[int, int]:
             "(lower cluster.roles.reward, reward.workers or trainer.threads_per_rank)",
         )
     return busy
+
+
+def _dims(t: TrainerConfig) -> str:
+    """``tp*pp*dp``, with ``cp`` when context parallelism is on."""
+    return "tp*cp*pp*dp" if t.cp > 1 else "tp*pp*dp"
+
+
+def _sizes(t: TrainerConfig) -> str:
+    sizes = (t.tp, t.cp, t.pp, t.dp) if t.cp > 1 else (t.tp, t.pp, t.dp)
+    return "*".join(map(str, sizes))

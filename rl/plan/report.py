@@ -67,10 +67,11 @@ def render(plan: ClusterPlan, cfg: RootConfig) -> str:
     ]
     tn = p.train_nodes
     where = _nodes(*tn)
-    n_gpus = f" ({t.tp * t.pp * t.dp} GPUs)" if gpus else ""
+    n_gpus = f" ({t.tp * t.cp * t.pp * t.dp} GPUs)" if gpus else ""
     ep = f" (EP{t.ep} inside DP)" if t.ep > 1 else ""
+    cp = f" x CP{t.cp}" if t.cp > 1 else ""
     out.append(
-        f"  trainer    {where}{n_gpus}: Megatron TP{t.tp} x PP{t.pp} x DP{t.dp}{ep}, "
+        f"  trainer    {where}{n_gpus}: Megatron TP{t.tp}{cp} x PP{t.pp} x DP{t.dp}{ep}, "
         f"{t.params_dtype}, global ranks {_ranks(p.ranks['trainer'])}"
     )
     out += _shorten(
@@ -148,7 +149,8 @@ def render(plan: ClusterPlan, cfg: RootConfig) -> str:
         + experts,
         f"  weights {fmt_bytes(g.weights)} + grads {fmt_bytes(g.grads)} + Adam "
         f"{fmt_bytes(g.optimizer)}{dist} + activations {fmt_bytes(g.activations)} "
-        f"({t.micro_batch_size}x{plan.sequence} tokens x {cfg.model.num_layers // t.pp} layers x "
+        f"({t.micro_batch_size}x{plan.sequence}{f'/CP{t.cp}' if t.cp > 1 else ''} tokens x "
+        f"{cfg.model.num_layers // t.pp} layers x "
         f"{in_flight} in flight{_activation_options(cfg)}) + logits {fmt_bytes(g.logits)} "
         "+ reference "
         f"{fmt_bytes(g.reference)} + DDMA buckets {fmt_bytes(g.buffers)} + overhead "

@@ -40,6 +40,19 @@ def can_raise_tp(cfg: RootConfig) -> bool:
     return 2 * tp <= cfg.cluster.gpus_per_node and m.num_query_groups % (2 * tp) == 0
 
 
+def can_raise_cp(cfg: RootConfig) -> bool:
+    """Context parallelism can grow: packed micro-batches through SDPA, a dense model (its
+    load-balancing loss is not reduced over CP ranks), and twice the ranks with TP in a
+    node (CP's all-gathers run every layer)."""
+    t = cfg.trainer
+    return (
+        t.packing
+        and t.attention == "sdpa"
+        and not cfg.model.num_experts
+        and 2 * t.cp * t.tp <= cfg.cluster.gpus_per_node
+    )
+
+
 def can_split_sequence(cfg: RootConfig) -> bool:
     """Sequence parallelism is off and could be on: TP > 1, and no adapters (LoRA under
     sequence parallelism is not built)."""
@@ -75,6 +88,8 @@ def trainer_hint(cfg: RootConfig, activations_dominate: bool) -> str:
             lower.append(f"trainer.micro_batch_size={t.micro_batch_size}")
         if can_raise_tp(cfg):
             raise_.append(f"trainer.tp={t.tp}")
+        if can_raise_cp(cfg):
+            raise_.append(f"trainer.cp={t.cp}")
     else:
         if can_raise_pp(cfg):
             raise_.append(f"trainer.pp={t.pp}")

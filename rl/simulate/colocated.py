@@ -76,11 +76,11 @@ def _kept(g: TrainerGPU, offload: str) -> tuple[int, int]:
 def shared_layout(cfg: RootConfig, prompt: float, cap: float, samples: int) -> SharedLayout:
     """The baseline for ``samples`` samples of ``prompt`` tokens and at most ``cap`` more."""
     c, t, m, hw = cfg.cluster, cfg.trainer, cfg.model, cfg.cluster.hardware
-    size = t.tp * t.pp
+    size = t.tp * t.cp * t.pp
     replicas = c.nodes * c.gpus_per_node // size
     if replicas < 1:
         raise ConfigError(
-            f"trainer.tp*pp = {size} GPUs > the cluster's {c.nodes * c.gpus_per_node}: the "
+            f"trainer.tp*cp*pp = {size} GPUs > the cluster's {c.nodes * c.gpus_per_node}: the "
             "synchronous baseline runs the trainer's layout on every GPU"
         )
     itemsize = dtypes.itemsize(t.params_dtype)

@@ -163,7 +163,7 @@ def model_s(cfg: RootConfig, role: str, tokens: float) -> tuple[float, float]:
     t, m = section.trainer, model_of(cfg, role)
     head = 1 if has_score_head(str(m.architecture)) else padded_vocab_size(m)  # output rows
     n = m.num_layers * active_count(Dims.of(m), m.moe_router_topk or 1) + head * m.hidden_size
-    rate = t.tp * t.pp * t.dp * tflops(hw, False) * hw.train_mfu
+    rate = t.tp * t.cp * t.pp * t.dp * tflops(hw, False) * hw.train_mfu
     forward = 2 * n * tokens / rate
     if role not in TRAINED:
         return forward, 0.0
@@ -207,7 +207,7 @@ def async_phases(cfg: RootConfig, plan: ClusterPlan, w: Workload) -> Phases:
     sent = max(plan.transfer.per_trainer_rank.values(), default=0)
     received = max(plan.transfer.per_server_gpu.values(), default=0)
     rate = cfg.cluster.interconnect_gbps * 1e9 / 8 * hw.network_efficiency
-    train, before, beside, scored = train_s(cfg, w, t.tp * t.pp * t.dp, t.dp), 0.0, 0.0, 0.0
+    train, before, beside, scored = train_s(cfg, w, t.tp * t.cp * t.pp * t.dp, t.dp), 0.0, 0.0, 0.0
     group = w.tokens * cfg.algorithm.group_size / w.samples
     for role in ("critic", "teacher", "reward_model"):
         if getattr(cfg, role).enabled:

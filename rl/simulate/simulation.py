@@ -105,7 +105,8 @@ def simulate(cfg: RootConfig, plan: ClusterPlan | None = None) -> Simulation:
         sync=sync,
         asyn=asyn,
         shared=shared,
-        trainer=f"TP{t.tp} x PP{t.pp} x DP{t.dp} = {t.tp * t.pp * t.dp} GPUs",
+        trainer=f"TP{t.tp}{f' x CP{t.cp}' if t.cp > 1 else ''} x PP{t.pp} x DP{t.dp} = "
+        f"{t.tp * t.cp * t.pp * t.dp} GPUs",
         generator=f"{r.servers} SGLang servers x TP{r.tp} ({r.dtype}"
         f"{', fp8 weights' if r.weight_sync.fp8_block else ''}) = {r.servers * r.tp} GPUs",
         decode_ms=decode,

@@ -198,7 +198,7 @@ def norm_paths_rank(batches: list, ckpt: str) -> dict:
 
     lp = []
     for keep in (True, False):
-        tr = _trainer(["trainer.attention=dot_product"], old_norms=keep)
+        tr = _trainer(["trainer.attention=dot_product", "trainer.packing=false"], old_norms=keep)
         for b in batches:
             _step(tr, b)
         lp.append(tr.logprobs(batches[0]))

@@ -132,7 +132,7 @@ def budget_parity(overrides: list[str], batch: dict, budget: int) -> dict:
             "after": tr.logprobs(batch),
             "loss": m["loss"],
             "grad_norm": m["grad_norm"],
-            "num_microbatches": tr._microbatches(batch)[1],
+            "num_microbatches": len(tr._microbatches(batch)[0]),
             "dp": tr.layout.dp,
         }
     return res
@@ -183,3 +183,81 @@ def critic_steps(
         res["clipfrac"].append(m.get("vf_clipfrac", 0.0))
     res["values"].append(tr.values(batches[0]))
     return res
+
+
+def variant_steps(
+    overrides: list[str],
+    batch: TrainBatch,
+    variants: dict[str, list[str]],
+    mutate: dict[str, str] | None = None,
+) -> dict:
+    """For each variant (more overrides on the same layout), from the same initial weights:
+    log-probs of ``batch`` before and after one step, the step's loss and grad norm, and
+    the micro-batches this rank ran. ``mutate`` names a variant's deliberate packing bug
+    (see :func:`packing_mutation`), in force for that variant only."""
+    import contextlib
+
+    from rl.algorithms.losses import nll_loss
+    from rl.compose import compose
+    from rl.engine.trainer import build_trainer
+
+    res: dict = {}
+    for name, extra in variants.items():
+        cfg = compose([*overrides, *extra])
+        tr = build_trainer(cfg.model, cfg.trainer, total_steps=1)
+        bug = (mutate or {}).get(name)
+        with packing_mutation(bug) if bug else contextlib.nullcontext():
+            before = tr.logprobs(batch)
+            m = tr.train_step(batch, nll_loss)
+            after = tr.logprobs(batch)
+        res[name] = {
+            "before": before,
+            "after": after,
+            "loss": m["loss"],
+            "grad_norm": m["grad_norm"],
+            "num_microbatches": len(tr._microbatches(batch)[0]),
+        }
+    return res
+
+
+def packing_mutation(bug: str):
+    """A context in which packing has one deliberate bug: ``cross`` (attention runs the
+    whole stream as one sequence, so a row sees the rows before it), ``positions`` (RoPE
+    restarts its positions one token after each row's start) or ``zigzag`` (CP ranks hold
+    contiguous quarters, where attention and RoPE expect chunks r and 2cp-1-r).
+
+    Positions that never restart at all are no bug RoPE can show: they shift a whole row
+    by one offset, and RoPE's scores depend on the distance between positions only."""
+    from unittest import mock
+
+    import rl.engine.packing as packing
+    import rl.models.sdpa_attention as sdpa
+    from rl.engine.trainer import MegatronTrainer
+
+    if bug == "cross":
+        real = sdpa.packed_attention
+
+        def one_segment(q, k, v, cu, *args):
+            return real(q, k, v, cu[[0, -1]], *args)
+
+        return mock.patch.object(sdpa, "packed_attention", one_segment)
+    if bug == "positions":
+        real_inputs = MegatronTrainer._packed_inputs
+
+        def late_restart(self, mb, pack):
+            tokens, positions, labels, params = real_inputs(self, mb, pack)
+            late = params.cu_seqlens_q.clone()
+            late[1:-1] += 1
+            params.cu_seqlens_q_padded = params.cu_seqlens_kv_padded = late  # RoPE's only
+            params.max_seqlen_q = params.max_seqlen_kv = int((late[1:] - late[:-1]).max())
+            return tokens, positions, labels, params
+
+        return mock.patch.object(MegatronTrainer, "_packed_inputs", late_restart)
+    if bug == "zigzag":
+
+        def contiguous(cu, cp, rank):
+            total = int(cu[-1])
+            return torch.arange(rank * total // cp, (rank + 1) * total // cp)
+
+        return mock.patch.object(packing, "zigzag", contiguous)
+    raise ValueError(f"no packing mutation {bug!r}")

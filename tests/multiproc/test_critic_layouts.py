@@ -52,3 +52,15 @@ def test_values_at_tp2_and_pp2_equal_tp1s_after_three_steps(
         assert r["losses"] == pytest.approx(tp1["losses"], rel=1e-5, abs=1e-6)
         for got, want in zip(r["values"], tp1["values"], strict=True):
             assert (got - want).abs().max() < 1e-5
+
+
+def test_packed_values_equal_the_padded_paths(tp1: dict, init: str) -> None:
+    """The critic's values and losses with packed micro-batches (tp1, the default) equal the
+    right-padded reference's on every position a row has: the batch's mask leaves each
+    row's last column unscored, and a packed row is cut one past its last scored token."""
+    (padded,) = spawn(critic_steps, 1, [*BASE, "trainer.packing=false"], _batches(), 0.2, init,
+                      False)  # fmt: skip
+    assert padded["losses"] == pytest.approx(tp1["losses"], rel=1e-5, abs=1e-6)
+    scored = _batches()[0].loss_mask.bool()
+    for got, want in zip(padded["values"], tp1["values"], strict=True):
+        assert (got - want)[scored].abs().max() < 1e-5

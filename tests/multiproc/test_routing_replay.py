@@ -21,9 +21,11 @@ ROUTING = random_routing(layers=2, experts=4, topk=2)
 
 
 def _layout(tp: int = 1, pp: int = 1, dp: int = 1, ep: int = 1, mbs: int = 2) -> list[str]:
+    # Padded micro-batches: the routers' choices are read back in Megatron's [s, b] token
+    # order (replay with packing: tests/multiproc/test_packing_parity.py).
     return ["model=tiny_moe", f"trainer.tp={tp}", f"trainer.pp={pp}", f"trainer.dp={dp}",
             f"trainer.ep={ep}", f"trainer.micro_batch_size={mbs}",
-            f"trainer.global_batch_size={ROWS}"]  # fmt: skip
+            f"trainer.global_batch_size={ROWS}", "trainer.packing=false"]  # fmt: skip
 
 
 @pytest.fixture(scope="module")

@@ -80,6 +80,9 @@ def test_a_sequence_mean_is_over_the_whole_batch_at_any_dp():
     token = spawn(reuse_steps, 1, pg, _ragged(scaled=True), 1, 1)[0]
     assert one["metrics"]["seq_is_ratio"] == pytest.approx(1.0, abs=1e-5)
     norm = one["metrics"]["grad_norm"]
-    for r in [*two, token]:
+    for r, tol in [*((r, 1e-5) for r in two), (token, 1e-4)]:
         assert r["metrics"]["grad_norm"] == pytest.approx(norm, rel=1e-4)
-        torch.testing.assert_close(r["after"], one["after"], atol=1e-5, rtol=1e-5)
+        # The token mean reaches the same gradient by other sums: its rounding differs, and
+        # Adam's first step at lr 1e-2 moves a weight by about lr whatever its gradient's
+        # size (measured: 7.6e-5 packed, 2.2e-5 padded; the DP=2 run: 1.4e-6).
+        torch.testing.assert_close(r["after"], one["after"], atol=tol, rtol=1e-5)

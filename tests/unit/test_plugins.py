@@ -33,7 +33,7 @@ def test_each_registry_is_its_package():
     assert set(algorithms.objectives()) == _modules(objectives) == {"gspo", "pg", "ppo_clip"}
     assert set(algorithms.estimators()) == _modules(advantages) == {
         "dr_grpo", "gae", "grpo", "reinforce_pp", "rloo"}  # fmt: skip
-    assert set(tasks.registry()) == _modules(tasks.kinds) == {"arithmetic", "dataset"}
+    assert set(tasks.registry()) == _modules(tasks.kinds) == {"arithmetic", "dataset", "retrieval"}
     assert set(transport.registry()) == _modules(transports)
 
 

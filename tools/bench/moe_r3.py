@@ -132,7 +132,9 @@ def score(
     hf_to_mcore_rank(hf, ckpt, m, 1, 1, dtype)
     overrides = ["trainer.tp=1", "trainer.pp=1", "trainer.dp=1", "trainer.ep=1",
                  f"trainer.micro_batch_size={rows}", f"trainer.global_batch_size={rows}",
-                 f"trainer.params_dtype={dtype}"]  # fmt: skip
+                 f"trainer.params_dtype={dtype}",
+                 # padded: the routers' choices are read back in Megatron's [s, b] order
+                 "trainer.packing=false"]  # fmt: skip
     tr = build_trainer(m, compose(overrides).trainer, total_steps=1, frozen=True)
     tr.load(ckpt, load_optimizer=False)
     load_s = time.perf_counter() - t0

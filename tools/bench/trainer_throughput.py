@@ -16,6 +16,8 @@ Configurations, measured in one run so that each change's share shows:
   bf16_norms        + norm weights in bf16 (torch's fused RMSNorm kernel)
   default           + SDPA core attention: what ``trainer`` builds today
   recompute_full    default with ``trainer.recompute=full``
+  packed_long       one packed row of 8x --context tokens (32k at the default) a step,
+                    with ``trainer.recompute=full``
   fused_adam        default with torch's fused Adam kernel (a benchmark-only probe: the
                     trainer runs Megatron's choice, torch's multi-tensor Adam, without TE)
   te                Transformer Engine's layer spec, when transformer_engine imports
@@ -71,6 +73,9 @@ class Variant:
     recompute: str = "none"  # trainer.recompute
     spec: str = "local"  # local | te
     fused_adam: bool = False
+    # One packed row of this many times --context tokens per step (32k at the default)
+    # with full recomputation, in place of --rows rows of --context.
+    long: int = 0
 
 
 # In the order they run. The baseline runs last: a trainer with float32 norms in bf16
@@ -78,6 +83,7 @@ class Variant:
 # it), so anything after it would run beside a dead copy of its whole state.
 VARIANTS = (
     Variant("default"),
+    Variant("packed_long", recompute="full", long=8),
     Variant("recompute_full", recompute="full"),
     Variant("fused_adam", fused_adam=True),
     Variant("te", spec="te"),
@@ -106,6 +112,14 @@ def model_flops_per_token(model: torch.nn.Module, layers: int, hidden: int, cont
     return 6 * matmul + 6 * layers * hidden * context
 
 
+def context(args: argparse.Namespace, v: Variant) -> int:
+    return args.context * (v.long or 1)
+
+
+def rows(args: argparse.Namespace, v: Variant) -> int:
+    return 1 if v.long else args.rows
+
+
 def overrides(args: argparse.Namespace, v: Variant) -> list[str]:
     model = ["model=llama3_8b", f"model.num_layers={args.layers}"]
     if args.smoke:  # a tiny Llama-style shape with GQA: the same code path in seconds
@@ -116,11 +130,13 @@ def overrides(args: argparse.Namespace, v: Variant) -> list[str]:
         model.append(f"model.vocab_size={args.vocab}")
     return [
         *model,
-        f"model.max_position_embeddings={max(args.context, 64)}",
+        f"model.max_position_embeddings={max(context(args, v), 64)}",
         "trainer.tp=1", "trainer.pp=1", "trainer.dp=1", "trainer.micro_batch_size=1",
-        f"trainer.global_batch_size={args.rows}", "trainer.params_dtype=bfloat16",
+        f"trainer.global_batch_size={rows(args, v)}", "trainer.params_dtype=bfloat16",
         f"trainer.device={args.device}", f"trainer.recompute={v.recompute}",
         f"trainer.attention={v.attention}", "trainer.use_distributed_optimizer=true",
+        # DotProductAttention takes no packed sequences (one row per micro-batch here)
+        f"trainer.packing={v.attention == 'sdpa'}",
     ]  # fmt: skip
 
 
@@ -189,12 +205,12 @@ def measure(args: argparse.Namespace, v: Variant, peak: float | None) -> dict:
                 group.update(fused=True, foreach=False)
     build_s = time.perf_counter() - t0
     loss_fn = loss_from_config(cfg.algorithm)
-    batch = make_batch(args.rows, args.context, cfg.model.vocab_size, cfg.trainer.seed)
+    batch = make_batch(rows(args, v), context(args, v), cfg.model.vocab_size, cfg.trainer.seed)
     module = tr.model.module
     core = type(module.decoder.layers[0].self_attention.core_attention).__name__
     norm = module.decoder.final_layernorm.weight.dtype
     flops = model_flops_per_token(module, cfg.model.num_layers, cfg.model.hidden_size,
-                                  args.context)  # fmt: skip
+                                  context(args, v))  # fmt: skip
     if args.device == "cuda":
         torch.cuda.reset_peak_memory_stats()
     times, losses = [], []
@@ -207,7 +223,7 @@ def measure(args: argparse.Namespace, v: Variant, peak: float | None) -> dict:
             times.append(time.perf_counter() - s0)
             losses.append(metrics["loss"])
     step_s = statistics.median(times)
-    tokens_per_s = args.rows * args.context / step_s
+    tokens_per_s = rows(args, v) * context(args, v) / step_s
     tflops = tokens_per_s * flops / 1e12
     out = {
         **asdict(v),

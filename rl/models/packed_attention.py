@@ -3,10 +3,10 @@
 Packed (the "thd" layout, rl/engine/packing.py): every segment attends causally to
 itself and never to another, each through its own fused SDPA call: no ``[t, t]`` mask is
 built as one block-diagonal call needs, the work is ``sum L_i^2`` rather than ``t^2``, and
-SDPA's maskless causal kernels (flash on CPU and CUDA) are kept. Measured against one
-block-diagonal masked call (3.7-7.5x slower) and against stacking the segments of each
-length into one batched call (fewer calls, but its gathers cost more: 1.0-1.2x slower, in
-the trainer too) in tools/bench/packing.py.
+SDPA's maskless causal kernels (flash on CPU and CUDA) are kept. Measured in
+tools/bench/packing.py against one block-diagonal masked call (3.6-7.9x slower) and
+against stacking the segments of each length into one batched call (fewer calls, but
+gathers and a scatter: 0.77-1.03x the time alone, and no faster in a trainer step).
 
 Context parallel (``cp > 1``): each rank holds chunks ``r`` and ``2cp-1-r`` of every
 segment's ``2cp`` chunks. The keys and values are all-gathered over the CP group (the

@@ -74,11 +74,15 @@ def test_micro_batch_and_context_are_suggested_only_above_their_minimum() -> Non
                     "rollout.context_length=8192"])  # fmt: skip
     assert context_floor(cfg) == 8192
     assert trainer_hint(cfg, activations_dominate=True) == (
-        "set trainer.recompute=full, or raise trainer.tp=1"
+        "set trainer.recompute=full, or raise trainer.tp=1 or trainer.cp=1"
     )
-    cfg = composed(["experiment=qwen3_0_6b_16gpu", "task=dataset", "task.max_prompt_tokens=1024",
-                    "rollout.context_length=8192", "trainer.recompute=full"])  # fmt: skip
-    assert trainer_hint(cfg, activations_dominate=True) == "raise trainer.tp=1"
+    cfg_args = ["experiment=qwen3_0_6b_16gpu", "task=dataset", "task.max_prompt_tokens=1024",
+                "rollout.context_length=8192", "trainer.recompute=full"]  # fmt: skip
+    cfg = composed(cfg_args)
+    assert trainer_hint(cfg, activations_dominate=True) == "raise trainer.tp=1 or trainer.cp=1"
+    # Context parallelism is not offered where it is refused: without packing, for MoE.
+    for more in (["trainer.packing=false"], ["model=qwen3_30b_a3b"]):
+        assert "trainer.cp" not in trainer_hint(composed([*cfg_args, *more]), True)
 
 
 def test_raising_stops_at_the_node_and_the_layers() -> None:

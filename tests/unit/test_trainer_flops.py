@@ -75,7 +75,7 @@ def test_peak_table(bench):
 
 def test_attention_choice_is_validated():
     assert composed([]).trainer.attention == "sdpa"
-    check(composed(["trainer.attention=dot_product"]))
+    check(composed(["trainer.attention=dot_product", "trainer.packing=false"]))
     with pytest.raises(ConfigError) as info:
         check(composed(["trainer.attention=flash"]))
     msg = str(info.value)

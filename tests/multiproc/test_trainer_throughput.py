@@ -24,7 +24,7 @@ def test_the_benchmark_runs_on_cpu_at_its_smoke_shape(tmp_path):
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
     r = json.loads(out.read_text())
     rows = {c["name"]: c for c in r["configs"]}
-    assert list(rows) == ["default", "recompute_full", "bf16_norms", "baseline"]
+    assert list(rows) == ["default", "packed_long", "recompute_full", "bf16_norms", "baseline"]
     assert all("error" not in c for c in rows.values()), rows
     built = {n: (c["core_attention"], c["norm_dtype"]) for n, c in rows.items()}
     assert built == {
@@ -32,7 +32,11 @@ def test_the_benchmark_runs_on_cpu_at_its_smoke_shape(tmp_path):
         "bf16_norms": ("DotProductAttention", "bfloat16"),
         "default": ("SDPAttention", "bfloat16"),
         "recompute_full": ("SDPAttention", "bfloat16"),
+        "packed_long": ("SDPAttention", "bfloat16"),
     }
+    # One packed row of 8 x the context: its attention FLOPs count that context.
+    long, d = rows["packed_long"], rows["default"]
+    assert long["long"] == 8 and long["flops_per_token"] > d["flops_per_token"]
     d = rows["default"]
     assert r["tokens_per_s"] == d["tokens_per_s"] > 0 and r["mfu"] == d["mfu"] > 0
     assert r["peak_gb"] is None  # no device memory on the host

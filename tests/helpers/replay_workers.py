@@ -104,9 +104,10 @@ def replay_checkpoint(m, ckpt: str, ep: int, batch: TrainBatch) -> dict:
     from rl.engine.trainer import build_trainer
 
     dp, rows = dist.get_world_size(), batch.tokens.shape[0]
+    # Padded: chose_as_replayed reads the routers' choices in Megatron's [s, b] order.
     cfg = compose([f"trainer.dp={dp}", f"trainer.ep={ep}", "trainer.tp=1",
                    f"trainer.micro_batch_size={rows // dp}",
-                   f"trainer.global_batch_size={rows}"])  # fmt: skip
+                   f"trainer.global_batch_size={rows}", "trainer.packing=false"])  # fmt: skip
     tr = build_trainer(m, cfg.trainer, total_steps=1)
     tr.load(ckpt, load_optimizer=False)
     logprobs = tr.logprobs(batch)

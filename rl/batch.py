@@ -39,6 +39,12 @@ class TrainBatch:
     # [B, S, layers, topk] int8/int16: the experts the generator routed input token t to
     # in each layer (-1: unknown, the router's own then), replayed by an MoE trainer
     routing: torch.Tensor | None = None
+    # A vision-language model's rows (rl/models/vision/inputs.py): [B, S, 3] the
+    # multimodal RoPE positions; [B, K, 3] each row's image grids (t, h, w in patches,
+    # all-zero: no image) and [B, P, D] their patches, image after image, zero-padded.
+    positions: torch.Tensor | None = None
+    image_grids: torch.Tensor | None = None
+    pixel_values: torch.Tensor | None = None
 
     @property
     def rows(self) -> int:
@@ -59,15 +65,13 @@ class TrainBatch:
 
     def per_token(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> TrainBatch:
         """``fn`` applied to the ``[B, S]`` fields only (a cut or pad of the columns)."""
-        seq = self.seq
-        return self.map(lambda t: fn(t) if t.dim() >= 2 and t.shape[1] == seq else t)
+        return TrainBatch(**{k: v if k in PER_ROW else fn(v) for k, v in self.tensors().items()})
 
     def pad_columns(self, n: int) -> TrainBatch:
         """``n`` columns more on every per-token field: zeros, -1 in ``routing`` (unknown)."""
-        seq = self.seq
 
         def pad(name: str, v: torch.Tensor) -> torch.Tensor:
-            if v.dim() < 2 or v.shape[1] != seq:
+            if name in PER_ROW:
                 return v
             more = v.new_full((v.shape[0], n, *v.shape[2:]), -1 if name == "routing" else 0)
             return torch.cat([v, more], 1)
@@ -80,3 +84,7 @@ class TrainBatch:
         missing = [n for n in names if getattr(self, n) is None]
         if missing:
             raise ValueError(f"the batch has no {missing[0]} (a field of rl.batch.TrainBatch)")
+
+
+# The fields that are per row, not per token: column cuts and pads leave them alone.
+PER_ROW = frozenset({"rewards", "overlong", "image_grids", "pixel_values"})

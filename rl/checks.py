@@ -44,6 +44,11 @@ def check(cfg: RootConfig, world_size: int | None = None) -> None:
     (:func:`check_task` then builds the task from its data.)"""
     validate_model(cfg.model)
     validate_trainer(cfg.trainer, cfg.model)
+    if cfg.model.vision is not None:
+        raise ConfigError(
+            f"model.architecture={cfg.model.architecture}: a vision-language model trains and "
+            "converts, but a job's prompts, rollouts and weight sync carry no images yet"
+        )
     validate_routing_replay(cfg.algorithm.routing_replay, cfg.trainer, cfg.model)
     validate(cfg, world_size)
     task_checks.check(cfg)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import Any
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
@@ -24,6 +25,23 @@ class RopeScalingConfig:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+
+
+@dataclass
+class VisionConfig:
+    """A vision-language model's image side (rl/models/vision): the HF vision tower's own
+    config as the checkpoint gives it, the image tokens, and the language model's
+    multimodal RoPE. Read from the checkpoint's config.json, never written by hand."""
+
+    # The HF ``vision_config``: the tower is transformers' own module, built from it.
+    tower: dict[str, Any] = field(default_factory=dict)
+    image_token_id: int = MISSING  # the placeholder each image's embeddings replace
+    video_token_id: int | None = None
+    vision_start_token_id: int | None = None
+    vision_end_token_id: int | None = None
+    # Rotary frequency pairs given to the temporal, height and width positions (in that
+    # order); they sum to head_dim / 2.
+    mrope_section: list[int] = field(default_factory=list)
 
 
 # The model's sizes.
@@ -95,6 +113,11 @@ class ModelConfig:
     # architecture field above is read from its config.json at launch (rl/weights/hf_model.py),
     # the trainer starts from its weights and the servers start from the directory.
     hf_checkpoint: str | None = None
+    # Set for a vision-language family (from its config.json); None: a text model.
+    vision: VisionConfig | None = None
+    # Train the vision tower and merger too (data-parallel, Adam state in the checkpoint);
+    # false: they stay as loaded.
+    train_vision: bool = False
 
 
 @dataclass

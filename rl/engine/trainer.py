@@ -31,6 +31,7 @@ from rl.models.arch import has_score_head
 from rl.models.megatron_gpt import build_gpt
 from rl.models.parallel import Layout, init_model_parallel
 from rl.models.shapes import padded_vocab_size
+from rl.models.vision.inputs import VisionInput, vision_input
 from rl.weights.dist_ckpt import hf_fields, read_common
 
 if TYPE_CHECKING:
@@ -325,19 +326,28 @@ class MegatronTrainer:
             pack = item.pack
             # The model's own output, uncut: logits, or a scalar head's values.
             want_logits = self.score or collect in ("logits", "last_logits")
+            vision = self._vision(mb)
             if pack is None:
                 tokens = mb.tokens
                 positions = torch.arange(tokens.shape[1], device=self.device)
                 positions = positions.unsqueeze(0).expand_as(tokens)
+                if self.mcfg.vision is not None:
+                    positions = self._mrope(mb, positions)
                 labels = None if want_logits else torch.roll(tokens, -1, dims=1)
                 if self.replay is not None:
                     self.replay.set(mb.routing)
-                out = model(tokens, positions, None, labels=None if own_ce else labels)
+                out = model(tokens, positions, None, labels=None if own_ce else labels,
+                            **vision)  # fmt: skip
             else:
                 tokens, positions, labels, params = self._packed_inputs(mb, pack)
+                if self.mcfg.vision is not None:
+                    positions = self._mrope(mb, positions, pack)
+                if "vision" in vision:
+                    v = vision["vision"]
+                    vision["vision"] = v.with_slots(pack.pack(v.slots, fill=-1))
                 labels = None if want_logits else labels
                 out = model(tokens, positions, None, labels=None if own_ce else labels,
-                            packed_seq_params=params)  # fmt: skip
+                            packed_seq_params=params, **vision)  # fmt: skip
 
             def loss_func(output: torch.Tensor):
                 if own_ce and not want_logits:
@@ -388,6 +398,33 @@ class MegatronTrainer:
             return per_mb  # training stats are sums: their order does not matter
         assert collect is not None  # a forward-only pass collects something
         return [{collect: self._unpack(per_mb, collect, groups, seq)}]
+
+    def _vision(self, mb: TrainBatch) -> dict[str, VisionInput]:
+        """The model's ``vision`` argument for a micro-batch with images (on the first
+        stage, which runs the tower); none otherwise."""
+        v = self.mcfg.vision
+        if v is None and mb.image_grids is not None:
+            raise ValueError(
+                f"the batch has images (image_grids) for model.architecture="
+                f"{self.mcfg.architecture}, a text-only model"
+            )
+        if v is None or mb.image_grids is None or not self.layout.first_stage:
+            return {}
+        assert mb.pixel_values is not None
+        images = vision_input(mb.tokens, mb.pixel_values, mb.image_grids,
+                              image_token_id=v.image_token_id,
+                              merge=int(v.tower.get("spatial_merge_size", 2)))  # fmt: skip
+        return {} if images is None else {"vision": images}
+
+    def _mrope(
+        self, mb: TrainBatch, positions: torch.Tensor, pack: Pack | None = None
+    ) -> torch.Tensor:
+        """Multimodal RoPE positions ``[3, b, s]``: the batch's own, or the text ones on
+        every plane (a batch without images)."""
+        if mb.positions is None:
+            return positions.unsqueeze(0).expand(3, *positions.shape)
+        three = mb.positions if pack is None else pack.pack(mb.positions)
+        return three.permute(2, 0, 1).to(self.device)
 
     def _packed_inputs(self, mb: TrainBatch, pack: Pack) -> tuple:
         """A packed micro-batch's model inputs on this CP rank: tokens, positions within

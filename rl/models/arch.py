@@ -335,6 +335,25 @@ TINY_MOE = {
 
 
 @dataclass(frozen=True)
+class VisionArch:
+    """A vision-language family's image side: transformers' classes for its vision tower
+    (held whole on the trainer's first pipeline stage, built from ``ModelConfig.vision``)
+    and the prefix of the tower's tensors in an HF checkpoint."""
+
+    tower_class: str
+    config_class: str
+    prefix: str = "visual."
+
+
+def _same(hf: dict) -> dict:
+    return hf
+
+
+def _flat(out: dict, m: ModelConfig) -> dict:
+    return out
+
+
+@dataclass(frozen=True)
 class Arch:
     """One architecture, declared once (in ``rl/models/families/<name>.py``).
 
@@ -358,6 +377,12 @@ class Arch:
     # each and the HF config fields it sets beyond the tests' shared tiny shape, chosen to
     # exercise what the family adds (tied embeddings, KV layouts, head_dim, experts).
     tiny: dict[str, dict[str, object]] = field(default_factory=dict)
+    # A vision-language family: its decoder's fields sit in a nested ``text_config``
+    # (``decoder_fields`` gives them, flat, to the common reader) and ``nest`` puts the
+    # common writer's flat fields back in that layout.
+    vision: VisionArch | None = None
+    decoder_fields: Callable[[dict], dict] = _same
+    nest: Callable[[dict, ModelConfig], dict] = _flat
 
     def tensors(self, d: Dims) -> list[TensorSpec]:
         return decoder_tensors(d)

@@ -59,6 +59,7 @@ def validate_model(m: ModelConfig) -> None:
         f"model.hidden_size={m.hidden_size}, model.num_attention_heads={m.num_attention_heads})",
     )
     _validate_moe(m, arch.moe)
+    _validate_vision(m, arch.vision is not None)
     rs = m.rope_scaling
     if rs is not None:
         require(rs.factor > 0, f"model.rope_scaling.factor={rs.factor} must be > 0")
@@ -68,6 +69,28 @@ def validate_model(m: ModelConfig) -> None:
                 f"model.rope_scaling.{name}={getattr(rs, name)} is not supported: "
                 f"Megatron-Core's Llama 3 RoPE scaling fixes it at {fixed}",
             )
+
+
+def _validate_vision(m: ModelConfig, vision: bool) -> None:
+    v = m.vision
+    require(
+        (v is not None) == vision,
+        f"model.vision is {'missing' if vision else 'set'}: {m.architecture} is "
+        + ("a vision-language family (give model.hf_checkpoint: its config.json has it)"
+           if vision else "a text-only family"),
+    )  # fmt: skip
+    require(
+        v is not None or not m.train_vision,
+        f"model.train_vision=true with {m.architecture}, which has no vision tower",
+    )
+    if v is None:
+        return
+    half = kv_channels(m) // 2
+    require(
+        len(v.mrope_section) == 3 and sum(v.mrope_section) == half,
+        f"model.vision.mrope_section={list(v.mrope_section)} must be 3 sizes summing to "
+        f"head dim / 2 = {half}",
+    )
 
 
 def _validate_moe(m: ModelConfig, moe: bool) -> None:
@@ -123,6 +146,11 @@ def validate_trainer(t: TrainerConfig, m: ModelConfig) -> None:
         t.cp == 1 or not m.num_experts,
         f"trainer.cp={t.cp} with a Mixture-of-Experts model (model.num_experts="
         f"{m.num_experts}): its load-balancing loss is not reduced over CP ranks",
+    )
+    require(
+        t.cp == 1 or m.vision is None,
+        f"trainer.cp={t.cp} with a vision-language model ({m.architecture}): its 3-D "
+        "positions and image embeddings are not split over CP ranks",
     )
     require(
         t.ep == 1 or m.num_experts > 0,

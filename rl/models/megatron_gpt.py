@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from megatron_patches import cuda_to_cpu
 from rl.config.dtypes import torch_dtype
+from rl.models import registry
 from rl.models.arch import has_score_head
 from rl.models.shapes import kv_channels, padded_vocab_size, sequence_parallel
 
@@ -84,6 +85,7 @@ def transformer_config(
         apply_rope_fusion=False,
         gradient_accumulation_fusion=False,
         cross_entropy_loss_fusion=False,
+        mrope_section=list(m.vision.mrope_section) if m.vision is not None else None,
     )
 
 
@@ -184,9 +186,16 @@ def build_gpt(
     score = has_score_head(m.architecture)
     rs = m.rope_scaling  # validate_model checked it against Megatron's fixed constants
     config = transformer_config(m, t, initialize)
+    cls, extra = GPTModel, {}
+    vision = registry.get(m.architecture).vision
+    if vision is not None:  # a vision-language model: multimodal RoPE, a vision tower
+        from rl.models.vision.model import VisionGPTModel, build_tower
+
+        tower = build_tower(m, vision, config.params_dtype) if pre_process else None
+        cls, extra = VisionGPTModel, {"tower": tower}
     # Tied embeddings under PP move the shared weight with .cuda() while building.
     with cuda_to_cpu():
-        model = GPTModel(
+        model = cls(
             config=config,
             transformer_layer_spec=layer_spec(m, t.attention),
             vocab_size=padded_vocab_size(m),
@@ -195,11 +204,12 @@ def build_gpt(
             post_process=post_process,
             parallel_output=True,
             share_embeddings_and_output_weights=m.tie_embeddings and not score,
-            position_embedding_type="rope",
+            position_embedding_type="rope" if vision is None else "mrope",
             rotary_base=int(m.rotary_base),
             rope_scaling=rs is not None,
             rope_scaling_factor=rs.factor if rs is not None else 8.0,
             pg_collection=pg_collection,
+            **extra,
         )
     if score:
         from rl.models import score_head

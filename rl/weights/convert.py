@@ -66,7 +66,8 @@ def prepare_hf_to_mcore(
     )
     validate_model(m)
     validate_trainer(t, m)
-    hf.check(km.hf_shapes(km.Dims.of(m)))
+    d = km.Dims.of(m)
+    hf.check(km.hf_shapes(d), carried=km.carried_prefix(d))
     return m, dtype
 
 
@@ -229,7 +230,9 @@ def mcore_to_hf(
     config = hf_config_from_model(m, arch, dtype_name(out_dtype), extra=_carried_fields(hf_cfg))
 
     elem = torch.empty(0, dtype=out_dtype).element_size()
-    shapes = km.hf_shapes(d)
+    prefix = km.carried_prefix(d)
+    kept = sorted(k for k in tensors if prefix and k.startswith(prefix))  # a vision tower
+    shapes = km.hf_shapes(d) | {k: tensors[k][0] for k in kept}
     sizes = {n: elem * int(torch.Size(s).numel()) for n, s in shapes.items()}
     shards = plan_shards(sizes, max_shard_bytes)
     t0 = time.perf_counter()
@@ -260,7 +263,7 @@ def mcore_to_hf(
         for i in range(d.layers):
             yield from convert(i, km.layer_keys(d))
             _log(f"[convert] layer {i + 1}/{d.layers} written")
-        yield from convert(None, rest)
+        yield from convert(None, rest + kept)
 
     out = Path(out_dir)
     with atomic_dir(out) as tmp:

@@ -129,6 +129,7 @@ def model_config_from_hf(
 ) -> ModelConfig:
     """The :class:`ModelConfig` of an HF ``config.json`` dict; raises :class:`HFConfigError`."""
     arch = _architecture(hf)
+    hf = arch.decoder_fields(hf)
     ints = {
         key: positive_int(key, required(hf, key))
         for key in (
@@ -239,5 +240,6 @@ def hf_config_from_model(
         out.update(id2label={"0": "LABEL_0"}, label2id={"LABEL_0": 0})
     out["torch_dtype"] = dtype
     out["dtype"] = dtype
+    out = arch.nest(out, m)
     out.update(extra or {})
     return out

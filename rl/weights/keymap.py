@@ -16,6 +16,9 @@ layouts matter:
   each TP shard is ``[gate_r ; up_r]``: concatenating TP shards is *not* the global tensor
   (see :func:`tp_shard`).
 
+A vision-language family's tower (``visual.*``) is carried as it is: the same names and
+tensors in both worlds, replicated on every TP rank (:func:`carried`).
+
 Vocab rows are padded to ``make_vocab_size_divisible_by`` on the Megatron side and the
 padding is stripped on the Hugging Face side. Pure logic (torch tensors only). torch is
 imported inside the tensor functions, so the shape half (names, shapes, TP split dims) that
@@ -61,6 +64,18 @@ def _layouts() -> dict[str, TensorSpec]:
     return {s.key: s for s in a.decoder_tensors(dense) + a.decoder_tensors(moe)}
 
 
+def carried_prefix(d: Dims) -> str | None:
+    """The prefix of the tensors the model carries unchanged (a vision tower's), or None."""
+    vision = registry.get(d.arch, "architecture").vision
+    return vision.prefix if vision is not None else None
+
+
+def carried(key: str, d: Dims) -> bool:
+    """``key`` is a carried tensor: its HF name, its checkpoint key, unchanged."""
+    prefix = carried_prefix(d)
+    return prefix is not None and key.startswith(prefix)
+
+
 def specs(d: Dims) -> list[TensorSpec]:
     """The model's tensors, as its family declares them (globals last)."""
     return list(_tables(d).values())
@@ -101,6 +116,8 @@ def global_keys(d: Dims) -> list[str]:
 
 def hf_names(key: str, d: Dims, layer: int | None = None) -> tuple[str, ...]:
     """Hugging Face names that make up Megatron ``key`` (of ``layer`` for per-layer keys)."""
+    if carried(key, d):
+        return (key,)
     s = spec(key, d)
     e = a.expert_of(key)
     names = tuple(a.for_expert(n, e) for n in s.hf) if e is not None else s.hf
@@ -172,6 +189,8 @@ def to_megatron(key: str, hf: list[torch.Tensor], d: Dims) -> torch.Tensor:
     """Build the global Megatron tensor ``key`` from its HF parts (see :func:`hf_names`)."""
     import torch
 
+    if carried(key, d):
+        return hf[0]
     layout = spec(key, d).layout
     if layout == a.QKV:
         q, k, v = hf
@@ -189,6 +208,8 @@ def to_hf(key: str, t: torch.Tensor, d: Dims) -> list[torch.Tensor]:
     """Split the global Megatron tensor ``key`` into its HF parts (padding stripped)."""
     import torch
 
+    if carried(key, d):
+        return [t]
     layout = spec(key, d).layout
     if layout == a.QKV:
         return [x.contiguous() for x in split_qkv(t, d)]

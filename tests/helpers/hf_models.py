@@ -26,10 +26,12 @@ LLAMA3_ROPE = registry.get("LlamaForCausalLM").tiny["llama_tied"]["rope_paramete
 MOE_SHAPES = TINY_MOE  # shared by the MoE kinds
 
 
-def tiny_models() -> dict[str, Arch]:
+def tiny_models(vision: bool = False) -> dict[str, Arch]:
     """Every tiny test model, by kind, with its family: each family module declares its
-    own (``Arch.tiny``), so a new family brings its test models with it."""
-    return {kind: arch for arch in registry.architectures().values() for kind in arch.tiny}
+    own (``Arch.tiny``), so a new family brings its test models with it. ``vision``: the
+    vision-language families' instead (tests/helpers/vision_models.py makes them)."""
+    archs = registry.architectures().values()
+    return {kind: a for a in archs if (a.vision is not None) == vision for kind in a.tiny}
 
 
 KINDS = tuple(tiny_models())

@@ -261,3 +261,49 @@ def packing_mutation(bug: str):
 
         return mock.patch.object(packing, "zigzag", contiguous)
     raise ValueError(f"no packing mutation {bug!r}")
+
+
+def vision_logits(
+    hf_dir: str, out: str, m, tp: int, pp: int, batches: dict, more: tuple = (), train: bool = False
+) -> dict:
+    """A vision-language model converted at this layout and loaded into a trainer: its
+    logits of each of ``batches`` (TrainBatch by name). With ``train``: one optimizer step
+    of NLL on the text tokens of ``batches["image"]`` (the largest change of a vision-tower
+    weight), saved, resumed into a second trainer, and a second step on both (the largest
+    gap between their logits); the logits are then the first trainer's."""
+    from rl.algorithms.losses import nll_loss
+    from rl.compose import compose
+    from rl.engine.trainer import build_trainer
+    from rl.weights.convert import hf_to_mcore_rank
+
+    hf_to_mcore_rank(hf_dir, out, m, tp, pp, "float32")
+    rows = next(iter(batches.values())).rows
+    overrides = [f"trainer.tp={tp}", f"trainer.pp={pp}", "trainer.micro_batch_size=1",
+                 f"trainer.global_batch_size={rows}", "trainer.optim.lr=0.01", *more]  # fmt: skip
+    cfg = compose(overrides).trainer
+    tr = build_trainer(m, cfg, total_steps=2, frozen=not train)
+    tr.load(out, load_optimizer=False)
+    res: dict = {}
+    if train:
+        from dataclasses import replace
+
+        tower = tr.model.module.visual
+        before = {n: p.detach().clone() for n, p in tower.named_parameters()} if tower else {}
+        b = batches["image"]
+        mask = (b.tokens != m.vision.image_token_id).float()
+        mask[:, -1] = 0
+        b = replace(b, loss_mask=mask)
+        res["metrics"] = tr.train_step(b, nll_loss)
+        res["tower_moved"] = max(
+            ((p.detach() - before[n]).abs().max().item() for n, p in tower.named_parameters()),
+            default=None,
+        ) if tower else None  # fmt: skip
+        # Saved and resumed (the tower's Adam state with it), a second step is the same.
+        tr.save(out + "_step1")
+        again = build_trainer(m, cfg, total_steps=2)
+        again.load(out + "_step1")
+        tr.train_step(b, nll_loss)
+        again.train_step(b, nll_loss)
+        res["resumed_gap"] = (tr.logits(b) - again.logits(b)).abs().max().item()
+    res["logits"] = {name: tr.logits(b) for name, b in batches.items()}
+    return res

@@ -18,7 +18,8 @@ from rl.models.shapes import param_count
 from rl.weights.hf_config import HFConfigError, hf_config_from_model, model_config_from_hf
 from tests.helpers.hf_models import LLAMA3_ROPE
 
-SUPPORTED_ARCHITECTURES = tuple(registry.architectures())
+# The text families (a vision-language family's config.json: tests/unit/test_vision_config.py).
+SUPPORTED_ARCHITECTURES = tuple(a for a, x in registry.architectures().items() if x.vision is None)
 
 ROOT = Path(__file__).resolve().parents[2]
 LLAMA, QWEN2 = "LlamaForCausalLM", "Qwen2ForCausalLM"

@@ -1,0 +1,91 @@
+"""A tiny random vision-language model (a family's ``Arch.tiny``), batches of image rows
+for the trainer, and transformers' logits of them: the reference the trainer must match."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from rl.batch import TrainBatch
+from rl.models.vision.positions import mrope_positions
+from tests.helpers.hf_models import tiny_models
+
+KIND = "qwen2_5_vl"
+
+
+def tiny(kind: str = KIND) -> dict:
+    return tiny_models(vision=True)[kind].tiny[kind]
+
+
+def make_vision_model(path: Path, kind: str = KIND, seed: int = 0) -> Path:
+    """The tiny model ``kind`` with random, non-trivial norms and biases, saved in ``path``."""
+    import transformers
+
+    arch = tiny_models(vision=True)[kind]
+    torch.manual_seed(seed)
+    conf = transformers.AutoConfig.for_model(arch.model_type, **tiny(kind))
+    model = getattr(transformers, arch.hf_class)(conf)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight") or name.endswith(".bias"):
+                p.copy_(1.0 + 0.1 * torch.randn_like(p) if "norm" in name else torch.randn_like(p))
+    model.eval().save_pretrained(path)
+    return path
+
+
+def image_batch(
+    rows: list[tuple[list[int], list[tuple[int, int, int]]]],
+    seq: int,
+    *,
+    kind: str = KIND,
+    seed: int = 1,
+    positions: bool = True,
+) -> TrainBatch:
+    """Rows of random text with images: each row is (where each image's pads start, the
+    images' (t, h, w) grids). Random patches; 3-D positions unless ``positions`` is
+    false (1-D ones then, which a vision-language model must not match)."""
+    conf = tiny(kind)
+    pad, vocab = conf["image_token_id"], conf["text_config"]["vocab_size"]
+    merge = conf["vision_config"]["spatial_merge_size"]
+    v = conf["vision_config"]
+    dim = 3 * v["temporal_patch_size"] * v["patch_size"] ** 2
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(3, min(pad, vocab) - 12, (len(rows), seq), generator=g)
+    k = max(len(grids) for _, grids in rows)
+    grids = torch.zeros(len(rows), k, 3, dtype=torch.long)
+    patches = [sum(t * h * w for t, h, w in gs) for _, gs in rows]
+    pixels = torch.zeros(len(rows), max(patches), dim)
+    for r, (starts, gs) in enumerate(rows):
+        for i, (start, (t, h, w)) in enumerate(zip(starts, gs, strict=True)):
+            tokens[r, start : start + t * h * w // merge**2] = pad
+            grids[r, i] = torch.tensor([t, h, w])
+        pixels[r, : patches[r]] = torch.randn(patches[r], dim, generator=g)
+    pos = torch.stack([
+        mrope_positions(tokens[r], grids[r][grids[r].prod(-1) > 0], image_token_id=pad,
+                        merge=merge) for r in range(len(rows))
+    ]).permute(0, 2, 1)  # fmt: skip
+    return TrainBatch(tokens, positions=pos if positions else None, image_grids=grids,
+                      pixel_values=pixels)  # fmt: skip
+
+
+def hf_vision_logits(path: Path, batch: TrainBatch, kind: str = KIND) -> torch.Tensor:
+    """transformers' logits of every row with its images (3-D positions: the image tokens
+    are marked in ``mm_token_type_ids``, without which transformers uses 1-D ones)."""
+    import transformers
+
+    arch = tiny_models(vision=True)[kind]
+    model = getattr(transformers, arch.hf_class).from_pretrained(path, dtype=torch.float32).eval()
+    pad = tiny(kind)["image_token_id"]
+    assert batch.image_grids is not None and batch.pixel_values is not None
+    out = []
+    for r in range(batch.rows):
+        grids = batch.image_grids[r][batch.image_grids[r].prod(-1) > 0]
+        ids = batch.tokens[r : r + 1]
+        pixels = batch.pixel_values[r, : int(grids.prod(-1).sum())]
+        types = (ids == pad).int()
+        with torch.no_grad():
+            logits = model(input_ids=ids, pixel_values=pixels, image_grid_thw=grids,
+                           mm_token_type_ids=types).logits  # fmt: skip
+        out.append(logits)
+    return torch.cat(out)

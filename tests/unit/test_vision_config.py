@@ -1,0 +1,136 @@
+"""A vision-language model's config and batch rows, in milliseconds: config.json both ways,
+the one-line refusals, and the rows' images as the model takes them (which embedding
+goes where, and a sampled image token refused)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from rl.batch import TrainBatch
+from rl.checks import check
+from rl.config import ConfigError
+from rl.models.checks import validate_model, validate_trainer
+from rl.models.vision.inputs import vision_input
+from rl.weights.hf_config import HFConfigError, hf_config_from_model, model_config_from_hf
+from tests.helpers.configs import composed
+from tests.helpers.vision_models import image_batch, tiny
+
+VL = "Qwen2_5_VLForConditionalGeneration"
+
+
+def _hf(**changes) -> dict:
+    """The tiny model's config.json as transformers writes it."""
+    import transformers
+
+    conf = transformers.AutoConfig.for_model("qwen2_5_vl", **tiny()).to_dict()
+    conf["architectures"] = [VL]
+    conf.update(changes)
+    return conf
+
+
+@pytest.fixture(scope="module")
+def model():
+    return model_config_from_hf(_hf(), name="vl")
+
+
+def test_config_json_both_ways(model) -> None:
+    assert model.architecture == VL and model.qkv_bias and model.num_layers == 2
+    v = model.vision
+    assert v is not None and v.image_token_id == 150 and v.mrope_section == [2, 3, 3]
+    assert v.tower["depth"] == 2 and v.tower["fullatt_block_indexes"] == [1]
+    back = hf_config_from_model(model)
+    assert back["text_config"]["rope_parameters"]["mrope_section"] == [2, 3, 3]
+    assert back["vision_config"]["out_hidden_size"] == 64
+    assert model_config_from_hf(back, name="vl") == model
+    import transformers
+
+    conf = transformers.Qwen2_5_VLConfig(**back)  # transformers reads it as the same model
+    assert conf.text_config.hidden_size == 64 and conf.vision_config.depth == 2
+    for tied in (True, False):
+        m = model_config_from_hf(_hf(tie_word_embeddings=tied))
+        assert m.tie_embeddings is tied
+        assert hf_config_from_model(m)["tie_word_embeddings"] is tied
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"text_config": None}, "text_config=None must be a dict"),
+        ({"vision_config": "x"}, "vision_config='x' must be a dict"),
+        ({"image_token_id": None}, "'image_token_id' is missing"),
+    ],
+)
+def test_bad_config_json_is_one_line(changes, message) -> None:
+    with pytest.raises(HFConfigError, match=message):
+        model_config_from_hf(_hf(**changes))
+
+
+def test_bad_mrope_section_is_one_line() -> None:
+    conf = _hf()
+    conf["text_config"]["rope_parameters"]["mrope_section"] = [2, 3]
+    with pytest.raises(HFConfigError, match=r"mrope_section=\[2, 3\] must list 3"):
+        model_config_from_hf(conf)
+
+
+def test_model_refusals(model) -> None:
+    with pytest.raises(ConfigError, match=r"model.vision is missing: .* vision-language family"):
+        validate_model(replace(model, vision=None))
+    text = OmegaConf.to_object(composed().model)
+    with pytest.raises(ConfigError, match=r"model.vision is set: .* text-only family"):
+        validate_model(replace(text, vision=model.vision))
+    with pytest.raises(ConfigError, match=r"model.train_vision=true with .* no vision tower"):
+        validate_model(replace(text, train_vision=True))
+    bad = replace(model.vision, mrope_section=[2, 3, 2])
+    with pytest.raises(ConfigError, match=r"mrope_section=\[2, 3, 2\] must be .* = 8"):
+        validate_model(replace(model, vision=bad))
+    cfg = composed(["trainer.cp=2", "trainer.tp=1", "trainer.max_tokens_per_microbatch=64"])
+    with pytest.raises(ConfigError, match=r"trainer.cp=2 with a vision-language model"):
+        validate_trainer(cfg.trainer, model)
+
+
+def test_a_job_refuses_a_vision_model_in_one_line(model) -> None:
+    cfg = composed()
+    cfg.model = model
+    with pytest.raises(ConfigError, match="a vision-language model trains and converts"):
+        check(cfg)
+
+
+def test_each_image_embedding_goes_to_its_own_pads() -> None:
+    rows = [([3], [(1, 4, 4)]), ([2, 10], [(1, 4, 6), (1, 2, 2)]), ([], [])]
+    b = image_batch(rows, 24)
+    v = vision_input(b.tokens, b.pixel_values, b.image_grids, image_token_id=150, merge=2)
+    assert v is not None
+    assert v.grid_thw.tolist() == [[1, 4, 4], [1, 4, 6], [1, 2, 2]]
+    assert v.pixel_values.shape[0] == 16 + 24 + 4
+    assert torch.equal(v.pixel_values[:16], b.pixel_values[0, :16])
+    assert torch.equal(v.pixel_values[16:], b.pixel_values[1, :28])
+    # Embeddings in image order: row 0's 4, then row 1's 6 and 1; -1 elsewhere.
+    assert v.slots[0, 3:7].tolist() == [0, 1, 2, 3]
+    assert v.slots[1, 2:8].tolist() == [4, 5, 6, 7, 8, 9] and v.slots[1, 10] == 10
+    assert int((v.slots >= 0).sum()) == 11 and (v.slots[2] == -1).all()
+    text = image_batch([([], [])], 8)
+    assert vision_input(text.tokens, text.pixel_values, text.image_grids,
+                        image_token_id=150, merge=2) is None  # fmt: skip
+
+
+def test_an_image_token_outside_the_images_is_refused() -> None:
+    b = image_batch([([3], [(1, 4, 4)]), ([2], [(1, 2, 2)])], 16)
+    b.tokens[1, 12] = 150  # a response that sampled the image token
+    with pytest.raises(ValueError, match=r"row 1 holds 2 image-pad tokens .* images take 1"):
+        vision_input(b.tokens, b.pixel_values, b.image_grids, image_token_id=150, merge=2)
+
+
+def test_column_cuts_leave_the_images_alone() -> None:
+    """Per-row image fields survive a cut even when their second dimension is the width."""
+    b = image_batch([([0], [(1, 4, 4)])], 16)  # 16 patches in a 16-token row
+    assert b.pixel_values is not None and b.pixel_values.shape[1] == b.seq
+    cut = b.per_token(lambda t: t[:, :8])
+    assert cut.tokens.shape[1] == 8 and cut.positions.shape[1] == 8
+    assert torch.equal(cut.pixel_values, b.pixel_values)
+    wide = b.pad_columns(2)
+    assert wide.tokens.shape[1] == 18 and torch.equal(wide.image_grids, b.image_grids)
+    assert TrainBatch.__dataclass_fields__["pixel_values"].default is None

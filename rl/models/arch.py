@@ -343,6 +343,9 @@ class VisionArch:
     tower_class: str
     config_class: str
     prefix: str = "visual."
+    # Qwen3-VL's multimodal RoPE: the three planes' frequencies interleaved (t h w t h w
+    # ...) rather than in three contiguous sections.
+    interleaved: bool = False
 
 
 def _same(hf: dict) -> dict:
@@ -381,6 +384,9 @@ class Arch:
     # (``decoder_fields`` gives them, flat, to the common reader) and ``nest`` puts the
     # common writer's flat fields back in that layout.
     vision: VisionArch | None = None
+    # Where the decoder's HF names live (the ``model.`` of ``model.layers.{i}.`` and
+    # ``model.embed_tokens.weight``): Qwen3-VL writes ``model.language_model.``.
+    hf_decoder: str = "model."
     decoder_fields: Callable[[dict], dict] = _same
     nest: Callable[[dict, ModelConfig], dict] = _flat
 

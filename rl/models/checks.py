@@ -147,6 +147,17 @@ def validate_trainer(t: TrainerConfig, m: ModelConfig) -> None:
         f"trainer.cp={t.cp} with a Mixture-of-Experts model (model.num_experts="
         f"{m.num_experts}): its load-balancing loss is not reduced over CP ranks",
     )
+    deep = len(m.vision.tower.get("deepstack_visual_indexes") or []) if m.vision else 0
+    require(
+        not deep or t.recompute == "none",
+        f"trainer.recompute={t.recompute} with {m.architecture}: its deepstack embeddings are "
+        "added to the first layers' outputs, which a recomputed layer would miss",
+    )
+    require(
+        m.num_layers // t.pp >= deep,
+        f"trainer.pp={t.pp} puts fewer than the {deep} deepstack layers of {m.architecture} "
+        f"on the first stage ({m.num_layers} layers), where the vision tower runs",
+    )
     require(
         t.cp == 1 or m.vision is None,
         f"trainer.cp={t.cp} with a vision-language model ({m.architecture}): its 3-D "

@@ -192,7 +192,7 @@ def build_gpt(
         from rl.models.vision.model import VisionGPTModel, build_tower
 
         tower = build_tower(m, vision, config.params_dtype) if pre_process else None
-        cls, extra = VisionGPTModel, {"tower": tower}
+        cls, extra = VisionGPTModel, {"tower": tower, "vision": vision}
     # Tied embeddings under PP move the shared weight with .cuda() while building.
     with cuda_to_cpu():
         model = cls(

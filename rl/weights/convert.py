@@ -230,9 +230,8 @@ def mcore_to_hf(
     config = hf_config_from_model(m, arch, dtype_name(out_dtype), extra=_carried_fields(hf_cfg))
 
     elem = torch.empty(0, dtype=out_dtype).element_size()
-    prefix = km.carried_prefix(d)
-    kept = sorted(k for k in tensors if prefix and k.startswith(prefix))  # a vision tower
-    shapes = km.hf_shapes(d) | {k: tensors[k][0] for k in kept}
+    kept = sorted(k for k in tensors if km.carried(k, d))  # a vision tower
+    shapes = km.hf_shapes(d) | {km.hf_names(k, d)[0]: tensors[k][0] for k in kept}
     sizes = {n: elem * int(torch.Size(s).numel()) for n, s in shapes.items()}
     shards = plan_shards(sizes, max_shard_bytes)
     t0 = time.perf_counter()

@@ -16,8 +16,8 @@ layouts matter:
   each TP shard is ``[gate_r ; up_r]``: concatenating TP shards is *not* the global tensor
   (see :func:`tp_shard`).
 
-A vision-language family's tower (``visual.*``) is carried as it is: the same names and
-tensors in both worlds, replicated on every TP rank (:func:`carried`).
+A vision-language family's tower is carried as it is: the same tensors in both worlds
+under the family's HF prefix and ``visual.``, replicated on every TP rank (:func:`carried`).
 
 Vocab rows are padded to ``make_vocab_size_divisible_by`` on the Megatron side and the
 padding is stripped on the Hugging Face side. Pure logic (torch tensors only). torch is
@@ -64,16 +64,20 @@ def _layouts() -> dict[str, TensorSpec]:
     return {s.key: s for s in a.decoder_tensors(dense) + a.decoder_tensors(moe)}
 
 
+# The prefix of a vision tower's keys in a Megatron checkpoint (the model's ``visual``).
+TOWER = "visual."
+
+
 def carried_prefix(d: Dims) -> str | None:
-    """The prefix of the tensors the model carries unchanged (a vision tower's), or None."""
+    """The HF prefix of the tensors the model carries unchanged (a vision tower's), or None."""
     vision = registry.get(d.arch, "architecture").vision
     return vision.prefix if vision is not None else None
 
 
 def carried(key: str, d: Dims) -> bool:
-    """``key`` is a carried tensor: its HF name, its checkpoint key, unchanged."""
-    prefix = carried_prefix(d)
-    return prefix is not None and key.startswith(prefix)
+    """``key`` is a carried tensor (a vision tower's): the same tensor in both formats,
+    named ``visual.<name>`` in Megatron's and ``<the family's prefix><name>`` in HF's."""
+    return key.startswith(TOWER) and carried_prefix(d) is not None
 
 
 def specs(d: Dims) -> list[TensorSpec]:
@@ -117,15 +121,17 @@ def global_keys(d: Dims) -> list[str]:
 def hf_names(key: str, d: Dims, layer: int | None = None) -> tuple[str, ...]:
     """Hugging Face names that make up Megatron ``key`` (of ``layer`` for per-layer keys)."""
     if carried(key, d):
-        return (key,)
+        return (f"{carried_prefix(d)}{key.removeprefix(TOWER)}",)
     s = spec(key, d)
     e = a.expert_of(key)
     names = tuple(a.for_expert(n, e) for n in s.hf) if e is not None else s.hf
+    decoder = registry.get(d.arch, "architecture").hf_decoder
     if not s.per_layer:
-        return names
+        return tuple(decoder + n.removeprefix("model.") if n.startswith("model.") else n
+                     for n in names)  # fmt: skip
     if layer is None:
         raise ValueError(f"{key!r} is a per-layer key: give the layer")
-    return tuple(f"model.layers.{layer}.{n}" for n in names)
+    return tuple(f"{decoder}layers.{layer}.{n}" for n in names)
 
 
 def megatron_shape(key: str, d: Dims) -> tuple[int, ...]:

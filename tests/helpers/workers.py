@@ -270,7 +270,9 @@ def vision_logits(
     logits of each of ``batches`` (TrainBatch by name). With ``train``: one optimizer step
     of NLL on the text tokens of ``batches["image"]`` (the largest change of a vision-tower
     weight), saved, resumed into a second trainer, and a second step on both (the largest
-    gap between their logits); the logits are then the first trainer's."""
+    gap between their logits); the logits are then the first trainer's. Without ``train``
+    also the logits of ``batches["image"]`` with the tower's deepstack turned off
+    (``no_deepstack``: the same as ``image`` for a model without it)."""
     from rl.algorithms.losses import nll_loss
     from rl.compose import compose
     from rl.engine.trainer import build_trainer
@@ -306,4 +308,8 @@ def vision_logits(
         again.train_step(b, nll_loss)
         res["resumed_gap"] = (tr.logits(b) - again.logits(b)).abs().max().item()
     res["logits"] = {name: tr.logits(b) for name, b in batches.items()}
+    tower = tr.model.module.visual
+    if not train and getattr(tower, "deepstack_visual_indexes", None):
+        tower.deepstack_visual_indexes = []  # the same model without deepstack
+    res["logits"]["no_deepstack"] = tr.logits(batches["image"])
     return res

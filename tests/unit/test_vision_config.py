@@ -17,17 +17,22 @@ from rl.models.checks import validate_model, validate_trainer
 from rl.models.vision.inputs import vision_input
 from rl.weights.hf_config import HFConfigError, hf_config_from_model, model_config_from_hf
 from tests.helpers.configs import composed
+from tests.helpers.hf_models import tiny_models
 from tests.helpers.vision_models import image_batch, tiny
 
 VL = "Qwen2_5_VLForConditionalGeneration"
 
 
-def _hf(**changes) -> dict:
+KINDS = tiny_models(vision=True)
+
+
+def _hf(kind: str = "qwen2_5_vl", **changes) -> dict:
     """The tiny model's config.json as transformers writes it."""
     import transformers
 
-    conf = transformers.AutoConfig.for_model("qwen2_5_vl", **tiny()).to_dict()
-    conf["architectures"] = [VL]
+    arch = KINDS[kind]
+    conf = transformers.AutoConfig.for_model(arch.model_type, **tiny(kind)).to_dict()
+    conf["architectures"] = [arch.hf_class]
     conf.update(changes)
     return conf
 
@@ -35,6 +40,31 @@ def _hf(**changes) -> dict:
 @pytest.fixture(scope="module")
 def model():
     return model_config_from_hf(_hf(), name="vl")
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_every_vision_family_reads_and_writes_its_config_json(kind: str) -> None:
+    import transformers
+
+    m = model_config_from_hf(_hf(kind), name=kind)
+    validate_model(m)
+    back = hf_config_from_model(m)
+    assert model_config_from_hf(back, name=kind) == m
+    fields = {k: v for k, v in back.items() if k != "model_type"}
+    conf = transformers.AutoConfig.for_model(KINDS[kind].model_type, **fields)
+    assert conf.text_config.num_hidden_layers == m.num_layers
+    assert conf.text_config.rope_parameters["mrope_section"] == m.vision.mrope_section
+
+
+def test_qwen3_vl_deepstack_refusals() -> None:
+    m = model_config_from_hf(_hf("qwen3_vl"))
+    assert m.qk_norm and m.head_dim == 32 and m.vision.tower["deepstack_visual_indexes"] == [0, 1]
+    cfg = composed(["trainer.recompute=full"])
+    with pytest.raises(ConfigError, match=r"trainer.recompute=full with .* deepstack"):
+        validate_trainer(cfg.trainer, m)
+    cfg = composed(["trainer.pp=4", "trainer.tp=1"])
+    with pytest.raises(ConfigError, match=r"trainer.pp=4 puts fewer than the 2 deepstack layers"):
+        validate_trainer(cfg.trainer, m)
 
 
 def test_config_json_both_ways(model) -> None:

@@ -6,62 +6,19 @@ nests the decoder's fields in ``text_config`` and the tower's in ``vision_config
 decoder's RoPE has an ``mrope_section`` (temporal, height, width frequency pairs).
 """
 
-from typing import Any
-
-from rl.config.schema import ModelConfig, VisionConfig
+from rl.config.schema import ModelConfig
 from rl.models import hf_fields as f
+from rl.models import vl_fields
 from rl.models.arch import Arch, VisionArch
-
-_TOKENS = ("video_token_id", "vision_start_token_id", "vision_end_token_id")
-_TEXT_ONLY = ("model_type", "architectures", "torch_dtype", "dtype")
-
-
-def _decoder_fields(hf: dict) -> dict:
-    text = hf.get("text_config")
-    if not isinstance(text, dict):
-        f.fail(f"text_config={text!r} must be a dict (a Qwen2.5-VL config.json nests it)")
-    return {**hf, **{k: v for k, v in text.items() if k not in _TEXT_ONLY}}
 
 
 def _from_hf(hf: dict) -> dict:
     f.refuse_flag(hf, "use_sliding_window")
-    tower = hf.get("vision_config")
-    if not isinstance(tower, dict):
-        f.fail(f"vision_config={tower!r} must be a dict")
-    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-    section = rope.get("mrope_section")
-    if not (isinstance(section, list) and len(section) == 3):
-        f.fail(f"rope_parameters.mrope_section={section!r} must list 3 integers")
-    vision = VisionConfig(
-        tower={k: v for k, v in tower.items() if k != "transformers_version"},
-        image_token_id=f.positive_int("image_token_id", f.required(hf, "image_token_id")),
-        mrope_section=[f.positive_int("rope_parameters.mrope_section", s) for s in section],
-        **{k: hf.get(k) for k in _TOKENS},
-    )
-    return {"vision": vision}
+    return {"vision": vl_fields.vision_from_hf(hf)}
 
 
 def _to_hf(m: ModelConfig) -> dict:
     return {"use_sliding_window": False}
-
-
-def _nest(flat: dict, m: ModelConfig) -> dict:
-    """The flat decoder fields as transformers 5 writes a Qwen2.5-VL config.json."""
-    v = m.vision
-    if v is None:
-        f.fail(f"model.vision is missing: {m.architecture} is a vision-language model")
-    top = ("architectures", "model_type", "tie_word_embeddings", "torch_dtype", "dtype")
-    text: dict[str, Any] = {k: x for k, x in flat.items() if k not in top}
-    text["model_type"] = "qwen2_5_vl_text"
-    text["rope_parameters"] = {**text["rope_parameters"], "mrope_section": list(v.mrope_section)}
-    out = {k: flat[k] for k in top if k in flat}
-    out.update(
-        text_config=text,
-        vision_config={**v.tower, "model_type": "qwen2_5_vl_vision"},
-        image_token_id=v.image_token_id,
-        **{k: getattr(v, k) for k in _TOKENS if getattr(v, k) is not None},
-    )
-    return out
 
 
 # The tests' tiny model (tests/helpers/vision_models.py): small enough for CPU ranks, with
@@ -98,7 +55,7 @@ ARCH = Arch(
         tower_class="Qwen2_5_VisionTransformerPretrainedModel",
         config_class="Qwen2_5_VLVisionConfig",
     ),
-    decoder_fields=_decoder_fields,
-    nest=_nest,
+    decoder_fields=vl_fields.decoder_fields,
+    nest=vl_fields.nest_as("qwen2_5_vl"),
     tiny={"qwen2_5_vl": _TINY},
 )

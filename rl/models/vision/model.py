@@ -18,9 +18,11 @@ embeddings of its own slice and the tower's gradients are summed over the TP gro
 
 from __future__ import annotations
 
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import torch
+from megatron.core.models.common.embeddings.rotary_pos_embedding import MultimodalRotaryEmbedding
 from megatron.core.models.gpt import GPTModel
 
 from rl.models.vision.inputs import VisionInput
@@ -42,21 +44,57 @@ def build_tower(m: ModelConfig, vision: VisionArch, dtype: torch.dtype) -> torch
     return tower
 
 
-def image_embeddings(tower: torch.nn.Module, pixel_values: torch.Tensor, grid_thw: torch.Tensor):
-    """The merged embeddings ``[tokens, hidden]`` of every image, image after image."""
+def image_embeddings(
+    tower: torch.nn.Module, pixel_values: torch.Tensor, grid_thw: torch.Tensor
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """The merged embeddings ``[tokens, hidden]`` of every image, image after image, and
+    the tower's deepstack embeddings (one such tensor per deepstack layer; none without)."""
     dtype = next(tower.parameters()).dtype
-    return tower(pixel_values.to(dtype), grid_thw=grid_thw).pooler_output
+    out = tower(pixel_values.to(dtype), grid_thw=grid_thw)
+    return out.pooler_output, list(getattr(out, "deepstack_features", None) or [])
+
+
+class InterleavedMRoPE(MultimodalRotaryEmbedding):
+    """Qwen3-VL's multimodal RoPE, which Megatron-Core 0.16 lacks: frequency pair j takes
+    the height position when ``j % 3 == 1`` and ``j < 3 * sections[1]``, the width position
+    when ``j % 3 == 2`` and ``j < 3 * sections[2]``, and the temporal one otherwise (not
+    three contiguous sections). Context parallelism is refused for these models."""
+
+    def forward(
+        self, position_ids: torch.Tensor, mrope_section: list[int], cp_group: Any = None
+    ) -> torch.Tensor:
+        freqs = position_ids[..., None].float() * self.inv_freq.to(position_ids.device)
+        out = freqs[0].clone()  # [b, s, dim / 2]
+        for plane in (1, 2):
+            pairs = slice(plane, mrope_section[plane] * 3, 3)
+            out[..., pairs] = freqs[plane, ..., pairs]
+        emb = torch.cat((out, out), dim=-1)
+        return emb[..., None, :].transpose(0, 1).contiguous()  # [s, b, 1, dim]
 
 
 class VisionGPTModel(GPTModel):
-    """``GPTModel`` whose first stage splices image embeddings into the decoder's input."""
+    """``GPTModel`` whose first stage splices image embeddings into the decoder's input,
+    and adds the deepstack embeddings to the outputs of its first layers."""
 
-    def __init__(self, *args: Any, tower: torch.nn.Module | None, **kwargs: Any):
+    def __init__(
+        self, *args: Any, tower: torch.nn.Module | None, vision: VisionArch, **kwargs: Any
+    ):
         super().__init__(*args, **kwargs)
         self.visual = tower if self.pre_process else None
         if self.visual is not None and self.config.sequence_parallel:
             for p in self.visual.parameters():  # summed over TP in finalize_model_grads
                 setattr(p, "sequence_parallel", True)  # noqa: B010 (not a declared attribute)
+        if vision.interleaved:
+            self.rotary_pos_emb = InterleavedMRoPE(
+                kv_channels=self.config.kv_channels, rotary_percent=1.0,
+                rotary_base=kwargs["rotary_base"], cp_group=self.pg_collection.cp,
+            )  # fmt: skip
+        # This micro-batch's deepstack embeddings and where they go ([s, b] slots of this
+        # rank), read by the hooks on the first layers during its forward.
+        self._stack: tuple[list[torch.Tensor], torch.Tensor] | None = None
+        deep = len(getattr(tower, "deepstack_visual_indexes", None) or [])
+        for i in range(deep if self.visual is not None else 0):
+            self.decoder.layers[i].register_forward_hook(partial(self._deepstack, i))
 
     def forward(
         self,
@@ -71,10 +109,13 @@ class VisionGPTModel(GPTModel):
     ) -> torch.Tensor:
         if vision is not None and self.visual is not None and decoder_input is None:
             decoder_input = self.spliced(input_ids, vision)
-        return super().forward(
-            input_ids, position_ids, attention_mask, decoder_input=decoder_input,
-            labels=labels, **kwargs,
-        )  # fmt: skip
+        try:
+            return super().forward(
+                input_ids, position_ids, attention_mask, decoder_input=decoder_input,
+                labels=labels, **kwargs,
+            )  # fmt: skip
+        finally:
+            self._stack = None
 
     def spliced(self, input_ids: torch.Tensor, vision: VisionInput) -> torch.Tensor:
         """The decoder's input ``[s, b, h]`` (this rank's slice under SP): the token
@@ -86,7 +127,7 @@ class VisionGPTModel(GPTModel):
             tp = self.pg_collection.tp
             n = emb.shape[0]
             slots = slots[tp.rank() * n : (tp.rank() + 1) * n]
-        feats = image_embeddings(self.visual, vision.pixel_values, vision.grid_thw)
+        feats, deep = image_embeddings(self.visual, vision.pixel_values, vision.grid_thw)
         used = int((vision.slots >= 0).sum())
         if used != feats.shape[0]:
             raise ValueError(
@@ -96,4 +137,16 @@ class VisionGPTModel(GPTModel):
         where = slots >= 0
         emb = emb.clone()
         emb[where] = feats[slots[where]].to(emb.dtype)
+        self._stack = (deep, slots) if deep else None
         return emb
+
+    def _deepstack(self, layer: int, module: torch.nn.Module, args: Any, output: Any) -> Any:
+        """Layer ``layer``'s output with its deepstack embedding added at the images."""
+        if self._stack is None:
+            return output
+        deep, slots = self._stack
+        hidden, context = output
+        where = slots >= 0
+        hidden = hidden.clone()
+        hidden[where] = hidden[where] + deep[layer][slots[where]].to(hidden.dtype)
+        return hidden, context

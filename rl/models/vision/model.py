@@ -3,9 +3,10 @@ vision tower (transformers' own module) feeding it image embeddings.
 
 The decoder is the text families' Megatron model, so TP, SP, PP, packing, checkpoints and
 DDMA treat its tensors as they treat a text model's (same keys). The tower and merger stay
-transformers' modules, held whole on the first pipeline stage (attribute ``visual``, so
-their parameter names are the HF checkpoint's ``visual.*``): they are small beside the
-decoder, and their exact numerics are transformers'.
+transformers' modules, held whole on the first pipeline stage (attribute ``visual``: the
+Megatron checkpoint's ``visual.*``, the HF one's under the family's prefix): they are small
+beside the decoder, and their exact numerics are transformers'. Qwen3-VL's interleaved
+multimodal RoPE and deepstack embeddings are here too (Megatron-Core 0.16 has neither).
 
 Each micro-batch's images run through the tower once; the merged embeddings replace the
 embeddings of the image-pad tokens at the positions ``VisionInput.slots`` names, which the

@@ -34,6 +34,11 @@ TOKENIZER_FILES = (
     "merges.txt",
     "added_tokens.json",
     "chat_template.jinja",
+    # A vision-language model's processor beside its tokenizer (AutoProcessor reads them).
+    "processor_config.json",
+    "preprocessor_config.json",
+    "video_preprocessor_config.json",
+    "chat_template.json",
 )
 
 

@@ -12,6 +12,7 @@ from rl.models.vision.positions import mrope_positions
 from tests.helpers.hf_models import tiny_models
 
 KIND = "qwen2_5_vl"
+PROCESSORS = {"qwen2_5_vl": "Qwen2_5_VLProcessor", "qwen3_vl": "Qwen3VLProcessor"}
 
 
 def tiny(kind: str = KIND) -> dict:
@@ -31,6 +32,30 @@ def make_vision_model(path: Path, kind: str = KIND, seed: int = 0) -> Path:
             if name.endswith("norm.weight") or name.endswith(".bias"):
                 p.copy_(1.0 + 0.1 * torch.randn_like(p) if "norm" in name else torch.randn_like(p))
     model.eval().save_pretrained(path)
+    make_processor(path, kind)
+    return path
+
+
+def make_processor(path: Path, kind: str = KIND) -> Path:
+    """The family's processor in ``path``: transformers' image and video processors at the
+    tiny model's patch size, and a byte-level tokenizer with the vision special tokens."""
+    import transformers
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(vocab={chr(i): i - 32 for i in range(32, 127)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="~")
+    fast.add_special_tokens({"additional_special_tokens": [
+        "<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]})  # fmt: skip
+    patch = tiny(kind)["vision_config"]["patch_size"]
+    video = "Qwen3VLVideoProcessor" if kind == "qwen3_vl" else "Qwen2VLVideoProcessor"
+    processor = getattr(transformers, PROCESSORS[kind])(
+        image_processor=transformers.Qwen2VLImageProcessor(patch_size=patch),
+        video_processor=getattr(transformers, video)(patch_size=patch),
+        tokenizer=fast,
+    )
+    processor.save_pretrained(path)
     return path
 
 

@@ -6,7 +6,8 @@ padded and packed; the trainer's logits of rows with images (their 3-D positions
 patches through transformers' own vision tower, spliced at the image-pad positions, and
 Qwen3-VL's deepstack embeddings added after its first layers) must equal transformers'
 forward in fp32. The same model given 1-D positions, its image tokens one position off, or
-(Qwen3-VL) no deepstack, must not. Converting back gives the original files bit for bit.
+(Qwen3-VL) no deepstack, must not. Converting back gives the original files bit for bit, and the
+processor with them (AutoProcessor loads it).
 With
 ``model.train_vision=true`` one optimizer step moves the tower's weights, and TP2 with
 sequence parallelism (whose ranks each splice a slice of the sequence, and sum the tower's
@@ -22,11 +23,18 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from transformers import AutoProcessor
 
 from rl.runtime.launch import spawn
 from rl.weights.convert import mcore_to_hf, prepare_hf_to_mcore
 from tests.helpers.hf_models import tiny_models
-from tests.helpers.vision_models import hf_vision_logits, image_batch, make_vision_model, tiny
+from tests.helpers.vision_models import (
+    PROCESSORS,
+    hf_vision_logits,
+    image_batch,
+    make_vision_model,
+    tiny,
+)
 from tests.helpers.workers import vision_logits
 
 KINDS = list(tiny_models(vision=True))
@@ -83,7 +91,8 @@ def test_trainer_logits_match_transformers(tmp_path, models, kind: str, layout: 
     if layout != "tp1-padded":
         return
     back = tmp_path / "back"
-    mcore_to_hf(str(out), str(back))
+    mcore_to_hf(str(out), str(back), tokenizer_dir=str(hf))
+    assert type(AutoProcessor.from_pretrained(back)).__name__ == PROCESSORS[kind]
     src, dst = load_file(hf / "model.safetensors"), load_file(back / "model.safetensors")
     assert sorted(src) == sorted(dst) and any(".visual." in f".{k}" for k in src)
     for name, t in src.items():

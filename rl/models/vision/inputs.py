@@ -27,10 +27,6 @@ class VisionInput:
     grid_thw: torch.Tensor
     slots: torch.Tensor
 
-    def to(self, device: torch.device) -> VisionInput:
-        return VisionInput(*(t.to(device, non_blocking=True) for t in
-                             (self.pixel_values, self.grid_thw, self.slots)))  # fmt: skip
-
     def with_slots(self, slots: torch.Tensor) -> VisionInput:
         return VisionInput(self.pixel_values, self.grid_thw, slots)
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["mrope_positions", "rope_delta", "text_positions"]
+__all__ = ["mrope_positions", "text_positions"]
 
 
 def text_positions(s: int, device: torch.device | str | None = None) -> torch.Tensor:
@@ -83,12 +83,3 @@ def mrope_positions(
     if cursor < s:
         out[:, cursor:] = torch.arange(pos, pos + s - cursor, dtype=torch.int64, device=ids.device)
     return out
-
-
-def rope_delta(positions: torch.Tensor, s: int) -> int:
-    """``max + 1 - s``: how far decoding positions run ahead of the token index.
-
-    transformers returns it as ``mrope_position_deltas``; the next generated token sits at
-    ``s + delta`` on all three planes.
-    """
-    return int(positions.max()) + 1 - s

@@ -186,13 +186,12 @@ def build_gpt(
     score = has_score_head(m.architecture)
     rs = m.rope_scaling  # validate_model checked it against Megatron's fixed constants
     config = transformer_config(m, t, initialize)
-    cls, extra = GPTModel, {}
+    cls: type[GPTModel] = GPTModel
     vision = registry.get(m.architecture).vision
     if vision is not None:  # a vision-language model: multimodal RoPE, a vision tower
         from rl.models.vision.model import VisionGPTModel, build_tower
 
-        tower = build_tower(m, vision, config.params_dtype) if pre_process else None
-        cls, extra = VisionGPTModel, {"tower": tower, "vision": vision}
+        cls = VisionGPTModel
     # Tied embeddings under PP move the shared weight with .cuda() while building.
     with cuda_to_cpu():
         model = cls(
@@ -209,8 +208,11 @@ def build_gpt(
             rope_scaling=rs is not None,
             rope_scaling_factor=rs.factor if rs is not None else 8.0,
             pg_collection=pg_collection,
-            **extra,
         )
+        if vision is not None:  # inside: Qwen3-VL's RoPE asks for the current device
+            assert isinstance(model, VisionGPTModel)
+            model.attach(build_tower(m, vision, config.params_dtype) if pre_process else None,
+                         vision)  # fmt: skip
     if score:
         from rl.models import score_head
 

@@ -20,7 +20,7 @@ embeddings of its own slice and the tower's gradients are summed over the TP gro
 from __future__ import annotations
 
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 from megatron.core.models.common.embeddings.rotary_pos_embedding import MultimodalRotaryEmbedding
@@ -29,6 +29,9 @@ from megatron.core.models.gpt import GPTModel
 from rl.models.vision.inputs import VisionInput
 
 if TYPE_CHECKING:
+    from megatron.core.packed_seq_params import PackedSeqParams
+    from torch.distributed import ProcessGroup
+
     from rl.config.schema import ModelConfig
     from rl.models.arch import VisionArch
 
@@ -62,7 +65,10 @@ class InterleavedMRoPE(MultimodalRotaryEmbedding):
     three contiguous sections). Context parallelism is refused for these models."""
 
     def forward(
-        self, position_ids: torch.Tensor, mrope_section: list[int], cp_group: Any = None
+        self,
+        position_ids: torch.Tensor,
+        mrope_section: list[int],
+        cp_group: ProcessGroup | None = None,
     ) -> torch.Tensor:
         freqs = position_ids[..., None].float() * self.inv_freq.to(position_ids.device)
         out = freqs[0].clone()  # [b, s, dim / 2]
@@ -77,24 +83,28 @@ class VisionGPTModel(GPTModel):
     """``GPTModel`` whose first stage splices image embeddings into the decoder's input,
     and adds the deepstack embeddings to the outputs of its first layers."""
 
-    def __init__(
-        self, *args: Any, tower: torch.nn.Module | None, vision: VisionArch, **kwargs: Any
-    ):
-        super().__init__(*args, **kwargs)
+    # Set by attach() (annotations only: a class-level value would shadow the submodule
+    # nn.Module keeps in _modules): the tower, on the first stage, and this micro-batch's
+    # deepstack embeddings with where they go ([s, b] slots of this rank), read by the
+    # hooks on the first layers during its forward.
+    visual: torch.nn.Module | None
+    _stack: tuple[list[torch.Tensor], torch.Tensor] | None
+
+    def attach(self, tower: torch.nn.Module | None, vision: VisionArch) -> None:
+        """Give the model its family's vision side: the tower on the first stage (its
+        grads summed over TP under SP), Qwen3-VL's RoPE and deepstack hooks."""
         self.visual = tower if self.pre_process else None
+        self._stack = None
         if self.visual is not None and self.config.sequence_parallel:
             for p in self.visual.parameters():  # summed over TP in finalize_model_grads
                 setattr(p, "sequence_parallel", True)  # noqa: B010 (not a declared attribute)
         if vision.interleaved:
             self.rotary_pos_emb = InterleavedMRoPE(
                 kv_channels=self.config.kv_channels, rotary_percent=1.0,
-                rotary_base=kwargs["rotary_base"], cp_group=self.pg_collection.cp,
+                rotary_base=self.rotary_base, cp_group=self.pg_collection.cp,
             )  # fmt: skip
-        # This micro-batch's deepstack embeddings and where they go ([s, b] slots of this
-        # rank), read by the hooks on the first layers during its forward.
-        self._stack: tuple[list[torch.Tensor], torch.Tensor] | None = None
-        deep = len(getattr(tower, "deepstack_visual_indexes", None) or [])
-        for i in range(deep if self.visual is not None else 0):
+        deep = len(getattr(self.visual, "deepstack_visual_indexes", None) or [])
+        for i in range(deep):
             self.decoder.layers[i].register_forward_hook(partial(self._deepstack, i))
 
     def forward(
@@ -104,16 +114,16 @@ class VisionGPTModel(GPTModel):
         attention_mask: torch.Tensor | None,
         decoder_input: torch.Tensor | None = None,
         labels: torch.Tensor | None = None,
+        packed_seq_params: PackedSeqParams | None = None,
         *,
         vision: VisionInput | None = None,
-        **kwargs: Any,
     ) -> torch.Tensor:
         if vision is not None and self.visual is not None and decoder_input is None:
             decoder_input = self.spliced(input_ids, vision)
         try:
             return super().forward(
                 input_ids, position_ids, attention_mask, decoder_input=decoder_input,
-                labels=labels, **kwargs,
+                labels=labels, packed_seq_params=packed_seq_params,
             )  # fmt: skip
         finally:
             self._stack = None
@@ -141,8 +151,15 @@ class VisionGPTModel(GPTModel):
         self._stack = (deep, slots) if deep else None
         return emb
 
-    def _deepstack(self, layer: int, module: torch.nn.Module, args: Any, output: Any) -> Any:
-        """Layer ``layer``'s output with its deepstack embedding added at the images."""
+    def _deepstack(
+        self,
+        layer: int,
+        module: torch.nn.Module,
+        args: tuple[object, ...],
+        output: tuple[torch.Tensor, torch.Tensor | None],
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Layer ``layer``'s output (hidden states, context) with its deepstack embedding
+        added at the images."""
         if self._stack is None:
             return output
         deep, slots = self._stack

@@ -45,7 +45,7 @@ def vision_from_hf(hf: dict) -> VisionConfig:
 
 
 def nest_as(
-    model_type: str, rope: dict[str, Any] | None = None
+    model_type: str, rope: dict[str, bool] | None = None
 ) -> Callable[[dict, ModelConfig], dict]:
     """The ``Arch.nest`` of a family whose config.json's ``model_type`` is ``model_type``
     (its decoder's ``{model_type}_text``, its tower's ``{model_type}_vision``); ``rope``:

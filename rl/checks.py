@@ -25,6 +25,7 @@ from rl.algorithms import registry as algorithms
 from rl.compose import compose
 from rl.config import ConfigError, composition_error
 from rl.config.prelaunch import prelaunch
+from rl.config.roles import COMPANIONS
 from rl.config.schema import RootConfig
 from rl.config.validate import validate
 from rl.ddma import plan, transport
@@ -45,10 +46,7 @@ def check(cfg: RootConfig, world_size: int | None = None) -> None:
     validate_model(cfg.model)
     validate_trainer(cfg.trainer, cfg.model)
     if cfg.model.vision is not None:
-        raise ConfigError(
-            f"model.architecture={cfg.model.architecture}: a vision-language model trains and "
-            "converts, but a job's prompts, rollouts and weight sync carry no images yet"
-        )
+        check_vision_job(cfg)
     validate_routing_replay(cfg.algorithm.routing_replay, cfg.trainer, cfg.model)
     validate(cfg, world_size)
     task_checks.check(cfg)
@@ -57,6 +55,32 @@ def check(cfg: RootConfig, world_size: int | None = None) -> None:
     algorithms.check_config(cfg.algorithm, cfg.rollout.sampling.max_new_tokens, critic)
     plan.check_config(cfg)
     transport.check(cfg)
+
+
+def check_vision_job(cfg: RootConfig) -> None:
+    """What a vision-language policy's job needs: its checkpoint (the processor that expands
+    the prompts and makes the trainer's patches), and no model executor (their forwards
+    take no images)."""
+    m = cfg.model
+    if not m.hf_checkpoint:
+        raise ConfigError(
+            f"model.architecture={m.architecture} needs model.hf_checkpoint: its image "
+            "processor expands the prompts and makes the trainer's patches"
+        )
+    if m.train_vision and cfg.rl.steps > 0:
+        raise ConfigError(
+            "model.train_vision=true with rl.steps > 0: weight sync sends the decoder only, "
+            "so the servers would sample with the tower as loaded (train the tower in a "
+            "warm-up-only job, rl.steps=0, and start RL from its export)"
+        )
+    if m.max_pixels is not None and m.max_pixels < 1:
+        raise ConfigError(f"model.max_pixels={m.max_pixels} must be >= 1 or null")
+    for role in COMPANIONS:
+        if getattr(cfg, role).enabled and cfg.rl.steps > 0:
+            raise ConfigError(
+                f"{role}.enabled=true with model.architecture={m.architecture}: the "
+                f"{role}'s forward takes no images (a vision-language policy trains alone)"
+            )
 
 
 def compose_resolved(overrides: list[str]) -> RootConfig:
@@ -99,6 +123,9 @@ class PrelaunchCheck(Callback):
             check_job(config, int(os.environ["WORLD_SIZE"]) if launched else None)  # type: ignore[arg-type]
         except ConfigError as e:
             sys.exit(f"config error: {e}")
+        except Exception as e:  # Hydra would only warn, and the job would start unchecked
+            first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+            sys.exit(f"config error: the checks before launch failed: {type(e).__name__}: {first}")
         out = config.run.output_dir
         try:  # a restarted job's state and the checkpoints it names
             if config.rl.steps > 0 and (point := resume.read(out, config.rl.resume)):

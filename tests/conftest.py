@@ -138,3 +138,14 @@ def smollm2_dir() -> Path:
         last = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
         pytest.fail(f"tools/make_smollm2.py --out {out} failed: {last}")
     return out
+
+
+@pytest.fixture(scope="session")
+def tiny_vision(tmp_path_factory) -> tuple[Path, Path]:
+    """The tiny Qwen2.5-VL and a small counting dataset of tools/make_tiny_vision.py
+    (64 training rows, 16 eval), made once per session: (model dir, data dir)."""
+    from tests.helpers.vision_models import tiny_vision_maker
+
+    root = tmp_path_factory.mktemp("tiny_vision")
+    maker = tiny_vision_maker()
+    return maker.make_model(root / "model"), maker.make_dataset(root / "data", 64, 16, 0)

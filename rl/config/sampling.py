@@ -15,6 +15,11 @@ if TYPE_CHECKING:
     from rl.config.schema import SamplingConfig
 
 
+# The logit bias of a banned token: exp() of it is 0 in fp32 and bf16, as the trainer's own
+# mask for it (rl/engine/trainer.py masks with the same value).
+BANNED = -1e9
+
+
 class RequestError(ValueError):
     """A request that cannot be valid, raised before it is sent."""
 
@@ -44,12 +49,19 @@ class SamplingParams:
     n: int = 1
     seed: int | None = None
     ignore_eos: bool = False
+    # Token ids the policy must never sample (a vision-language model's image and video
+    # tokens): the server gives them no probability, and the trainer masks them out of its
+    # softmax as well, so both score the same distribution.
+    banned_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         stops = self.stop_token_ids
         if not all(_is_int(t) and t >= 0 for t in stops):
             raise RequestError(f"sampling.stop_token_ids={stops!r} must be token ids >= 0")
         object.__setattr__(self, "stop_token_ids", tuple(stops))
+        if not all(_is_int(t) and t >= 0 for t in self.banned_ids):
+            raise RequestError(f"sampling.banned_ids={self.banned_ids!r} must be token ids >= 0")
+        object.__setattr__(self, "banned_ids", tuple(self.banned_ids))
         num = _is_number
         checks = (
             ("temperature", num(self.temperature) and self.temperature >= 0, "must be >= 0"),
@@ -118,6 +130,8 @@ class SamplingParams:
         }
         if seed is not None:
             out["sampling_seed"] = seed
+        if self.banned_ids:  # SGLang adds the bias before its softmax and its log-probs
+            out["logit_bias"] = {str(t): BANNED for t in self.banned_ids}
         return out
 
     def stops(self, eos_ids: tuple[int, ...]) -> frozenset[int]:

@@ -118,6 +118,9 @@ class ModelConfig:
     # Train the vision tower and merger too (data-parallel, Adam state in the checkpoint);
     # false: they stay as loaded.
     train_vision: bool = False
+    # The largest image (width x height, as the file holds it) a prompt may carry; a
+    # larger one's prompt is skipped and counted. None: any (the processor resizes it).
+    max_pixels: int | None = None
 
 
 @dataclass

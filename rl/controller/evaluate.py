@@ -71,7 +71,8 @@ class Evaluator:
         if self.episodes is not None:
             outs = run_episodes(self.client, self.episodes, examples, sampling)
         else:
-            outs = self.client.generate([list(e.prompt_ids) for e in examples], sampling)
+            outs = self.client.generate([list(e.prompt_ids) for e in examples], sampling,
+                                        images=[e.images for e in examples])  # fmt: skip
         per = sampling.n
         items = score_items(self.task, [e for e in examples for _ in range(per)], outs)
         results = self.reward.score(items).result()

@@ -121,7 +121,8 @@ class LockstepStream(RolloutStream):
         self.started += 1
         futures = self.client.submit(list(item.prompt_ids), self.sampling, group=group.gid,
                                      segment_tokens=self._budget(group),
-                                     rid=rollout_stem(group.index))  # fmt: skip
+                                     rid=rollout_stem(group.index),
+                                     images=item.images)  # fmt: skip
         for f in futures:
             group.rollouts.append(f.rollout)
             self._gen[f] = (group, 0)

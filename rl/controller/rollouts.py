@@ -437,6 +437,7 @@ class RolloutStream:
                 group=group.gid,
                 segment_tokens=self.segment_tokens,
                 rid=rollout_stem(group.index, self._resumed_from),
+                images=item.images,
             )
             for f in futures:
                 group.rollouts.append(f.rollout)

@@ -55,6 +55,7 @@ from rl.controller.rollouts import Group, RolloutStream, StreamState
 from rl.controller.staleness import StalenessGate
 from rl.controller.stall import StallWatch
 from rl.controller.weight_sync import SyncResult, WeightSync
+from rl.models.vision.inputs import special_ids
 from rl.runtime.channel import rejected_total
 from rl.tasks import Task
 
@@ -121,7 +122,9 @@ def rollout_sampling(cfg: RootConfig, task: Task) -> SamplingParams:
     s = SamplingParams.from_config(cfg.rollout.sampling, n=cfg.algorithm.group_size)
     stops = tuple(dict.fromkeys((*s.stop_token_ids, *task.codec.eos_ids)))
     seed = cfg.trainer.seed if s.seed is None and cfg.rl.deterministic else s.seed
-    return replace(s, stop_token_ids=stops, seed=seed)
+    v = cfg.model.vision
+    return replace(s, stop_token_ids=stops, seed=seed,
+                   banned_ids=special_ids(v) if v is not None else ())  # fmt: skip
 
 
 class RLRun:
@@ -278,7 +281,8 @@ class RLRun:
                 self.fetch.request(version + 1)  # the version this step's push publishes
             at(f"the trainer's RL step {step}")
             self.models.train(step, batch)  # 3. a critic's step, beside the policy's
-            m.update(self.trainer.train(step, batch))
+            images = [r.images for g in groups for r in g.rollouts]
+            m.update(self.trainer.train(step, batch, images if any(images) else []))
             m.update(self.models.trained())
             at(f"the last segments of RL step {step}'s round")
             m["round_wait_s"] = self.stream.finish_round()  # 4. (0 outside lockstep)

@@ -62,6 +62,7 @@ from rl.config.dtypes import dtype_name, torch_dtype
 from rl.config.sglang import WEIGHT_STAGINGS
 from rl.ddma import engine, transport, wire
 from rl.ddma.plan import DstLayout, Plan, SrcLayout, make_plan
+from rl.weights import keymap as km
 from rl.weights.keymap import Dims
 
 # Parameters an FP8 server holds that are not weights: its KV cache's scales (SGLang's
@@ -212,7 +213,9 @@ def targets(model: torch.nn.Module, plan: Plan) -> dict[str, torch.Tensor]:
 
 
 def architecture_errors(plan: Plan, params: dict[str, torch.Tensor], dtype: torch.dtype) -> str:
-    """Differences between what the plan writes and the model this rank serves."""
+    """Differences between what the plan writes and the model this rank serves. A
+    vision-language model's tower (SGLang's ``visual.*``) is not sent: it stays as the
+    server loaded it (an RL job trains the decoder only)."""
     problems = []
     for name, shape in plan.dst_shapes.items():
         p = params.get(name)
@@ -223,7 +226,12 @@ def architecture_errors(plan: Plan, params: dict[str, torch.Tensor], dtype: torc
         elif p.dtype != wire.dst_dtype(plan, name, dtype):
             want = wire.dst_dtype(plan, name, dtype)
             problems.append(f"{name}: trainer sends {want}, generator holds {p.dtype}")
-    extra = sorted(n for n in set(params) - set(plan.dst_shapes) if not n.endswith(KV_SCALES))
+    held = km.TOWER if km.carried_prefix(plan.dims) is not None else None
+    extra = sorted(
+        n
+        for n in set(params) - set(plan.dst_shapes)
+        if not n.endswith(KV_SCALES) and not (held and n.startswith(held))
+    )
     if extra:
         problems.append(f"generator parameters the trainer does not send: {extra[:3]}")
     return "; ".join(problems[:4])

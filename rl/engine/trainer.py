@@ -10,9 +10,10 @@ stage, so every rank returns the same numbers.
 
 from __future__ import annotations
 
+import functools
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from functools import partial
 from typing import TYPE_CHECKING, Any
@@ -24,6 +25,7 @@ from megatron_patches import cuda_to_cpu
 from rl.algorithms.losses import LossFn
 from rl.algorithms.reuse import Reuse, combine
 from rl.batch import TrainBatch
+from rl.config.sampling import BANNED
 from rl.engine import checkpoint
 from rl.engine.checkpoint import TrainState
 from rl.engine.packing import Pack, build_pack, plan_packs, stream_length
@@ -31,7 +33,7 @@ from rl.models.arch import has_score_head
 from rl.models.megatron_gpt import build_gpt
 from rl.models.parallel import Layout, init_model_parallel
 from rl.models.shapes import padded_vocab_size
-from rl.models.vision.inputs import VisionInput, vision_input
+from rl.models.vision.inputs import VisionInput, special_ids, vision_input
 from rl.weights.dist_ckpt import hf_fields, read_common
 
 if TYPE_CHECKING:
@@ -157,6 +159,10 @@ class MegatronTrainer:
         model = model.to(self.device)
         self.config = model.config
         self._padded_vocab = padded_vocab_size(model_cfg)
+        # Tokens the servers never sample (a vision-language model's vision tokens, banned
+        # with the same bias): out of the trainer's softmax too.
+        v = model_cfg.vision
+        self._banned = special_ids(v) if v is not None else ()
         self.score = has_score_head(model_cfg.architecture)  # values, not log-probs
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True,
@@ -317,7 +323,8 @@ class MegatronTrainer:
         mbs, groups = self._microbatches(batch, trim=collect != "last_logits")
         n = self._microbatch_count = len(mbs)
         forward_only = loss_fn is None
-        own_ce = self.temperature != 1.0 or self._padded_vocab > self.mcfg.vocab_size
+        own_ce = (self.temperature != 1.0 or self._padded_vocab > self.mcfg.vocab_size
+                  or bool(self._banned))  # fmt: skip
         cp = self.layout.cp
 
         def forward_step(data_iterator, model):
@@ -502,12 +509,21 @@ class MegatronTrainer:
         logits = logits.float()
         if self.temperature != 1.0:
             logits = logits / self.temperature
-        part = logits.shape[-1]
-        first_pad = self.mcfg.vocab_size - self.layout.tp_rank * part
-        if first_pad < part:  # this shard holds padding columns: they never get mass
-            cols = torch.arange(part, device=logits.device) >= max(first_pad, 0)
-            logits = logits.masked_fill(cols, -1e9)
+        never = self._never_sampled(logits.shape[-1], logits.device)
+        if never is not None:
+            logits = logits.masked_fill(never, BANNED)
         return vocab_parallel_cross_entropy(logits, labels)
+
+    @functools.cache  # noqa: B019 (one trainer per process, one shard width)
+    def _never_sampled(self, part: int, device: torch.device) -> torch.Tensor | None:
+        """The columns of this TP rank's vocab shard that never get mass: the padding rows,
+        and banned tokens (None: none)."""
+        first = self.layout.tp_rank * part
+        never = torch.arange(first, first + part) >= self.mcfg.vocab_size
+        for t in self._banned:
+            if first <= t < first + part:
+                never[t - first] = True
+        return never.to(device) if bool(never.any()) else None
 
     def _collect(self, per_mb: list[dict], key: str, shape: tuple[int, ...]) -> torch.Tensor:
         """Assemble a forward-only result from every DP rank and share it with all ranks
@@ -628,18 +644,26 @@ class MegatronTrainer:
         return self._collect(per_mb, "values", tuple(batch.tokens.shape))
 
     @torch.no_grad()
-    def greedy_generate(self, prompts: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
+    def greedy_generate(
+        self,
+        prompts: torch.Tensor,
+        max_new_tokens: int,
+        images: Callable[[TrainBatch], TrainBatch] | None = None,
+    ) -> torch.Tensor:
         """Greedy continuation ``[B, max_new_tokens]`` of equal-length prompts (no KV cache).
+        ``images``: adds the rows' images to each step's batch (a vision-language model).
 
         For evaluation of small models; serving is the generator executor's job.
         """
         tokens = prompts
         vocab = self.mcfg.vocab_size
         for _ in range(max_new_tokens):
-            per_mb = self._run(TrainBatch(tokens), None, collect="last_logits")
+            batch = TrainBatch(tokens) if images is None else images(TrainBatch(tokens))
+            per_mb = self._run(batch, None, collect="last_logits")
             rows = tokens.shape[0]
-            logits = self._collect(per_mb, "last_logits", (rows, self._padded_vocab))
-            nxt = logits[:, :vocab].argmax(dim=-1, keepdim=True)
+            logits = self._collect(per_mb, "last_logits", (rows, self._padded_vocab))[:, :vocab]
+            logits[:, list(self._banned)] = BANNED
+            nxt = logits.argmax(dim=-1, keepdim=True)
             tokens = torch.cat([tokens, nxt], dim=1)
         return tokens[:, prompts.shape[1] :]
 

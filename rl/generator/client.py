@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures as cf
 import contextlib
+import functools
 import itertools
 import threading
 import time
@@ -49,6 +50,7 @@ from rl.generator.weight_payload import (
     update_call,
     use_file_system_sharing,
 )
+from rl.models.vision.images import data_uri
 from rl.serving import server_api as api
 from rl.serving.launcher import ServerError, ServerLauncher
 
@@ -56,6 +58,8 @@ if TYPE_CHECKING:
     from rl.config.schema import RolloutConfig
 
 _seq = itertools.count()
+# An image file read once per group, not once per sample and segment.
+_image = functools.lru_cache(maxsize=256)(data_uri)
 _LOST = object()  # what _all records for a server that did not answer
 T = TypeVar("T")
 
@@ -213,16 +217,20 @@ class GeneratorClient:
         group: int | None = None,
         segment_tokens: int | None = None,
         rid: str | None = None,
+        images: tuple[str, ...] = (),
     ) -> list[RolloutFuture]:
         """Start ``sampling.n`` rollouts of one prompt, sent as one request (see
         ``resume_many``). Validation happens here, so a bad request raises before anything
         is sent. With ``segment_tokens``, each future resolves after at most that many new
         tokens; resume it with ``resume``. ``rid``: the stem of the rollouts' ids
-        (``<rid>.<sample>``), unique among the client's rollouts; None: made up here."""
+        (``<rid>.<sample>``), unique among the client's rollouts; None: made up here.
+        ``images``: a vision-language prompt's images (``prompt_ids`` holds their tokens
+        expanded; every reply's prompt token count is checked against it)."""
         self.limits.check(prompt_ids, sampling)
         if segment_tokens is not None and segment_tokens < 1:
             raise RequestError(f"segment_tokens={segment_tokens} must be >= 1")
-        return self.resume_many(new_rollouts(prompt_ids, sampling, group, rid), segment_tokens)
+        rollouts = new_rollouts(prompt_ids, sampling, group, rid, tuple(images))
+        return self.resume_many(rollouts, segment_tokens)
 
     def resume(self, rollout: Rollout, segment_tokens: int | None = None) -> RolloutFuture:
         """Continue an unfinished rollout (prompt + tokens so far go back in). The future
@@ -245,13 +253,20 @@ class GeneratorClient:
         return futures
 
     def generate(
-        self, prompts: list[list[int]], sampling: SamplingParams, segment_tokens: int | None = None
+        self,
+        prompts: list[list[int]],
+        sampling: SamplingParams,
+        segment_tokens: int | None = None,
+        images: list[tuple[str, ...]] | None = None,
     ) -> list[Rollout]:
         """Blocking convenience: every sample of every prompt, run to the end, in
         submission order. A rollout that comes back unfinished (segment boundary, pause)
-        is resumed at once, while the others keep running."""
+        is resumed at once, while the others keep running. ``images``: each prompt's."""
+        per = images or [()] * len(prompts)
         futures = [
-            f for p in prompts for f in self.submit(p, sampling, segment_tokens=segment_tokens)
+            f
+            for p, im in zip(prompts, per, strict=True)
+            for f in self.submit(p, sampling, segment_tokens=segment_tokens, images=im)
         ]
         pending: dict[cf.Future[Rollout], int] = {f: i for i, f in enumerate(futures)}
         out: list[Rollout] = [None] * len(futures)  # type: ignore[list-item]
@@ -310,6 +325,8 @@ class GeneratorClient:
         added: the segment is sampled again, up to ``ROUTING_RETRIES`` times in a row). A
         reply aborted in the server's queue carries no routing: its tokens are dropped,
         and the rollout resumes from where it was."""
+        if r.images:
+            self._check_prompt_tokens(r, out)
         ids, lps, versions, reason = parse_result(out)
         shape = self.limits.routing
         if shape is None:
@@ -333,6 +350,20 @@ class GeneratorClient:
             return False
         r.append(ids, lps, versions, reason, rows)
         return True
+
+    def _check_prompt_tokens(self, r: Rollout, out: dict[str, Any]) -> None:
+        """A reply to a prompt with images counts the input tokens the server expanded
+        them to: ours must be the same (the trainer places the images by them)."""
+        sent = len(r.prompt_ids) + len(r.output_ids)
+        got = (out.get("meta_info") or {}).get("prompt_tokens")
+        if got is not None and int(got) != sent:
+            err = ServerError(
+                f"generator server {r.server}: rollout {r.rid}'s {len(r.images)} image(s) "
+                f"make {got} prompt tokens on the server, {sent} with the checkpoint's "
+                "processor on the controller: the server's processor disagrees"
+            )
+            self.fail(err)
+            raise err
 
     async def _request(
         self, rollouts: list[Rollout], segment_tokens: int | None
@@ -382,7 +413,9 @@ class GeneratorClient:
                     r.server = server
                 if self.limits.routing is not None:
                     start = routing.request_start(live)
-                call = api.generate(ids, sps, rids, None if self.limits.routing is None else start)
+                images = [[_image(x) for x in r.images] for r in live]
+                routed = None if self.limits.routing is None else start
+                call = api.generate(ids, sps, rids, routed, images)
                 out = await self._post(server, call)
         finally:
             self._in_flight[server] -= len(rollouts)

@@ -107,12 +107,12 @@ class ModelLimits:
             raise RequestError(
                 f"prompt token id {bad[0]!r} out of range for vocab_size={self.vocab_size}"
             )
-        stop_bad = [t for t in sampling.stop_token_ids if not 0 <= t < self.vocab_size]
-        if stop_bad:
-            raise RequestError(
-                f"sampling.stop_token_ids has {stop_bad[0]}, out of range for "
-                f"vocab_size={self.vocab_size}"
-            )
+        for name in ("stop_token_ids", "banned_ids"):
+            bad = [t for t in getattr(sampling, name) if not 0 <= t < self.vocab_size]
+            if bad:
+                raise RequestError(
+                    f"sampling.{name} has {bad[0]}, out of range for vocab_size={self.vocab_size}"
+                )
         need = len(prompt_ids) + sampling.max_new_tokens
         if need > self.context_len:
             raise RequestError(
@@ -166,6 +166,9 @@ class Rollout:
     # A multi-turn sample's conversation, JSON, kept by rl/controller/episodes.py.
     episode: dict[str, Any] | None = None
     routing: torch.Tensor | None = None  # see above
+    # A vision-language prompt's images (references: rl/models/vision/images.py), sent
+    # with every request of the rollout; its prompt_ids hold their tokens expanded.
+    images: tuple[str, ...] = ()
 
     @property
     def routed(self) -> int:
@@ -290,12 +293,16 @@ def routing_versions(r: Rollout) -> list[int]:
 
 
 def new_rollouts(
-    prompt_ids: list[int], sampling: SamplingParams, group: int | None, rid: str | None = None
+    prompt_ids: list[int],
+    sampling: SamplingParams,
+    group: int | None,
+    rid: str | None = None,
+    images: tuple[str, ...] = (),
 ) -> list[Rollout]:
     """The ``sampling.n`` fresh rollouts of one prompt, each with its own id: sample
     ``i``'s is ``<rid>.<i>`` (the caller keeps ``rid`` unique), or :func:`new_rid`'s."""
     return [Rollout(list(prompt_ids), sampling, i, group,
-                    rid=new_rid() if rid is None else f"{rid}.{i}")
+                    rid=new_rid() if rid is None else f"{rid}.{i}", images=images)
             for i in range(sampling.n)]  # fmt: skip
 
 

@@ -133,13 +133,15 @@ def generate(
     sampling: list[dict[str, Any]],
     rids: list[str] | None = None,
     routed_from: int | None = None,
+    images: list[list[str]] | None = None,
 ) -> Call:
     """One ``/generate`` for one or several prompts (SGLang batches them and prefills a
     shared prefix once). Token ids in and out (servers run ``--skip-tokenizer-init``),
     with the log-prob and weight version of every new token. ``routed_from``: also the
     experts each input position from there on was routed to (a server started with
     ``--enable-return-routed-experts``; one start for the whole batch, at most the
-    shortest input's length: rl/generator/routing.py)."""
+    shortest input's length: rl/generator/routing.py). ``images``: each prompt's images
+    (data URIs or paths the server reads), whose pads ``input_ids`` holds expanded."""
     one = len(input_ids) == 1
     body: dict[str, Any] = {
         "input_ids": input_ids[0] if one else input_ids,
@@ -148,6 +150,8 @@ def generate(
     }
     if rids is not None:  # our own request ids, so one request can be aborted
         body["rid"] = rids[0] if one else rids
+    if images is not None and any(images):
+        body["image_data"] = images[0] if one else images
     if routed_from is not None:
         body["return_routed_experts"] = True
         body["routed_experts_start_len"] = routed_from

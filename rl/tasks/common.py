@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from rl.batch import TrainBatch
-    from rl.config.schema import EnvConfig, RootConfig, TaskConfig
+    from rl.config.schema import EnvConfig, RootConfig, TaskConfig, VisionConfig
     from rl.envs.setup import EpisodeSetup
 
 
@@ -44,6 +44,9 @@ class Example:
     # Per target token, whether it is trained on (a demonstration's tool results are not);
     # None: all of them.
     target_mask: tuple[bool, ...] | None = None
+    # A vision-language prompt's images (rl/models/vision/images.py references), in the
+    # order of its image tokens, each token already expanded to its image's count.
+    images: tuple[str, ...] = ()
 
 
 class Codec(Protocol):
@@ -156,6 +159,8 @@ class TaskContext:
     max_new_tokens: int
     rl_steps: int
     env: EnvConfig
+    vision: VisionConfig | None = None  # the policy's image side (a vision-language model)
+    max_pixels: int | None = None
 
     @classmethod
     def of(cls, cfg: RootConfig) -> TaskContext:
@@ -163,7 +168,7 @@ class TaskContext:
             hf_checkpoint=cfg.model.hf_checkpoint,
             max_position_embeddings=cfg.model.max_position_embeddings,
             max_new_tokens=cfg.rollout.sampling.max_new_tokens, rl_steps=cfg.rl.steps,
-            env=cfg.env,
+            env=cfg.env, vision=cfg.model.vision, max_pixels=cfg.model.max_pixels,
         )  # fmt: skip
 
 

@@ -66,7 +66,7 @@ class HFCodec:
         self.pad_id = int(pad) if pad is not None else self.eos_ids[0]
         self.has_chat_template = bool(getattr(self.tok, "chat_template", None))
 
-    def render(self, messages: list[dict[str, str]], chat: bool) -> tuple[list[int], str]:
+    def render(self, messages: list[dict[str, Any]], chat: bool) -> tuple[list[int], str]:
         """Prompt ids and text: the chat template with the assistant turn opened, or the
         contents joined by blank lines and tokenized plainly."""
         if chat:

@@ -28,6 +28,7 @@ import torch
 from rl.batch import TrainBatch
 from rl.engine.determinism import deterministic_kernels
 from rl.runtime.channel import Failed
+from rl.trainer.images import BatchImages
 from rl.trainer.settings import TrainerSettings
 
 if TYPE_CHECKING:
@@ -43,6 +44,9 @@ if TYPE_CHECKING:
 class Train:
     step: int
     batch: TrainBatch
+    # A vision-language batch's images, per row (references: rl/models/vision/images.py);
+    # the trainer makes their patches itself. Empty: no images.
+    images: list[tuple[str, ...]] = field(default_factory=list)
 
 
 @dataclass
@@ -213,9 +217,11 @@ def serve(
         reuse = Reuse(a.epochs, a.minibatches, t.seed)
         dtype = torch_dtype(t.params_dtype)
         sender = None
+        images = BatchImages(settings.model)
         while not isinstance(msg := inbox.wait(), Stop):
             if isinstance(msg, Train):
                 batch = msg.batch
+                batch = images(batch, msg.images)  # on every rank: positions need them
                 if ref is not None:  # log pi_ref of every token, for the KL penalty
                     batch = replace(batch, ref_logprobs=ref.logprobs(batch))
                 batch, figures = with_advantages(a, batch)  # the whole batch's, then split
@@ -296,8 +302,10 @@ class TrainerHandle:
             raise RuntimeError(f"trainer answered {type(msg).__name__} before it was ready")
         return msg
 
-    def train(self, step: int, batch: TrainBatch) -> dict[str, float]:
-        return self._call(Train(step, batch), Trained).metrics
+    def train(
+        self, step: int, batch: TrainBatch, images: list[tuple[str, ...]] | None = None
+    ) -> dict[str, float]:
+        return self._call(Train(step, batch, images or []), Trained).metrics
 
     def connect(self, urls: list[str]) -> Rendezvous:
         return self._call(Connect(urls), Rendezvous)

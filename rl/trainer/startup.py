@@ -58,6 +58,7 @@ def start(cfg: RootConfig, log: MetricsSink) -> Start:
     from rl.checkpoints import resume
     from rl.engine.trainer import build_trainer
     from rl.tasks import build_task
+    from rl.trainer.images import BatchImages
     from rl.trainer.warmup import evaluator, supervised_warmup
 
     s = settings(cfg)
@@ -76,8 +77,9 @@ def start(cfg: RootConfig, log: MetricsSink) -> Start:
         task = build_task(cfg)
         warm_only = s.steps == 0
         ckpt = t.save_dir or str(out / "checkpoint") if warm_only else str(out / "warmup")
-        score = evaluator(tr, task, cfg.reward, s.rollout.sampling.max_new_tokens)
-        acc = supervised_warmup(tr, task, sft, log, score, ckpt, t.save_interval)
+        images = BatchImages(s.model) if s.model.vision is not None else None
+        score = evaluator(tr, task, cfg.reward, s.rollout.sampling.max_new_tokens, images)
+        acc = supervised_warmup(tr, task, sft, log, score, ckpt, t.save_interval, images)
         # Before RL, weights only: the RL stage starts an optimizer of its own (and a job
         # killed before its first RL checkpoint warms up again), so the warm-up's Adam
         # state, twice the weights' size, was written for nothing.

@@ -28,6 +28,7 @@ from rl.tasks.scoring import RewardFn, ScoreItem, call
 if TYPE_CHECKING:
     from rl.config.schema import RewardConfig, SFTConfig
     from rl.engine.trainer import MegatronTrainer
+    from rl.trainer.images import BatchImages
 
 
 class MetricsSink(Protocol):
@@ -45,12 +46,14 @@ def supervised_warmup(
     evaluate: Callable[[list], float],
     save_dir: str | None = None,
     save_interval: int = 0,
+    images: BatchImages | None = None,
 ) -> float | None:
     """Run ``sft.steps`` optimizer steps; return the final held-out greedy pass rate
     (None without an eval set, or with ``sft.eval_every=0``). ``evaluate(examples)`` is
     the greedy pass rate on them.
 
     With ``save_interval`` > 0 a checkpoint is written to ``save_dir`` every that many steps.
+    ``images``: adds a vision-language task's images to each batch.
     """
     gbs, target = trainer.tcfg.global_batch_size, sft.stop_at_accuracy
     # sft.eval_every=0: no held-out evaluation here (the RL stage's first one, on the
@@ -61,7 +64,11 @@ def supervised_warmup(
         log.log(0, {"eval_accuracy": acc}, phase="warmup_eval")
     stream = task.train_stream()
     for step in range(1, sft.steps + 1):
-        m = trainer.train_step(sft_batch(take(stream, gbs), task.codec.pad_id), nll_loss)
+        examples = take(stream, gbs)
+        batch = sft_batch(examples, task.codec.pad_id)
+        if images is not None:
+            batch = images(batch, [e.images for e in examples])
+        m = trainer.train_step(batch, nll_loss)
         keep: tuple[str, ...] = ("loss", "grad_norm", "lr", "tokens_per_s", "step_seconds")
         keep += tuple(k for k in m if k.startswith("moe_"))  # MoE router health
         stop = False
@@ -83,7 +90,11 @@ def supervised_warmup(
 
 
 def evaluator(
-    trainer: MegatronTrainer, task: Task, reward: RewardConfig, max_new_tokens: int
+    trainer: MegatronTrainer,
+    task: Task,
+    reward: RewardConfig,
+    max_new_tokens: int,
+    images: BatchImages | None = None,
 ) -> Callable[[list], float]:
     """The warm-up's greedy pass rate, scored by ``reward.fn`` in this process (loaded at
     the first evaluation: a warm-up that evaluates nothing needs no function here, as with
@@ -93,7 +104,7 @@ def evaluator(
 
     new = task.answer_tokens or max_new_tokens
     return lambda examples: greedy_accuracy(
-        trainer, task, examples, load(rule_fn(reward)), new, reward.pass_threshold
+        trainer, task, examples, load(rule_fn(reward)), new, reward.pass_threshold, images
     )
 
 
@@ -108,6 +119,7 @@ def greedy_accuracy(
     score_fn: RewardFn,
     max_new_tokens: int,
     threshold: float = 1.0,
+    images: BatchImages | None = None,
 ) -> float:
     """Fraction of ``examples`` whose greedy response scores at least ``threshold``."""
     by_len: dict[int, list[Example]] = {}
@@ -120,7 +132,9 @@ def greedy_accuracy(
         extra = (-len(group)) % unit  # whole micro-batches per DP rank: pad with copies
         if extra:
             prompts = torch.cat([prompts, prompts[:1].expand(extra, -1)], dim=0)
-        out = trainer.greedy_generate(prompts, max_new_tokens)[: len(group)]
+        refs = [e.images for e in group] + [group[0].images] * extra
+        add = None if images is None else (lambda b, refs=refs: images(b, refs))
+        out = trainer.greedy_generate(prompts, max_new_tokens, add)[: len(group)]
         for e, row in zip(group, out, strict=True):
             item = ScoreItem(e.prompt_text, task.codec.response_text(row.tolist()), e.label,
                              dict(e.metadata))  # fmt: skip

@@ -4,7 +4,8 @@ Nobody should copy a model's shape into YAML by hand: when ``model.hf_checkpoint
 Hugging Face directory, every architecture field of ``cfg.model`` is replaced, at launch
 and before validation, by what its config.json says (rl/weights/hf_config.py maps it and
 refuses what the Megatron model cannot reproduce). Only ``make_vocab_size_divisible_by``
-(a training choice, not a property of the checkpoint) is kept from the config.
+and the vision-language choices ``train_vision`` and ``max_pixels`` (training choices, not
+properties of the checkpoint) are kept from the config.
 """
 
 from __future__ import annotations
@@ -48,6 +49,10 @@ def resolve_model(cfg: RootConfig) -> None:
     path = cfg.model.hf_checkpoint
     if not path:
         return
-    m = hf_model_config(path, cfg.model.make_vocab_size_divisible_by)
-    # The merge is a DictConfig of the schema's fields, as cfg.model was.
-    cfg.model = cast("ModelConfig", OmegaConf.merge(cfg.model, OmegaConf.structured(m)))
+    c = cfg.model
+    m = hf_model_config(path, c.make_vocab_size_divisible_by)
+    # The training choices are the config's, not the checkpoint's.
+    m = replace(m, train_vision=c.train_vision, max_pixels=c.max_pixels)
+    # A DictConfig of the schema's fields, as cfg.model was (every one of them is set by
+    # ``m``; a merge into the old one would refuse the vision tower's new keys).
+    cfg.model = cast("ModelConfig", OmegaConf.structured(m))

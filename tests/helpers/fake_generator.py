@@ -20,9 +20,11 @@ class FakeClient(ABC):
         group: int | None = None,
         segment_tokens: int | None = None,
         rid: str | None = None,
+        images: tuple[str, ...] = (),
     ) -> list[Future]:
         """``sampling.n`` rollouts of one prompt, each a future with its ``rollout``."""
-        return self.resume_many(new_rollouts(prompt_ids, sampling, group, rid), segment_tokens)
+        rollouts = new_rollouts(prompt_ids, sampling, group, rid, images)
+        return self.resume_many(rollouts, segment_tokens)
 
     def resume(self, rollout: Rollout, segment_tokens: int | None = None) -> Future:
         return self.resume_many([rollout], segment_tokens)[0]

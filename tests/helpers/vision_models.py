@@ -114,3 +114,15 @@ def hf_vision_logits(path: Path, batch: TrainBatch, kind: str = KIND) -> torch.T
                            mm_token_type_ids=types).logits  # fmt: skip
         out.append(logits)
     return torch.cat(out)
+
+
+def tiny_vision_maker():
+    """tools/make_tiny_vision.py as a module (the tool is a script, not a package)."""
+    import importlib.util
+
+    tool = Path(__file__).resolve().parents[2] / "tools" / "make_tiny_vision.py"
+    spec = importlib.util.spec_from_file_location("make_tiny_vision", tool)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

@@ -228,7 +228,7 @@ def _tb(tokens: object) -> dict:
 
 
 def _train(fields: dict, segs: list[int], blob: bytes = b"") -> bytes:
-    return _frame({"type": "Train", "fields": fields, "segs": segs}, blob)
+    return _frame({"type": "Train", "fields": {"images": [], **fields}, "segs": segs}, blob)
 
 
 @pytest.mark.parametrize(

@@ -52,7 +52,8 @@ def _cfg(tok_dir: Path, **task) -> OmegaConf:
     base = OmegaConf.structured(DatasetTaskConfig(eval_size=0, tokenizer=str(tok_dir)))
     return OmegaConf.create({
         "task": OmegaConf.merge(base, task), "env": OmegaConf.structured(EnvConfig),
-        "model": {"hf_checkpoint": None, "max_position_embeddings": 64},
+        "model": {"hf_checkpoint": None, "max_position_embeddings": 64, "vision": None,
+                  "max_pixels": None},
         "rollout": {"sampling": {"max_new_tokens": 8}}, "rl": {"steps": 1},
     })  # fmt: skip
 

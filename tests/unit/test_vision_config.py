@@ -122,10 +122,18 @@ def test_model_refusals(model) -> None:
         validate_trainer(cfg.trainer, model)
 
 
-def test_a_job_refuses_a_vision_model_in_one_line(model) -> None:
+def test_a_vision_job_without_a_checkpoint_or_with_a_model_executor_is_refused(model) -> None:
     cfg = composed()
     cfg.model = model
-    with pytest.raises(ConfigError, match="a vision-language model trains and converts"):
+    with pytest.raises(ConfigError, match=r"needs model.hf_checkpoint: its image processor"):
+        check(cfg)
+    cfg.model.hf_checkpoint = "models/tiny-vl"
+    cfg.model.max_pixels = 0
+    with pytest.raises(ConfigError, match=r"model.max_pixels=0 must be >= 1"):
+        check(cfg)
+    cfg.model.max_pixels = None
+    cfg.critic.enabled = True
+    with pytest.raises(ConfigError, match=r"critic.enabled=true .* the critic's forward takes no"):
         check(cfg)
 
 

@@ -11,9 +11,17 @@ Pure logic: torch only.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Protocol
 
 import torch
+
+from rl.models.vision.positions import mrope_positions
+
+if TYPE_CHECKING:
+    from rl.batch import TrainBatch
+    from rl.config.schema import VisionConfig
 
 
 @dataclass
@@ -70,4 +78,79 @@ def vision_input(
     return VisionInput(pixels, grids[present], slots)
 
 
-__all__ = ["VisionInput", "image_tokens", "vision_input"]
+def special_ids(v: VisionConfig) -> tuple[int, ...]:
+    """The vision tokens a policy must never sample: the image and video pads and the
+    markers around them (the server bans them, the trainer refuses a response with one)."""
+    ids = (v.image_token_id, v.video_token_id, v.vision_start_token_id, v.vision_end_token_id)
+    return tuple(sorted({i for i in ids if i is not None}))
+
+
+def merge_of(v: VisionConfig) -> int:
+    return int(v.tower.get("spatial_merge_size", 2))
+
+
+def expand_pads(ids: Sequence[int], tokens: Sequence[int], image_token_id: int) -> list[int]:
+    """A rendered prompt (one image-pad token per image, as a chat template writes it) with
+    each pad repeated as many times as its image takes (``tokens``), as the server expands
+    it. ValueError when the pads are not one per image (the text itself holds the token)."""
+    pad = image_token_id
+    found = sum(1 for t in ids if t == pad)
+    if found != len(tokens):
+        raise ValueError(f"the prompt holds {found} image tokens (id {pad}), {len(tokens)} images")
+    counts = iter(tokens)
+    out: list[int] = []
+    for t in ids:
+        out.extend([t] * next(counts) if t == pad else [t])
+    return out
+
+
+class PixelSource(Protocol):
+    """What turns image references into patches (rl/models/vision/images.py:Images)."""
+
+    def pixels(self, refs: Sequence[str]) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+def with_images(
+    batch: TrainBatch, images: Sequence[Sequence[str]], source: PixelSource, v: VisionConfig
+) -> TrainBatch:
+    """``batch`` with its rows' images (``images[r]``: row r's references, in prompt order):
+    their patches, grids and the rows' 3-D positions. Refuses a row whose scored tokens
+    hold a vision token (a sampled one: the server bans them), naming the row."""
+    if len(images) != batch.rows:
+        raise ValueError(f"images for {len(images)} rows, the batch has {batch.rows}")
+    if batch.loss_mask is not None:
+        special = torch.tensor(special_ids(v))
+        hit = (torch.isin(batch.tokens[:, 1:], special) & (batch.loss_mask[:, :-1] > 0)).any(-1)
+        if bool(hit.any()):
+            r = int(hit.nonzero()[0, 0])
+            raise ValueError(
+                f"row {r} samples a vision token ({list(special_ids(v))}): the server must "
+                "ban them (rollout sampling's banned ids)"
+            )
+    per_row = [source.pixels(refs) if refs else None for refs in images]
+    k = max((len(refs) for refs in images), default=0)
+    dim = next((p.shape[1] for p, _ in filter(None, per_row)), 1)
+    n = max((p.shape[0] for p, _ in filter(None, per_row)), default=0)
+    pixels = torch.zeros(batch.rows, max(n, 1), dim)
+    grids = torch.zeros(batch.rows, max(k, 1), 3, dtype=torch.int64)
+    positions = torch.empty(batch.rows, batch.seq, 3, dtype=torch.int64)
+    for r, got in enumerate(per_row):
+        g = got[1] if got is not None else grids.new_zeros(0, 3)
+        if got is not None:
+            pixels[r, : got[0].shape[0]] = got[0]
+            grids[r, : len(g)] = g
+        positions[r] = mrope_positions(
+            batch.tokens[r], g, image_token_id=v.image_token_id, merge=merge_of(v)
+        ).T
+    return replace(batch, positions=positions, image_grids=grids, pixel_values=pixels)
+
+
+__all__ = [
+    "PixelSource",
+    "VisionInput",
+    "expand_pads",
+    "image_tokens",
+    "special_ids",
+    "vision_input",
+    "with_images",
+]

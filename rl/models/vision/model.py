@@ -19,8 +19,9 @@ embeddings of its own slice and the tower's gradients are summed over the TP gro
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from functools import partial
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from megatron.core.models.common.embeddings.rotary_pos_embedding import MultimodalRotaryEmbedding
@@ -36,16 +37,26 @@ if TYPE_CHECKING:
     from rl.models.arch import VisionArch
 
 
+def _plain(value: object) -> Any:  # a JSON value
+    if isinstance(value, Mapping):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, Sequence) and not isinstance(value, str):
+        return [_plain(v) for v in value]
+    return value
+
+
 def build_tower(m: ModelConfig, vision: VisionArch, dtype: torch.dtype) -> torch.nn.Module:
     """The family's vision tower and merger, randomly initialised (a checkpoint fills it)."""
     import transformers
 
     assert m.vision is not None
-    config = getattr(transformers, vision.config_class)(**m.vision.tower)
+    # Plain JSON values: a config composed by Hydra holds OmegaConf containers, which
+    # transformers' strict config classes refuse.
+    config = getattr(transformers, vision.config_class)(**_plain(m.vision.tower))
     config._attn_implementation = "sdpa"
-    tower = getattr(transformers, vision.tower_class)._from_config(config, dtype=dtype)
-    tower.requires_grad_(m.train_vision)
-    return tower
+    module = getattr(transformers, vision.tower_class)._from_config(config, dtype=dtype)
+    module.requires_grad_(m.train_vision)
+    return module
 
 
 def image_embeddings(

@@ -29,6 +29,7 @@ from rl.envs import setup as episode_setup
 from rl.envs.setup import EpisodeSetup
 from rl.tasks.common import Example, TaskContext, TaskError, TaskKind, resume_position
 from rl.tasks.tokenizer import HFCodec
+from rl.tasks.vision import ImagePrompts, SkippedRow
 
 if TYPE_CHECKING:
     from rl.envs.chat import ChatTokenizer
@@ -62,6 +63,10 @@ class DatasetTaskConfig(TaskConfig):
     shuffle: bool = True
     epochs: int | None = None  # passes over train_files; null: as many as the run needs
     tokenizer: str | None = None  # an HF directory; null: model.hf_checkpoint
+    # A vision-language policy's images: a key holding one image or a list of them (paths
+    # relative to the file's directory or absolute, data URIs, bytes), placed before the
+    # first user message's text. Null: text prompts.
+    image_key: str | None = None
 
 
 VALIDATION_MAX = 64  # rows for warm-up decisions: enough to see a trend, cheap to decode
@@ -176,10 +181,20 @@ class DatasetTask:
     answer_tokens = None
 
     def __init__(
-        self, cfg: DatasetTaskConfig, codec: HFCodec, episodes: EpisodeSetup | None = None
+        self,
+        cfg: DatasetTaskConfig,
+        codec: HFCodec,
+        episodes: EpisodeSetup | None = None,
+        images: ImagePrompts | None = None,
     ):
-        """``episodes``: multi-turn; prompts are rendered with its environment's tools."""
-        self.cfg, self.codec, self.episodes = cfg, codec, episodes
+        """``episodes``: multi-turn; prompts are rendered with its environment's tools.
+        ``images``: the rows' images under ``task.image_key``."""
+        self.cfg, self.codec, self.episodes, self.images = cfg, codec, episodes, images
+        if cfg.image_key and (episodes is not None or not cfg.apply_chat_template):
+            raise TaskError(
+                f"task.image_key={cfg.image_key!r} needs task.apply_chat_template=true (the "
+                "template places the images) and no env.tools/env.cls"
+            )
         if episodes is not None and not cfg.apply_chat_template:
             raise TaskError("env.tools/env.cls need task.apply_chat_template=true")
         if cfg.demo_key and episodes is None:
@@ -240,13 +255,21 @@ class DatasetTask:
                 missing = [k for k in c.metadata_keys if k not in row]
                 if missing:
                     raise TaskError(f"{where}: no key {missing[0]!r} (task.metadata_keys)")
-                ex = self._example(where, row)
+                try:
+                    ex = self._example(where, row, f.parent)
+                except SkippedRow as e:
+                    assert self.images is not None
+                    self.images.skip(where, e)
+                    continue
                 n = len(ex.prompt_ids)
                 if c.max_prompt_tokens is not None and n > c.max_prompt_tokens:
                     dropped += 1
                     shortest = n if shortest is None else min(shortest, n)
                     continue
                 out.append(ex)
+        if not out and self.images is not None and self.images.skipped:
+            raise TaskError(f"{field}: every row was skipped for its images: "
+                            f"{self.images.describe()}")  # fmt: skip
         if not out and dropped:
             raise TaskError(
                 f"task.max_prompt_tokens={c.max_prompt_tokens} drops every prompt of {field} "
@@ -256,16 +279,24 @@ class DatasetTask:
             raise TaskError(f"{field}: no rows in {', '.join(map(str, files))}")
         return out, dropped
 
-    def _example(self, where: str, row: dict[str, Any]) -> Example:
+    def _example(self, where: str, row: dict[str, Any], base: Path) -> Example:
         c = self.cfg
-        messages = _messages(row[c.prompt_key], where, c.prompt_key)
+        messages: list[dict[str, Any]] = _messages(row[c.prompt_key], where, c.prompt_key)
         if c.system_prompt and messages[0]["role"] != "system":
             messages = [{"role": "system", "content": c.system_prompt}, *messages]
+        refs: tuple[str, ...] = ()
+        if self.images is not None and c.image_key:
+            if row.get(c.image_key) is None:
+                raise TaskError(f"{where}: no key {c.image_key!r} (task.image_key)")
+            refs = self.images.refs(row[c.image_key], base)
+            messages = self.images.with_images(messages, len(refs))
         if not c.apply_chat_template and len(messages) > 1 and not c.system_prompt:
             raise TaskError(f"{where}: a messages list needs task.apply_chat_template=true")
         start: list[dict[str, Any]] = []
         if self.episodes is None:
             ids, text = self.codec.render(messages, c.apply_chat_template)
+            if self.images is not None:
+                ids = self.images.expand(ids, refs)
         else:  # the environment starts the episode from the row and the task's messages
             try:
                 start = self.episodes.env.reset({**row, "messages": messages})
@@ -291,6 +322,7 @@ class DatasetTask:
             target_ids=target,
             messages=tuple(start),
             target_mask=mask,
+            images=refs,
         )
 
     def _demonstration(
@@ -311,9 +343,10 @@ class DatasetTask:
         c = self.cfg
         cut = f", {self.dropped} longer than task.max_prompt_tokens={c.max_prompt_tokens}"
         evals = sum(len(v) for v in self.eval_sets.values())
+        skipped = f"; {self.images.describe()}" if self.images and self.images.skipped else ""
         return (
             f"task dataset: {len(self.train)} training prompts from {len(self.files)} file(s)"
-            f"{cut if self.dropped else ''}; {evals} eval prompts"
+            f"{cut if self.dropped else ''}{skipped}; {evals} eval prompts"
             f"{' (held out of the training files)' if not c.eval_files else ''}; prompts up "
             f"to {self.max_prompt_len} tokens"
         )
@@ -382,7 +415,11 @@ def build(task: TaskConfig, ctx: TaskContext) -> DatasetTask:
             episodes = episode_setup.build(ctx.env, tok, codec.end_id)
         except episode_setup.EnvError as e:
             raise TaskError(str(e)) from None
-    return DatasetTask(t, codec, episodes)
+    # A vision-language policy's prompts are checked for image tokens even without images.
+    images = None
+    if t.image_key or ctx.vision is not None:
+        images = ImagePrompts(path, ctx.vision, ctx.max_pixels, t.image_key)
+    return DatasetTask(t, codec, episodes, images)
 
 
 TASK = TaskKind(DatasetTaskConfig, check_config, build)

@@ -346,6 +346,9 @@ class VisionArch:
     # Qwen3-VL's multimodal RoPE: the three planes' frequencies interleaved (t h w t h w
     # ...) rather than in three contiguous sections.
     interleaved: bool = False
+    # The tower's and merger's parameter count from its HF ``vision_config`` (the
+    # planner's; tests/unit/test_vision_config.py checks it against transformers' module).
+    params: Callable[[dict], int] = lambda tower: 0
 
 
 def _same(hf: dict) -> dict:

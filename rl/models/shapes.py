@@ -7,7 +7,7 @@ Megatron: tested in milliseconds.
 from __future__ import annotations
 
 from rl.models.arch import Dims, ModelShape, kv_channels, padded_vocab_size
-from rl.models.registry import count
+from rl.models.registry import count, get
 
 __all__ = [
     "kv_channels",
@@ -16,6 +16,7 @@ __all__ = [
     "padded_vocab_size",
     "param_count",
     "sequence_parallel",
+    "tower_param_count",
 ]
 
 # trainer.lora target -> (input width, output width, column-parallel): rl/models/lora.py
@@ -33,11 +34,22 @@ def layer_param_count(m: ModelShape, tp: int = 1, ep: int = 1) -> int:
 
 
 def param_count(m: ModelShape, padded: bool = False) -> int:
-    """Total parameters: the HF count, or with ``padded`` the Megatron count (padding rows)."""
+    """Total parameters: the HF count, or with ``padded`` the Megatron count (padding rows);
+    a vision-language model's tower included."""
     d = Dims.of(m)
     if not padded:
         d = Dims(**{**d.__dict__, "padded_vocab": d.vocab})
-    return count(d, per_layer=False) + d.layers * count(d)
+    return count(d, per_layer=False) + d.layers * count(d) + tower_param_count(m)
+
+
+def tower_param_count(m: ModelShape) -> int:
+    """A vision-language model's tower and merger (0 for a text model), by its family's
+    formula over the HF ``vision_config`` it holds."""
+    vision = getattr(m, "vision", None)
+    family = get(m.architecture).vision
+    if vision is None or family is None:
+        return 0
+    return family.params(dict(vision.tower))
 
 
 def lora_layer_params(m: ModelShape, rank: int, targets: list[str], tp: int = 1) -> int:

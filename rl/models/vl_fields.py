@@ -73,3 +73,32 @@ def nest_as(
 
 
 __all__ = ["decoder_fields", "nest_as", "vision_from_hf"]
+
+
+def _merger(h: int, merge: int, out: int, norm: int) -> int:
+    """A patch merger: a norm of ``norm`` parameters, then Linear(h m^2, h m^2) + GELU +
+    Linear(h m^2, out), with biases."""
+    wide = h * merge * merge
+    return norm + wide * wide + wide + wide * out + out
+
+
+def qwen2_5_vl_tower(v: dict) -> int:
+    """Qwen2.5-VL's tower: a bias-free Conv3d patch embedding, blocks of RMSNorm, fused
+    QKV and projection with biases and a SwiGLU MLP with biases, an RMSNorm merger."""
+    h, i, depth = v["hidden_size"], v["intermediate_size"], v["depth"]
+    patch = v.get("in_channels", 3) * v["temporal_patch_size"] * v["patch_size"] ** 2 * h
+    block = 2 * h + (3 * h * h + 3 * h) + (h * h + h) + (3 * h * i + 2 * i + h)
+    return patch + depth * block + _merger(h, v["spatial_merge_size"], v["out_hidden_size"], h)
+
+
+def qwen3_vl_tower(v: dict) -> int:
+    """Qwen3-VL's tower: a Conv3d patch embedding with bias, learned position embeddings,
+    blocks of LayerNorm, fused QKV and projection and a two-layer MLP (all with biases), a
+    LayerNorm merger and one deepstack merger (normed after the merge) per deepstack layer."""
+    h, i, depth, m = v["hidden_size"], v["intermediate_size"], v["depth"], v["spatial_merge_size"]
+    patch = v.get("in_channels", 3) * v["temporal_patch_size"] * v["patch_size"] ** 2 * h + h
+    block = 4 * h + (3 * h * h + 3 * h) + (h * h + h) + (2 * h * i + i + h)
+    out = v["out_hidden_size"]
+    deep = len(v.get("deepstack_visual_indexes") or ()) * _merger(h, m, out, 2 * h * m * m)
+    pos = v["num_position_embeddings"] * h
+    return patch + pos + depth * block + _merger(h, m, out, 2 * h) + deep

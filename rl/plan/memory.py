@@ -74,6 +74,7 @@ from rl.models.shapes import (
     lora_layer_params,
     padded_vocab_size,
     sequence_parallel,
+    tower_param_count,
 )
 
 if TYPE_CHECKING:
@@ -145,8 +146,8 @@ def stage_params(m: ModelConfig, tp: int, pp: int, stage: int, ep: int = 1) -> i
     h = m.hidden_size
     n = (m.num_layers // pp) * layer_param_count(m, tp, ep)
     vocab = padded_vocab_size(m) * h // tp
-    if stage == 0:
-        n += vocab
+    if stage == 0:  # and a vision tower, whole on every TP rank of the first stage
+        n += vocab + tower_param_count(m)
     if stage == pp - 1:
         n += h  # final norm
         if has_score_head(m.architecture):  # a scalar head: [1, h], on every TP rank
@@ -227,7 +228,9 @@ def trainer_gpu(cfg: RootConfig, stage: int, dp: int | None = None) -> TrainerGP
     # a DDMA push merges one targeted shard at a time (the largest: fc1's, or qkv's).
     lora = t.lora.rank and lora_layer_params(m, t.lora.rank, list(t.lora.targets), t.tp)
     adapters = (m.num_layers // t.pp) * lora if lora else 0
-    trained, trained_experts = (adapters, 0) if lora else (p, experts)
+    # A frozen vision tower has weights only.
+    frozen = tower_param_count(m) if stage == 0 and not m.train_vision else 0
+    trained, trained_experts = (adapters, 0) if lora else (p - frozen, experts)
     adam = 8 + (4 if w != 4 else 0)
     shards = dp if t.use_distributed_optimizer else 1
     expert_shards = max(1, shards // t.ep)

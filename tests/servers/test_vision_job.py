@@ -69,8 +69,8 @@ def test_tiny_vision_job_with_images_from_prompt_files_to_server_and_trainer(
     rl = [r for r in recs if r["phase"] == "rl"]
     assert [r["step"] for r in rl] == [1, 2]
     assert all(r["lag_mean"] == 0 for r in rl)
-    # Measured 1.6e-7 (fp32); masking no banned token on the trainer's side alone would
-    # be ~1e-2 off (the vision tokens' share of the softmax).
+    # Measured 1.6e-7 (fp32); with the banned tokens left in the trainer's softmax alone,
+    # 3.3e-3 (measured: the vision tokens' share of it).
     assert all(r["mismatch_abs_logp"] < 1e-5 for r in rl), [r["mismatch_abs_logp"] for r in rl]
     assert any(r["grad_norm"] > 0 for r in rl)
     samples = [json.loads(x) for x in (out / "eval" / "eval_step_000002.jsonl").open()]

@@ -14,6 +14,7 @@ from rl.batch import TrainBatch
 from rl.checks import check
 from rl.config import ConfigError
 from rl.models.checks import validate_model, validate_trainer
+from rl.models.shapes import param_count, tower_param_count
 from rl.models.vision.inputs import vision_input
 from rl.weights.hf_config import HFConfigError, hf_config_from_model, model_config_from_hf
 from tests.helpers.configs import composed
@@ -172,3 +173,24 @@ def test_column_cuts_leave_the_images_alone() -> None:
     wide = b.pad_columns(2)
     assert wide.tokens.shape[1] == 18 and torch.equal(wide.image_grids, b.image_grids)
     assert TrainBatch.__dataclass_fields__["pixel_values"].default is None
+
+
+@pytest.mark.parametrize("kind", ["qwen2_5_vl", "qwen3_vl"])
+def test_the_planners_tower_count_is_transformers_own(kind) -> None:
+    """The family's formula (rl/models/vl_fields.py) against the module transformers builds,
+    for the tiny model and for transformers' default (full-size) vision config."""
+    import transformers
+
+    from rl.models import registry
+
+    arch = registry.get(tiny_models(vision=True)[kind].hf_class)
+    assert arch.vision is not None
+    for fields in (tiny(kind)["vision_config"], {}):
+        conf = getattr(transformers, arch.vision.config_class)(**fields)
+        with torch.device("meta"):
+            module = getattr(transformers, arch.vision.tower_class)._from_config(conf)
+        want = sum(p.numel() for p in module.parameters())
+        assert arch.vision.params(conf.to_dict()) == want
+    m = model_config_from_hf(_hf(kind), name=kind)
+    assert tower_param_count(m) == arch.vision.params(tiny(kind)["vision_config"])
+    assert param_count(m) - tower_param_count(m) == param_count(replace(m, vision=None))

@@ -54,6 +54,7 @@ ARCH = Arch(
     vision=VisionArch(
         tower_class="Qwen2_5_VisionTransformerPretrainedModel",
         config_class="Qwen2_5_VLVisionConfig",
+        params=vl_fields.qwen2_5_vl_tower,
     ),
     decoder_fields=vl_fields.decoder_fields,
     nest=vl_fields.nest_as("qwen2_5_vl"),

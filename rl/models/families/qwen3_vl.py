@@ -60,6 +60,7 @@ ARCH = Arch(
         config_class="Qwen3VLVisionConfig",
         prefix="model.visual.",
         interleaved=True,
+        params=vl_fields.qwen3_vl_tower,
     ),
     hf_decoder="model.language_model.",
     decoder_fields=vl_fields.decoder_fields,

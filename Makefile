@@ -6,7 +6,7 @@ SHELL := /bin/bash
 export PYTHONPATH := $(CURDIR)
 ARGS ?=
 
-.PHONY: run test lint venv tools-example
+.PHONY: run test lint venv tools-example vision-example
 venv:
 	@tools/setup_env.sh >/dev/null
 
@@ -17,6 +17,13 @@ run:
 tools-example:
 	@V=$$(tools/setup_env.sh) && $$V/bin/python tools/make_tool_task.py --out outputs/tool_task \
 		&& $$V/bin/python -m rl.train experiment=tiny_tools $(ARGS)
+
+# The vision-language example (docs/examples.md, "A vision-language policy"): its model
+# and images, then the job.
+vision-example:
+	@V=$$(tools/setup_env.sh) && $$V/bin/python tools/make_tiny_vision.py \
+		--model-out models/tiny-vl --data-out data/shapes \
+		&& $$V/bin/python -m rl.train experiment=tiny_vision $(ARGS)
 
 # ruff; the import layers (.importlinter); types (mypy, [tool.mypy] in pyproject.toml).
 LINT = $$V/bin/ruff check . && $$V/bin/ruff format --check . \

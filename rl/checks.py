@@ -58,15 +58,9 @@ def check(cfg: RootConfig, world_size: int | None = None) -> None:
 
 
 def check_vision_job(cfg: RootConfig) -> None:
-    """What a vision-language policy's job needs: its checkpoint (the processor that expands
-    the prompts and makes the trainer's patches), and no model executor (their forwards
-    take no images)."""
+    """What a vision-language policy's job needs: no model executor (their forwards take no
+    images), a frozen tower in RL (the servers' tower is not synced)."""
     m = cfg.model
-    if not m.hf_checkpoint:
-        raise ConfigError(
-            f"model.architecture={m.architecture} needs model.hf_checkpoint: its image "
-            "processor expands the prompts and makes the trainer's patches"
-        )
     if m.train_vision and cfg.rl.steps > 0:
         raise ConfigError(
             "model.train_vision=true with rl.steps > 0: weight sync sends the decoder only, "
@@ -104,6 +98,11 @@ def check_job(cfg: RootConfig, world_size: int | None = None) -> None:
     data (read and rendered: bad rows fail here) and the files and directories it names."""
     resolve_model(cfg)
     check(cfg, world_size)
+    if cfg.model.vision is not None and not cfg.model.hf_checkpoint:
+        raise ConfigError(
+            f"model.architecture={cfg.model.architecture} needs model.hf_checkpoint: its "
+            "image processor expands the prompts and makes the trainer's patches"
+        )
     check_task(cfg)
     prelaunch(cfg)
 

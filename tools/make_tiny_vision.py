@@ -72,7 +72,7 @@ PATCH, MERGE = 14, 2
 MIN_PIXELS, MAX_PIXELS = 4 * (PATCH * MERGE) ** 2, 16 * (PATCH * MERGE) ** 2
 
 SIZE, CELL = 56, 28  # the image, and its 2x2 cells: one per merged image token
-INSET, MIN_SIDE, MAX_SIDE = 3, 12, 22  # a square stays INSET pixels inside its cell
+INSET, MIN_SIDE, MAX_SIDE = 2, 18, 24  # a square stays INSET pixels inside its cell
 COLORS = {"red": (255, 0, 0), "blue": (0, 0, 255)}
 # Per cell: None (empty) or (colour, x, y, side) within the cell; it fixes the image.
 Layout = tuple[tuple[str, int, int, int] | None, ...]

@@ -128,11 +128,12 @@ class GeneratorGPU:
     staging: str = "device"  # rollout.weight_sync.staging
     staged: int = 0  # on the GPU: the device copy of the weights (staging=device)
     host_staged: int = 0  # in the node's host memory for this GPU (staging=host)
+    tower: int = 0  # a vision-language model's tower: held as loaded, never synced
 
     @property
     def total(self) -> int:
         kv = self.kv_tokens * self.kv_bytes_per_token
-        return self.weights + self.staged + self.reserved + kv
+        return self.weights + self.tower + self.staged + self.reserved + kv
 
 
 def sequence_length(cfg: RootConfig) -> int:
@@ -311,12 +312,15 @@ def generator_gpu(
 ) -> GeneratorGPU:
     """``weight_bytes``: one TP rank's weights (from the DDMA plan's destination shapes);
     ``gpu_bytes``: the GPU's memory (None on CPU, where nothing is sized from it);
-    ``staging``: instead of ``rollout.weight_sync.staging``."""
+    ``staging``: instead of ``rollout.weight_sync.staging``. A vision-language model's
+    tower is held too (split over the server's TP ranks), never staged: DDMA does not send
+    it."""
     r = cfg.rollout
     per_token = kv_bytes_per_token(cfg.model, r.tp, dtypes.itemsize(r.dtype))
     staging = staging or r.weight_sync.staging
     # The receiver stages exactly the tensors it writes: the rank's whole weight shard.
     device, host = (weight_bytes if staging == s else 0 for s in ("device", "host"))
+    tower = tower_param_count(cfg.model) * dtypes.itemsize(r.dtype) // r.tp
     if gpu_bytes is None:
         pool = r.max_total_tokens or 0
         return GeneratorGPU(
@@ -328,9 +332,10 @@ def generator_gpu(
             staging=staging,
             staged=device,
             host_staged=host,
+            tower=tower,
         )
     reserved = sglang_reserved(gpu_bytes, r.tp)
-    capacity = max(0, (gpu_bytes - reserved - weight_bytes - device) // per_token)
+    capacity = max(0, (gpu_bytes - reserved - weight_bytes - tower - device) // per_token)
     pool = r.max_total_tokens if r.max_total_tokens is not None else capacity
     return GeneratorGPU(
         weight_bytes,
@@ -341,4 +346,5 @@ def generator_gpu(
         staging=staging,
         staged=device,
         host_staged=host,
+        tower=tower,
     )

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
-from rl.models.shapes import sequence_parallel
+from rl.models.shapes import sequence_parallel, tower_param_count
 from rl.plan.cluster import ClusterPlan
 from rl.plan.memory import GIB, microbatches, stage_expert_params
 
@@ -48,6 +48,15 @@ def _shorten(lines: list[str]) -> list[str]:
         return lines
     cut = len(lines) - SHOW
     return [*lines[: SHOW - 2], f"    ... {cut} more like these ...", *lines[-2:]]
+
+
+def _tower(cfg: RootConfig, stage: int) -> str:
+    """A vision-language model's tower on the first stage, and whether it trains."""
+    n = tower_param_count(cfg.model) if stage == 0 else 0
+    if not n:
+        return ""
+    how = "trained" if cfg.model.train_vision else "frozen: weights only"
+    return f" (vision tower {_params(n)} of them, {how})"
 
 
 def _params(n: int) -> str:
@@ -146,7 +155,8 @@ def render(plan: ClusterPlan, cfg: RootConfig) -> str:
     in_flight = min(t.pp - g.stage, microbatches(cfg))
     out += [
         f"memory per trainer{budget}, busiest: stage {g.stage}, {_params(g.params)} params"
-        + experts,
+        + experts
+        + _tower(cfg, g.stage),
         f"  weights {fmt_bytes(g.weights)} + grads {fmt_bytes(g.grads)} + Adam "
         f"{fmt_bytes(g.optimizer)}{dist} + activations {fmt_bytes(g.activations)} "
         f"({t.micro_batch_size}x{plan.sequence}{f'/CP{t.cp}' if t.cp > 1 else ''} tokens x "
@@ -175,9 +185,10 @@ def render(plan: ClusterPlan, cfg: RootConfig) -> str:
             "host": "staging in host memory",
             "none": "no staging (written in place)",
         }.get(k.staging, k.staging)
+        tower = f" + vision tower {fmt_bytes(k.tower)}" if k.tower else ""
         out += [
             f"memory per generator{budget}",
-            f"  weights {fmt_bytes(k.weights)} + {staged} + SGLang reserve "
+            f"  weights {fmt_bytes(k.weights)}{tower} + {staged} + SGLang reserve "
             f"{fmt_bytes(k.reserved)} + KV cache {fmt_bytes(k.kv_tokens * k.kv_bytes_per_token)}"
             f" = {fmt_bytes(k.total)}: {k.kv_tokens:,} tokens per server ({seqs:,} sequences "
             f"of {plan.sequence})",

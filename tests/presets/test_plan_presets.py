@@ -63,7 +63,7 @@ def test_paper_experiment_plans_and_fits(name: str) -> None:
     assert plan.generator.kv_tokens >= plan.sequence
 
 
-DATASET_PRESETS = ["qwen2_5_7b_gsm8k", "llama3_8b_math"]
+DATASET_PRESETS = ["qwen2_5_7b_gsm8k", "llama3_8b_math", "qwen2_5_vl_7b_geo"]
 
 
 @pytest.mark.parametrize("name", DATASET_PRESETS)

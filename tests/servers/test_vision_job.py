@@ -32,9 +32,7 @@ VISION_TOKENS = {259, 260, 261, 262}
     reason="a whole job: the warm-up, an SGLang server of a vision-language model (its "
     "start and first image), 2 RL steps with DDMA and 2 evaluations"
 )
-def test_tiny_vision_job_with_images_from_prompt_files_to_server_and_trainer(
-    tiny_vision, tmp_path
-):
+def test_tiny_vision_job_with_images_from_prompt_files_to_server_and_trainer(tiny_vision, tmp_path):
     model, data = tiny_vision
     out = tmp_path / "run"
     overrides = [

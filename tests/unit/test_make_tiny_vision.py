@@ -140,9 +140,10 @@ def test_the_dataset_is_seeded_balanced_and_true_to_its_pictures(maker, tmp_path
             color = {"red": (255, 0, 0), "blue": (0, 0, 255)}[r["color"]]
             cells = [a[y : y + 28, x : x + 28] for y in (0, 28) for x in (0, 28)]
             assert sum(bool((c == color).all(-1).any()) for c in cells) == int(r["answer"])
+            inset = maker.INSET
             for c in cells:  # a square never touches its cell's edge
-                assert (c[:3] == 255).all() and (c[-3:] == 255).all()
-                assert (c[:, :3] == 255).all() and (c[:, -3:] == 255).all()
+                assert (c[:inset] == 255).all() and (c[-inset:] == 255).all()
+                assert (c[:, :inset] == 255).all() and (c[:, -inset:] == 255).all()
     assert not pixels["train"] & pixels["eval"]
 
 

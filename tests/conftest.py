@@ -141,11 +141,24 @@ def smollm2_dir() -> Path:
 
 
 @pytest.fixture(scope="session")
-def tiny_vision(tmp_path_factory) -> tuple[Path, Path]:
-    """The tiny Qwen2.5-VL and a small counting dataset of tools/make_tiny_vision.py
-    (64 training rows, 16 eval), made once per session: (model dir, data dir)."""
+def tiny_vision_of(tmp_path_factory):
+    """``tiny_vision_of(family)``: the family's tiny model of tools/make_tiny_vision.py and
+    a small counting dataset (64 training rows, 16 eval), each made once per session:
+    (model dir, data dir)."""
     from tests.helpers.vision_models import tiny_vision_maker
 
-    root = tmp_path_factory.mktemp("tiny_vision")
-    maker = tiny_vision_maker()
-    return maker.make_model(root / "model"), maker.make_dataset(root / "data", 64, 16, 0)
+    root, maker, made = tmp_path_factory.mktemp("tiny_vision"), tiny_vision_maker(), {}
+    data = maker.make_dataset(root / "data", 64, 16, 0)
+
+    def get(family: str) -> tuple[Path, Path]:
+        if family not in made:
+            made[family] = maker.make_model(root / family, 0, family)
+        return made[family], data
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def tiny_vision(tiny_vision_of) -> tuple[Path, Path]:
+    """The tiny Qwen2.5-VL and the counting dataset: (model dir, data dir)."""
+    return tiny_vision_of("qwen2_5_vl")

@@ -1,13 +1,15 @@
 #!/usr/bin/env python
-"""Write a tiny random Qwen2.5-VL and a synthetic visual counting task (no downloads).
+"""Write a tiny random Qwen2.5-VL (or Qwen3-VL) and a synthetic visual counting task (no
+downloads).
 
     python tools/make_tiny_vision.py [--model-out DIR] [--data-out DIR] [--train N]
-        [--eval N] [--seed S]
+        [--eval N] [--seed S] [--family qwen2_5_vl|qwen3_vl]
 
 Either part may be left out. The same flags give byte-identical files.
 
-``--model-out DIR``: a ``Qwen2_5_VLForConditionalGeneration`` in fp32, the family's tiny
-shape (rl/models/families/qwen2_5_vl.py) over a vocabulary of :data:`VOCAB` ids, with its
+``--model-out DIR``: a ``Qwen2_5_VLForConditionalGeneration`` (``--family qwen3_vl``: a
+``Qwen3VLForConditionalGeneration``) in fp32, the family's tiny shape
+(rl/models/families/<family>.py) over a vocabulary of :data:`VOCAB` ids, with its
 processor, so ``AutoProcessor``/``AutoModelForImageTextToText`` load it and SGLang serves it:
 
 - a byte-level BPE tokenizer without merges: byte ``b`` is id ``b`` (so any UTF-8 text
@@ -15,7 +17,8 @@ processor, so ``AutoProcessor``/``AutoModelForImageTextToText`` load it and SGLa
   :data:`SPECIAL` (256..262), never split;
 - a short ChatML chat template (:data:`CHAT_TEMPLATE`) whose image parts render as
   ``<|vision_start|><|image_pad|><|vision_end|>``, on the tokenizer and the processor;
-- an image processor that keeps a 56x56 image at 56x56: 16 patches, 4 image tokens;
+- an image processor that keeps a 56x56 image at 56x56 (Qwen3-VL's resizes it to 64x64):
+  16 patches, 4 image tokens;
 - ``generation_config.json`` ending generation at ``<|im_end|>``.
 
 ``--data-out DIR``: ``DIR/train.jsonl`` and ``DIR/eval.jsonl``, rows such as::
@@ -65,11 +68,18 @@ CHAT_TEMPLATE = (
     "{%- endfor -%}"
     "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
 )
-PATCH, MERGE = 14, 2
-# An image of 4 to 16 merged tokens (3136 to 12544 pixels, sides multiples of 28) passes
-# unresized, 56x56 the smallest. The lower bound is Qwen's (and SGLang's) own minimum; the
-# upper keeps an odd large image cheap on CPU.
-MIN_PIXELS, MAX_PIXELS = 4 * (PATCH * MERGE) ** 2, 16 * (PATCH * MERGE) ** 2
+# Per family: its processor and video processor classes (the tiny shape is the family's
+# own, rl/models/families/<family>.py). Qwen3-VL's 16-pixel patches resize a 56x56 picture
+# to 64x64: still 2x2 merged tokens, one per cell.
+PROCESSORS = {
+    "qwen2_5_vl": ("Qwen2_5_VLProcessor", "Qwen2VLVideoProcessor"),
+    "qwen3_vl": ("Qwen3VLProcessor", "Qwen3VLVideoProcessor"),
+}
+MERGE = 2
+# An image of 4 to 16 merged tokens passes unresized, 56x56 (28-pixel tokens) the smallest.
+# The lower bound is Qwen's (and SGLang's) own minimum; the upper keeps an odd large image
+# cheap on CPU.
+MIN_PIXELS, MAX_PIXELS = 4 * (14 * MERGE) ** 2, 16 * (16 * MERGE) ** 2
 
 SIZE, CELL = 56, 28  # the image, and its 2x2 cells: one per merged image token
 INSET, MIN_SIDE, MAX_SIDE = 2, 18, 24  # a square stays INSET pixels inside its cell
@@ -114,13 +124,16 @@ def make_tokenizer() -> PreTrainedTokenizerFast:
     return fast
 
 
-def make_model(out: Path, seed: int = 0) -> Path:
-    """The tiny random Qwen2.5-VL, its processor and generation config, saved in ``out``."""
+def make_model(out: Path, seed: int = 0, family: str = "qwen2_5_vl") -> Path:
+    """The family's tiny random model (Qwen2.5-VL or Qwen3-VL), its processor and
+    generation config, saved in ``out``."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers reads it
+    import importlib
+
     import torch
     import transformers
 
-    from rl.models.families.qwen2_5_vl import ARCH
+    arch = importlib.import_module(f"rl.models.families.{family}").ARCH
 
     tok = make_tokenizer()
     ids = {t: tok.convert_tokens_to_ids(t) for t in SPECIAL}
@@ -128,7 +141,7 @@ def make_model(out: Path, seed: int = 0) -> Path:
         raise RuntimeError(f"the tokenizer moved its special tokens: {ids}")
     eos, pad = tok.eos_token_id, tok.pad_token_id
     bos = pad  # Qwen's tokenizers have no BOS; its configs name <|endoftext|>
-    tiny = json.loads(json.dumps(ARCH.tiny[ARCH.model_type]))  # a deep copy to edit
+    tiny = json.loads(json.dumps(arch.tiny[arch.model_type]))  # a deep copy to edit
     ends = {"bos_token_id": bos, "eos_token_id": eos, "pad_token_id": pad}
     tiny["text_config"] |= {"vocab_size": VOCAB, "max_position_embeddings": 512,
                             "tie_word_embeddings": False, **ends}  # fmt: skip
@@ -137,22 +150,24 @@ def make_model(out: Path, seed: int = 0) -> Path:
              "vision_start_token_id": IDS["<|vision_start|>"],
              "vision_end_token_id": IDS["<|vision_end|>"]}  # fmt: skip
     vision = tiny["vision_config"]
-    assert (vision["patch_size"], vision["spatial_merge_size"]) == (PATCH, MERGE)
+    patch = vision["patch_size"]
+    assert vision["spatial_merge_size"] == MERGE
     torch.manual_seed(seed)
-    conf = transformers.AutoConfig.for_model(ARCH.model_type, **tiny)
-    model = getattr(transformers, ARCH.hf_class)(conf).to(torch.float32).eval()
+    conf = transformers.AutoConfig.for_model(arch.model_type, **tiny)
+    model = getattr(transformers, arch.hf_class)(conf).to(torch.float32).eval()
     # One end: a chat turn's. Without this the file would come from the model config.
     model.generation_config = transformers.GenerationConfig(**ends)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
     image = transformers.Qwen2VLImageProcessor(
-        patch_size=PATCH, merge_size=MERGE, temporal_patch_size=vision["temporal_patch_size"],
+        patch_size=patch, merge_size=MERGE, temporal_patch_size=vision["temporal_patch_size"],
         # transformers 5 keeps the pixel bounds in ``size`` (min_pixels/max_pixels map to it).
         size={"shortest_edge": MIN_PIXELS, "longest_edge": MAX_PIXELS},
     )  # fmt: skip
-    processor = transformers.Qwen2_5_VLProcessor(
+    processor_class, video_class = PROCESSORS[family]
+    processor = getattr(transformers, processor_class)(
         image_processor=image,
-        video_processor=transformers.Qwen2VLVideoProcessor(patch_size=PATCH, merge_size=MERGE),
+        video_processor=getattr(transformers, video_class)(patch_size=patch, merge_size=MERGE),
         tokenizer=tok,
         chat_template=CHAT_TEMPLATE,
     )
@@ -236,12 +251,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--train", type=int, default=4096, help="train rows (default 4096)")
     ap.add_argument("--eval", type=int, default=256, help="eval rows (default 256)")
     ap.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    ap.add_argument("--family", choices=sorted(PROCESSORS), default="qwen2_5_vl",
+                    help="the model's family (default qwen2_5_vl)")  # fmt: skip
     args = ap.parse_args(argv)
     if args.model_out is None and args.data_out is None:
         ap.error("nothing to write: give --model-out, --data-out or both")
     if args.model_out is not None:
-        out = make_model(args.model_out, args.seed)
-        print(f"wrote {out}: tiny Qwen2.5-VL, vocabulary {VOCAB} ({_size(out)})")
+        out = make_model(args.model_out, args.seed, args.family)
+        print(f"wrote {out}: tiny {args.family}, vocabulary {VOCAB} ({_size(out)})")
     if args.data_out is not None:
         out = make_dataset(args.data_out, args.train, args.eval, args.seed)
         for split, n in (("train", args.train), ("eval", args.eval)):

@@ -55,7 +55,7 @@ from rl.controller.rollouts import Group, RolloutStream, StreamState
 from rl.controller.staleness import StalenessGate
 from rl.controller.stall import StallWatch
 from rl.controller.weight_sync import SyncResult, WeightSync
-from rl.models.vision.inputs import special_ids
+from rl.models.vision.tokens import special_ids
 from rl.runtime.channel import rejected_total
 from rl.tasks import Task
 

@@ -33,7 +33,8 @@ from rl.models.arch import has_score_head
 from rl.models.megatron_gpt import build_gpt
 from rl.models.parallel import Layout, init_model_parallel
 from rl.models.shapes import padded_vocab_size
-from rl.models.vision.inputs import VisionInput, special_ids, vision_input
+from rl.models.vision.inputs import VisionInput, vision_input
+from rl.models.vision.tokens import special_ids
 from rl.weights.dist_ckpt import hf_fields, read_common
 
 if TYPE_CHECKING:

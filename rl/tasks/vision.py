@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rl.models.vision.images import ImageError, Images, reference
-from rl.models.vision.inputs import expand_pads, merge_of
+from rl.models.vision.tokens import expand_pads, merge_of
 from rl.tasks.common import TaskError
 
 if TYPE_CHECKING:

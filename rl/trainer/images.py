@@ -28,6 +28,7 @@ class BatchImages:
             return batch
         from rl.models.vision import inputs
         from rl.models.vision.images import Images
+        from rl.models.vision.tokens import merge_of
 
         m = self.model
         if m.vision is None:
@@ -37,5 +38,5 @@ class BatchImages:
         if self._source is None:
             if not m.hf_checkpoint:
                 raise ValueError("a batch with images needs model.hf_checkpoint (its processor)")
-            self._source = Images(m.hf_checkpoint, inputs.merge_of(m.vision), m.max_pixels)
+            self._source = Images(m.hf_checkpoint, merge_of(m.vision), m.max_pixels)
         return inputs.with_images(batch, images, self._source, m.vision)

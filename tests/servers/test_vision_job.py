@@ -1,5 +1,6 @@
 """A vision-language policy through the whole RL job (``experiment=tiny_vision``): the tiny
-Qwen2.5-VL of tools/make_tiny_vision.py and its counting images, a short warm-up on the
+Qwen2.5-VL, then the tiny Qwen3-VL (interleaved multimodal RoPE, deepstack, q/k norms) of
+tools/make_tiny_vision.py and its counting images, a short warm-up on the
 labels, then 2 RL steps in sync mode with DDMA of the decoder into a live SGLang server.
 What must hold:
 
@@ -32,8 +33,11 @@ VISION_TOKENS = {259, 260, 261, 262}
     reason="a whole job: the warm-up, an SGLang server of a vision-language model (its "
     "start and first image), 2 RL steps with DDMA and 2 evaluations"
 )
-def test_tiny_vision_job_with_images_from_prompt_files_to_server_and_trainer(tiny_vision, tmp_path):
-    model, data = tiny_vision
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
+def test_tiny_vision_job_with_images_from_prompt_files_to_server_and_trainer(
+    tiny_vision_of, family, tmp_path
+):
+    model, data = tiny_vision_of(family)
     out = tmp_path / "run"
     overrides = [
         "experiment=tiny_vision",

@@ -35,9 +35,19 @@ def maker():
     return _load()
 
 
+# Per family: the HF class, and a patch's values (3 channels x 2 frames x patch^2).
+FAMILIES = {"qwen2_5_vl": ("Qwen2_5_VLForConditionalGeneration", 1176),
+            "qwen3_vl": ("Qwen3VLForConditionalGeneration", 1536)}  # fmt: skip
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def family(request) -> str:
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def model_dir(maker, tmp_path_factory) -> Path:
-    return maker.make_model(tmp_path_factory.mktemp("tiny_vl") / "model", seed=0)
+def model_dir(maker, family, tmp_path_factory) -> Path:
+    return maker.make_model(tmp_path_factory.mktemp("tiny_vl") / "model", 0, family)
 
 
 def test_the_module_imports_nothing_heavy():
@@ -70,7 +80,7 @@ def test_the_tokenizer_round_trips_text_and_keeps_its_special_ids(model_dir):
     )
 
 
-def test_the_processor_and_model_take_a_56x56_image(model_dir):
+def test_the_processor_and_model_take_a_56x56_image(model_dir, family):
     import torch
     import transformers
     from PIL import Image
@@ -84,13 +94,14 @@ def test_the_processor_and_model_take_a_56x56_image(model_dir):
     assert ids.count(261) == 4 and ids.count(259) == ids.count(260) == 1
     assert len(ids) == len(processor.tokenizer.encode(text)) + 3  # one pad became four
     assert batch["image_grid_thw"].tolist() == [[1, 4, 4]]
-    assert list(batch["pixel_values"].shape) == [16, 1176]  # 3 x 2 x 14 x 14 per patch
+    hf_class, patch_values = FAMILIES[family]
+    assert list(batch["pixel_values"].shape) == [16, patch_values]
     # rl/models/vision/images.py reads the image processor alone.
     alone = transformers.AutoImageProcessor.from_pretrained(model_dir)
     assert alone(images=[image], return_tensors="pt")["image_grid_thw"].tolist() == [[1, 4, 4]]
 
     model = transformers.AutoModelForImageTextToText.from_pretrained(model_dir).eval()
-    assert type(model).__name__ == "Qwen2_5_VLForConditionalGeneration"
+    assert type(model).__name__ == hf_class
     assert model.dtype == torch.float32
     conf = model.config
     assert conf.text_config.vocab_size == 272 and not conf.tie_word_embeddings
@@ -105,11 +116,11 @@ def test_the_processor_and_model_take_a_56x56_image(model_dir):
     assert saved["eos_token_id"] == 258
 
 
-def test_the_model_is_seeded(maker, model_dir, tmp_path):
+def test_the_model_is_seeded(maker, model_dir, family, tmp_path):
     weights = (model_dir / "model.safetensors").read_bytes()
-    again = maker.make_model(tmp_path / "again", seed=0)
+    again = maker.make_model(tmp_path / "again", 0, family)
     assert (again / "model.safetensors").read_bytes() == weights
-    other = maker.make_model(tmp_path / "other", seed=1)
+    other = maker.make_model(tmp_path / "other", 1, family)
     assert (other / "model.safetensors").read_bytes() != weights
 
 

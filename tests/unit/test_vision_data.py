@@ -16,8 +16,9 @@ import torch
 from rl.config.sampling import BANNED, RequestError, SamplingParams
 from rl.generator.types import ModelLimits
 from rl.models.vision.images import ImageError, Images, data_uri, open_image, reference
-from rl.models.vision.inputs import expand_pads, special_ids, with_images
+from rl.models.vision.inputs import with_images
 from rl.models.vision.positions import mrope_positions
+from rl.models.vision.tokens import expand_pads, special_ids
 from rl.tasks import TaskError
 from rl.tasks.common import TaskContext, sft_batch
 from rl.tasks.kinds.dataset import DatasetTaskConfig, build

@@ -8,7 +8,8 @@ processor (:class:`Images`), the one the controller expanded the prompt with. Wh
 the store is a path or the image file's own bytes, not its float patches (hundreds of
 times larger).
 
-Pure logic: PIL and transformers' image processor, imported when first used.
+Pure logic: PIL, torch and transformers' image processor, imported when first used (the
+controller's task and the planner import this module).
 """
 
 from __future__ import annotations
@@ -21,9 +22,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 from urllib.parse import unquote, urlparse
 
-import torch
-
 if TYPE_CHECKING:
+    import torch
     from PIL.Image import Image
 
 DATA = "data:"
@@ -177,6 +177,8 @@ class Images:
 
     def pixels(self, refs: Sequence[str]) -> tuple[torch.Tensor, torch.Tensor]:
         """The images' patches, image after image ``[P, D]``, and their grids ``[K, 3]``."""
+        import torch
+
         parts = [self._one(r) for r in refs]
         return torch.cat([p for p, _ in parts]), torch.stack([g for _, g in parts])
 

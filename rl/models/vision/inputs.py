@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from rl.models.vision.positions import mrope_positions
+from rl.models.vision.tokens import merge_of, special_ids
 
 if TYPE_CHECKING:
     from rl.batch import TrainBatch
@@ -78,32 +79,6 @@ def vision_input(
     return VisionInput(pixels, grids[present], slots)
 
 
-def special_ids(v: VisionConfig) -> tuple[int, ...]:
-    """The vision tokens a policy must never sample: the image and video pads and the
-    markers around them (the server bans them, the trainer refuses a response with one)."""
-    ids = (v.image_token_id, v.video_token_id, v.vision_start_token_id, v.vision_end_token_id)
-    return tuple(sorted({i for i in ids if i is not None}))
-
-
-def merge_of(v: VisionConfig) -> int:
-    return int(v.tower.get("spatial_merge_size", 2))
-
-
-def expand_pads(ids: Sequence[int], tokens: Sequence[int], image_token_id: int) -> list[int]:
-    """A rendered prompt (one image-pad token per image, as a chat template writes it) with
-    each pad repeated as many times as its image takes (``tokens``), as the server expands
-    it. ValueError when the pads are not one per image (the text itself holds the token)."""
-    pad = image_token_id
-    found = sum(1 for t in ids if t == pad)
-    if found != len(tokens):
-        raise ValueError(f"the prompt holds {found} image tokens (id {pad}), {len(tokens)} images")
-    counts = iter(tokens)
-    out: list[int] = []
-    for t in ids:
-        out.extend([t] * next(counts) if t == pad else [t])
-    return out
-
-
 class PixelSource(Protocol):
     """What turns image references into patches (rl/models/vision/images.py:Images)."""
 
@@ -145,12 +120,4 @@ def with_images(
     return replace(batch, positions=positions, image_grids=grids, pixel_values=pixels)
 
 
-__all__ = [
-    "PixelSource",
-    "VisionInput",
-    "expand_pads",
-    "image_tokens",
-    "special_ids",
-    "vision_input",
-    "with_images",
-]
+__all__ = ["PixelSource", "VisionInput", "image_tokens", "vision_input", "with_images"]

@@ -42,7 +42,13 @@ import torch
 
 from rl.config.sampling import RequestError, SamplingParams
 from rl.generator import routing
-from rl.generator.types import ModelLimits, Rollout, new_rollouts, parse_result
+from rl.generator.types import (
+    ModelLimits,
+    Rollout,
+    collapse_pads,
+    new_rollouts,
+    parse_result,
+)
 from rl.generator.weight_payload import (
     FlatBucket,
     buckets,
@@ -404,9 +410,11 @@ class GeneratorClient:
                 if not live:
                     return [None] * len(rollouts), start
                 ids, sps, rids = [], [], []
+                pad = self.limits.image_token_id
                 for r in live:
                     prompt, budget, seed = r.next_request(segment_tokens)
-                    ids.append(prompt)
+                    ids.append(collapse_pads(prompt, pad) if r.images and pad is not None
+                               else prompt)  # fmt: skip
                     sps.append(r.sampling.to_sglang(budget, seed))
                     rids.append(f"{r.rid}.{r.segments}.{next(_seq)}")
                     self._active[r.rid] = (server, rids[-1])

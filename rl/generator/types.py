@@ -76,6 +76,9 @@ class ModelLimits:
     context_len: int
     eos_ids: tuple[int, ...] = ()
     routing: RoutingShape | None = None  # None: rollouts carry no routing
+    # A vision-language model's image-pad token: a request sends one per image and the
+    # server expands it (None: a text model).
+    image_token_id: int | None = None
 
     @classmethod
     def from_model_dir(
@@ -85,8 +88,8 @@ class ModelLimits:
         config.json, context from ``context_len`` (the server's ``--context-length``) or
         ``max_position_embeddings``, EOS ids from config.json and generation_config.json;
         with ``routing``, the routing shape (:class:`RoutingShape`)."""
-        cfg = json.loads((path / "config.json").read_text())
-        cfg = cfg.get("text_config", cfg)
+        top = json.loads((path / "config.json").read_text())
+        cfg = top.get("text_config", top)
         eos: set[int] = set()
         gen = path / "generation_config.json"
         for src in (cfg, json.loads(gen.read_text()) if gen.is_file() else {}):
@@ -97,6 +100,7 @@ class ModelLimits:
             context_len=int(context_len or cfg["max_position_embeddings"]),
             eos_ids=tuple(sorted(eos)),
             routing=RoutingShape.from_config(cfg) if routing else None,
+            image_token_id=top.get("image_token_id") if "vision_config" in top else None,
         )
 
     def check(self, prompt_ids: list[int], sampling: SamplingParams) -> None:
@@ -275,6 +279,14 @@ class Rollout:
         if reason not in FINISHED:
             raise ValueError(f"finish reason {reason!r} not in {FINISHED}")
         self.finish_reason = reason
+
+
+def collapse_pads(ids: list[int], pad: int) -> list[int]:
+    """``ids`` with each run of image-pad tokens (one image's: a chat template puts markers
+    between images) as one pad, as a request sends it and the server expands it again.
+    SGLang's Qwen3-VL processor fails on pads sent already expanded (it counts each run's
+    pads as images); a single pad per image works for every family."""
+    return [t for i, t in enumerate(ids) if t != pad or i == 0 or ids[i - 1] != pad]
 
 
 def routing_versions(r: Rollout) -> list[int]:

@@ -9,6 +9,7 @@ import base64
 import json
 import threading
 from collections.abc import Iterator
+from dataclasses import replace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import ClassVar
 
@@ -87,3 +88,18 @@ def test_a_server_that_expands_images_otherwise_fails_the_client(client) -> None
     (g,) = client.submit([5, 6], SamplingParams(max_new_tokens=1))
     with pytest.raises(ServerError, match="processor disagrees"):
         g.result(timeout=10)
+
+
+def test_a_request_sends_one_pad_per_image_and_the_server_expands_it(client) -> None:
+    """SGLang's Qwen3-VL processor fails on pads sent already expanded: each image's run of
+    pads goes as one, in every segment, and the reply's count is checked against ours."""
+    client.limits = replace(client.limits, image_token_id=61)
+    _SGLang.extra_prompt_tokens = 2  # the fake expands the one pad back to three
+    sampling = SamplingParams(max_new_tokens=4)
+    (r,) = client.generate([[5, 60, 61, 61, 61, 62, 7]], sampling, segment_tokens=2,
+                           images=[("data:,x",)])  # fmt: skip
+    assert [b["input_ids"] for b in _SGLang.bodies] == [
+        [5, 60, 61, 62, 7],
+        [5, 60, 61, 62, 7, 8, 9],
+    ]
+    assert r.prompt_ids == [5, 60, 61, 61, 61, 62, 7] and r.output_ids == [8, 9, 10, 11]

@@ -75,6 +75,7 @@ class ModelLimits:
     vocab_size: int
     context_len: int
     eos_ids: tuple[int, ...] = ()
+    _: KW_ONLY
     routing: RoutingShape | None = None  # None: rollouts carry no routing
     # A vision-language model's image-pad token: a request sends one per image and the
     # server expands it (None: a text model).

@@ -342,6 +342,7 @@ class VisionArch:
 
     tower_class: str
     config_class: str
+    _: KW_ONLY
     prefix: str = "visual."
     # Qwen3-VL's multimodal RoPE: the three planes' frequencies interleaved (t h w t h w
     # ...) rather than in three contiguous sections.

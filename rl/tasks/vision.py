@@ -50,8 +50,8 @@ class ImagePrompts:
         self.skipped: Counter[str] = Counter()
         self.first_skip: dict[str, str] = {}
 
-    def refs(self, value: Any, base: Path) -> tuple[str, ...]:  # a JSON or Parquet cell
-        """The row's image references (one image, or a list of them)."""
+    def refs(self, value: object, base: Path) -> tuple[str, ...]:
+        """A JSON or Parquet cell's image references (one image, or a list of them)."""
         cells = value if isinstance(value, list | tuple) else [value]
         try:
             return tuple(reference(c, base) for c in cells)

@@ -112,6 +112,21 @@ def run_listening(
     return subprocess.CompletedProcess(list(cmd), proc.returncode, out, err), listening
 
 
+def run_job(overrides: list[str], timeout: float) -> str:
+    """``python -m rl.train *overrides`` to its end, as a user runs it; its output (stdout,
+    then stderr). Fails the test with the output's tail if the job does."""
+    res = subprocess.run(
+        [sys.executable, "-m", "rl.train", *overrides],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    return res.stdout + res.stderr
+
+
 def assert_tagged_gone(key: str, value: str, timeout: float = 5.0) -> None:
     deadline = time.monotonic() + timeout
     while alive := live_tagged(key, value):

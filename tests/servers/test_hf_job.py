@@ -16,9 +16,6 @@ live SGLang server and an HF export of the final checkpoint. What must hold:
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -27,8 +24,8 @@ import torch
 
 from rl.runtime.launch import spawn
 from tests.helpers.job_workers import checkpoint_logits
+from tests.helpers.procs import run_job
 
-ROOT = Path(__file__).resolve().parents[2]
 SYSTEM = "Reply with digits."
 REWARD = """
 import re
@@ -104,15 +101,7 @@ def test_smollm2_from_jsonl_with_a_user_reward_file(smollm2_dir, tmp_path):
         "rl.eval_k=2",
         f"run.output_dir={out}",
     ]
-    res = subprocess.run(
-        [sys.executable, "-m", "rl.train", *overrides],
-        cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-        capture_output=True,
-        text=True,
-        timeout=1200,
-    )
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    run_job(overrides, timeout=1200)
     recs = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     rl = [r for r in recs if r["phase"] == "rl"]
     assert [r["step"] for r in rl] == [1, 2]

@@ -18,14 +18,11 @@ What must hold:
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.helpers.procs import run_job
+
 VISION_TOKENS = {259, 260, 261, 262}
 
 
@@ -56,16 +53,7 @@ def test_tiny_vision_job_with_images_from_prompt_files_to_server_and_trainer(
         "rl.eval_every=2",
         f"run.output_dir={out}",
     ]
-    res = subprocess.run(
-        [sys.executable, "-m", "rl.train", *overrides],
-        cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    log = res.stdout + res.stderr
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    log = run_job(overrides, timeout=900)
     assert "SGLang server 0: first image in" in log
     recs = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     rl = [r for r in recs if r["phase"] == "rl"]

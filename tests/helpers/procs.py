@@ -127,6 +127,27 @@ def run_job(overrides: list[str], timeout: float) -> str:
     return res.stdout + res.stderr
 
 
+def no_run_process_left(out: Path, timeout: float = 30.0) -> None:
+    """Fail if a process naming the run directory ``out`` on its command line (a server
+    and its guard) is still alive ``timeout`` seconds after its job ended."""
+    deadline = time.monotonic() + timeout
+    while True:
+        left = [p.pid for p in psutil.process_iter(["cmdline"])
+                if str(out) in " ".join(p.info["cmdline"] or [])]  # fmt: skip
+        if not left:
+            return
+        assert time.monotonic() < deadline, f"processes of the run outlived it: {left}"
+        time.sleep(0.5)
+
+
+def shm_leftovers() -> set[str]:
+    """What a run could leave in /dev/shm: multiprocessing's named semaphores (a server's
+    tqdm made one that its stop left behind: rl/serving/server_footprint.py) and SGLang's
+    load snapshots (the end of a run SIGKILLs each server with its guard, which would
+    have unlinked it: rl/serving/launcher.py)."""
+    return {n for n in os.listdir("/dev/shm") if n.startswith(("sem.mp-", "sglang_loads_"))}
+
+
 def assert_tagged_gone(key: str, value: str, timeout: float = 5.0) -> None:
     deadline = time.monotonic() + timeout
     while alive := live_tagged(key, value):

@@ -1,13 +1,13 @@
 """The RL job as a user runs it (`python -m rl.train ...`): every rank, real SGLang, DDMA.
 
-Short runs of the embedded default: a few warm-up steps, then a few RL steps in async mode
-(with partial rollouts) and in sync mode. What they must show: the metrics docs/operations.md
-promises, the staleness bound, partial rollouts resumed inside the loop, and in sync mode
-the trainer scoring every sampled token exactly as SGLang did (same weights after DDMA,
-same temperature), so the importance ratio is 1. A launch of the wrong size or with a cut
-resume state fails before any rank starts (each kind of bad value: tests/unit/
-test_job_config.py, through the same pre-launch check; the CLI's one line:
-tests/multiproc/test_prelaunch_cli.py).
+Short runs of the embedded default in sync mode: a few warm-up steps, then a few RL steps
+in which the trainer scores every sampled token exactly as SGLang did (same weights after
+DDMA, same temperature), so the importance ratio is 1; with the tiny MoE at EP=2, and
+with LoRA. (The async stream, with the metrics docs/operations.md promises, the staleness
+bound and partial rollouts resumed inside the loop: tests/servers/test_main_job.py.) A
+launch of the wrong size or with a cut resume state fails before any rank starts (each
+kind of bad value: tests/unit/test_job_config.py, through the same pre-launch check; the
+CLI's one line: tests/multiproc/test_prelaunch_cli.py).
 """
 
 from __future__ import annotations
@@ -17,36 +17,13 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-import psutil
-
 from rl.config.ckpt_check import read_common
-from tests.helpers.procs import run_listening
+from tests.helpers.procs import no_run_process_left, run_listening
 
 ROOT = Path(__file__).resolve().parents[2]
 SHORT = ["sft.steps=5", "sft.eval_every=5", "task.eval_size=32", "rl.prompts_per_step=8"]
-PER_STEP = (
-    "reward_mean",
-    "lag_mean",
-    "lag_max",
-    "is_ratio",
-    "truncated_frac",
-    "mismatch_abs_logp",
-    "gen_tokens_per_s",
-    "train_tokens_per_s",
-    "wait_batch_s",
-    "trainer_idle_frac",
-    "gen_idle_frac",
-    "sync_s",
-    "step_s",
-    "dropped_total",
-    "loss",
-    "grad_norm",
-    "reward_failures",
-    "reward_timeouts",
-)
 
 
 def _run(*args: str, env: dict | None = None, timeout: float = 900) -> subprocess.CompletedProcess:
@@ -69,67 +46,6 @@ def _run_listening(*args: str) -> tuple[subprocess.CompletedProcess, set[tuple[s
 def _records(out: Path, phase: str) -> list[dict]:
     recs = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     return [r for r in recs if r["phase"] == phase]
-
-
-def _no_server_left(out: Path) -> None:
-    deadline = time.monotonic() + 30
-    while True:
-        left = [
-            p.pid
-            for p in psutil.process_iter(["cmdline"])
-            if str(out) in " ".join(p.info["cmdline"] or [])
-        ]
-        if not left:
-            return
-        assert time.monotonic() < deadline, f"processes of the run outlived it: {left}"
-        time.sleep(0.5)
-
-
-def _shm() -> set[str]:
-    """What a run could leave in /dev/shm: multiprocessing's named semaphores (a server's
-    tqdm made one that its stop left behind: rl/serving/server_footprint.py) and SGLang's
-    load snapshots (the end of a run SIGKILLs each server with its guard, which would
-    have unlinked it: rl/serving/launcher.py)."""
-    return {n for n in os.listdir("/dev/shm") if n.startswith(("sem.mp-", "sglang_loads_"))}
-
-
-def test_async_job_streams_rollouts_within_the_lag_bound(tmp_path):
-    """With two minibatches per batch (algorithm.minibatches), as a user turns sample
-    reuse on. No process of the job listens beyond loopback (the job's store, the SGLang
-    server's HTTP port and its scheduler's store: each was once on every interface), and
-    the run leaves nothing in /dev/shm."""
-    out = tmp_path / "run"
-    left = _shm()
-    res, listening = _run_listening(
-        *SHORT, "rl.steps=6", "rl.eval_every=3", "rollout.segment_tokens=2",
-        "algorithm.minibatches=2", "trainer.micro_batch_size=32", f"run.output_dir={out}",
-    )  # fmt: skip
-    assert res.returncode == 0, res.stderr[-4000:]
-    assert {ip for ip, _, _ in listening} == {"127.0.0.1"}, listening  # the store and HTTP
-    assert "controller 1 + trainer 2 + generator 1 + reward 1 = 5 ranks" in res.stdout
-    lines = [ln for ln in res.stdout.splitlines() if ln.startswith("[rl] step")]
-    assert [ln.split()[2] for ln in lines] == [f"{i}/6" for i in range(1, 7)], res.stdout
-    assert all("reward_mean" in ln and "lag_mean" in ln and "sync_s" in ln for ln in lines)
-    steps = _records(out, "rl")
-    assert [r["step"] for r in steps] == list(range(1, 7))
-    for r in steps:
-        missing = [k for k in PER_STEP if k not in r]
-        assert not missing, missing
-        assert r["lag_max"] <= 1 and r["sync_s"] > 0 and 0 <= r["gen_idle_frac"] <= 1
-        # Two minibatches: two optimizer steps per batch, pi_old scored before them.
-        assert r["updates"] == 2 and r["old_logprobs_s"] > 0 and r["policy_change_abs_logp"] >= 0
-    assert any(r["lag_max"] == 1 for r in steps)  # the generator really ran ahead
-    # Answers are 4 tokens and segments 2: every response that did not end (EOS) within
-    # its first 2 tokens was cut and resumed in the loop; after this warm-up that is most.
-    assert sum(r["resumed_segments"] for r in steps) >= 6 * 8 * 8 // 2
-    assert [r["step"] for r in _records(out, "rl_eval")] == [0, 3, 6]
-    assert (out / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert list((out / "tensorboard").glob("events.out.tfevents.*"))
-    assert (out / "checkpoint" / "metadata.json").exists()  # the RL policy
-    assert (out / "warmup" / "metadata.json").exists()  # the warm-up checkpoint
-    assert "done: held-out accuracy" in res.stdout
-    _no_server_left(out)
-    assert _shm() - left == set()
 
 
 def test_sync_job_trains_on_exactly_the_sampled_distribution(tmp_path):
@@ -161,6 +77,8 @@ def test_sync_job_trains_on_exactly_the_sampled_distribution(tmp_path):
     )
     assert res.returncode == 0, res.stderr[-4000:]
     assert {ip for ip, _, _ in listening} == {"127.0.0.1"}, listening
+    assert ("starting controller 1 + trainer 2 + generator 1 + reward 1 = 5 ranks: trainer "
+            "tp=2 pp=1 dp=1") in res.stdout  # fmt: skip
     # The warm-up's checkpoint (RL's start and its KL reference) holds the weights only
     # (its Adam state was 3x their size and never read); RL's checkpoints hold theirs.
     assert read_common(out / "warmup")["has_optimizer"] is False
@@ -176,7 +94,7 @@ def test_sync_job_trains_on_exactly_the_sampled_distribution(tmp_path):
     # zero advantages, so none).
     moved = [r["kl_ref"] for prev, r in itertools.pairwise(steps) if prev["grad_norm"] > 0]
     assert moved and min(moved) > 1e-9, steps
-    _no_server_left(out)
+    no_run_process_left(out)
 
 
 def test_moe_job_with_expert_parallelism_samples_what_it_trains(tmp_path):
@@ -206,7 +124,7 @@ def test_moe_job_with_expert_parallelism_samples_what_it_trains(tmp_path):
         assert r["routing_agreement"] > 0.99 and r["routing_dropped"] == 0, r
         assert 0.9 < r["moe_aux_loss"] < 4.0 and 1.0 <= r["moe_max_expert_load"] <= 4.0, r
     assert all("moe_aux_loss" in r for r in _records(out, "warmup"))
-    _no_server_left(out)
+    no_run_process_left(out)
 
 
 def test_lora_job_serves_the_merged_weights(tmp_path):
@@ -233,7 +151,7 @@ def test_lora_job_serves_the_merged_weights(tmp_path):
     for r in steps:
         assert r["mismatch_abs_logp"] < 1e-5, r
         assert abs(r["is_ratio"] - 1) < 1e-4
-    _no_server_left(out)
+    no_run_process_left(out)
     model = AutoModelForCausalLM.from_pretrained(out / "hf" / "step_000002", dtype=torch.float32)
     samples = [json.loads(x) for x in (out / "eval" / "eval_step_000002.jsonl").open()]
     gaps = []

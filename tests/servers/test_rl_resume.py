@@ -13,6 +13,9 @@ stream exactly once across both attempts, and log each step once.
 With ``rl.deterministic=true`` more holds: a killed-and-resumed run ends bit-equal to an
 uninterrupted one (samples, logged numbers, checkpoint bytes; tools/compare_runs.py), and
 writes its rollout ledger but for what the resume adds to the groups it carried over.
+That job runs every model role beside the policy, each on a rank of its own (a critic, a
+reward model, a teacher: their figures checked against transformers and GAE written
+out), and its killed attempt is its critic rank's SIGKILL, which ends the job in one line.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import psutil
 import pytest
@@ -34,6 +38,13 @@ import torch
 from rl.generator import routing
 from rl.runtime.supervise import MARK_ENV
 from tests.helpers.ledger import as_if_uninterrupted, where_each_group_went
+from tests.helpers.model_roles import (
+    gae_by_hand,
+    hf_logprobs,
+    hf_sequence_scores,
+    make_reward_model,
+    make_teacher,
+)
 from tests.helpers.procs import live_tagged
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -131,9 +142,13 @@ def _kill_marked(mark: str, grace_s: float = 30.0) -> list[str]:
     return left
 
 
-def _kill_at(job: subprocess.Popen, out: Path, log: Path, step: int = 0) -> None:
+def _kill_at(
+    job: subprocess.Popen, out: Path, log: Path, step: int = 0, rank: str | None = None
+) -> float:
     """SIGKILL ``job`` right after a checkpoint (of ``step`` or later) that holds partial
-    samples, and check that none of its processes outlives it."""
+    samples, and check that none of its processes outlives it. The whole process group,
+    as a node failure would; or with ``rank`` (a process title) only that rank, and the
+    job must end by itself. Returns the seconds from the kill to the job's end."""
     mark = None
     try:
         deadline = time.monotonic() + 900
@@ -142,12 +157,29 @@ def _kill_at(job: subprocess.Popen, out: Path, log: Path, step: int = 0) -> None
             assert time.monotonic() < deadline, "no checkpoint with partial samples"
             time.sleep(0.05)
         mark = _job_mark(out)
+        t0 = time.monotonic()
+        if rank is not None:
+            _rank(job.pid, rank).kill()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                job.wait(timeout=60)
     finally:
-        os.killpg(job.pid, signal.SIGKILL)
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
         job.wait()
-        marked = _kill_marked(mark) if mark else []
+        took = time.monotonic() - t0 if mark else float("inf")
+        marked = _kill_marked(mark, 5.0 if rank else 30.0) if mark else []
     assert _kill_leftovers(out) == [], "a SIGKILLed job left processes behind"
     assert marked == [], f"a SIGKILLed job left processes behind: {marked}"
+    return took
+
+
+def _rank(pid: int, title: str) -> psutil.Process:
+    """The job's rank whose process title starts with ``title``."""
+    for p in psutil.Process(pid).children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            if " ".join(p.cmdline()).startswith(title):
+                return p
+    raise AssertionError(f"no rank of the job is titled {title!r}")
 
 
 def _saved_step(out: Path) -> int:
@@ -270,47 +302,70 @@ def test_resume_never_refuses_a_run_dir_that_holds_a_resume_point(tmp_path):
     assert "starting" not in res.stdout
 
 
-# A deterministic run (rl.deterministic): async with lag 1, two servers, 2-token segments.
-# After 5 warm-up steps no answer is right; a response cut at max_new_tokens (~40%) is
-# penalised, so groups carry a signal and every step moves the weights, and groups
-# without one are replaced. A critic trains beside the policy (PPO's GAE from its values):
-# its checkpoint is resumed and compared too.
+# A deterministic run (rl.deterministic): async with lag 1, two servers, 2-token segments,
+# with every model role on a rank of its own beside the policy: a critic (PPO's GAE from
+# its values), a reward model weighed with the rule's reward (reward.combine) and a
+# teacher (algorithm.distill_coef). The reward model's scores give every group a signal,
+# so every step moves the weights. Whitening off, so the logged advantages are GAE's own.
 DETERMINISTIC = ["sft.steps=5", "sft.eval_every=5", "task.eval_size=32",
                  "rl.prompts_per_step=8", "rl.steps=4", "rl.eval_every=2", "rl.save_interval=2",
-                 "rollout.segment_tokens=2", "rollout.servers=2", "algorithm.overlong=penalise",
-                 "algorithm.drop_uniform_groups=true", "rl.deterministic=true", "critic=tiny",
-                 "algorithm/advantage=gae"]  # fmt: skip
+                 "rollout.segment_tokens=2", "rollout.servers=2", "rl.deterministic=true",
+                 "algorithm.drop_uniform_groups=true", "rl.save_batches=true",
+                 "critic=tiny", "algorithm/advantage=gae", "algorithm.advantage.whiten=false",
+                 "critic.epochs=2", "critic.minibatches=2", "critic.trainer.micro_batch_size=32",
+                 "reward_model=cpu", "reward_model.normalize=none", "reward.combine.rule=1",
+                 "reward.combine.model=0.5", "teacher=cpu",
+                 "algorithm.distill_coef=0.1"]  # fmt: skip
+W_MODEL, DISTILL = 0.5, 0.1
+STOP_S = 10.0  # a killed rank ends the job "within seconds", on a machine busy with others
 
 
-@pytest.mark.long(
-    reason="one deterministic job and a second one SIGKILLed after a checkpoint and "
-    "resumed, each with a critic rank: three starts of the ranks and two SGLang servers, "
-    "one after the other (side by side on two cores they took longer): 97-121 s measured"
-)
-def test_a_deterministic_job_repeats_and_resumes_bit_for_bit(tmp_path):
-    """Two runs of the same job, the second killed right after step 2's checkpoint (while
-    samples are cut mid-response) and resumed: every step trains the same prompts on the
-    same samples (tokens, log-probs, versions), logs the same numbers (timings aside), and
-    the final weights, the policy's and the critic's, are bit-equal. The ledgers too: the
-    lines the second run's first attempt wrote are the first run's byte for byte, and the
-    resumed attempt's are once what a resume adds to the groups it carried over is out."""
-    a, b = tmp_path / "a", tmp_path / "b"
-    jobs = [_start(a, tmp_path / "a.log", DETERMINISTIC)]
+class Deterministic(NamedTuple):
+    a: Path  # the uninterrupted run
+    b: Path  # the run killed after step 2's checkpoint (its critic rank) and resumed
+    killed_log: str  # the killed attempt's output
+    killed_took: float  # seconds from the critic rank's SIGKILL to the job's end
+    reward_model: Path
+    teacher: Path
+
+
+@pytest.fixture(scope="module")
+def deterministic(tmp_path_factory) -> Deterministic:
+    """Two runs of the same job, the second's critic rank SIGKILLed right after step 2's
+    checkpoint (while samples are cut mid-response), then resumed; each started as a
+    user starts it. Three starts of the ranks and two SGLang servers, one after the other
+    (side by side on two cores they took longer)."""
+    root = tmp_path_factory.mktemp("deterministic")
+    rm, teacher = make_reward_model(root / "rm"), make_teacher(root)
+    args = [*DETERMINISTIC, f"reward_model.hf_checkpoint={rm}", f"teacher.hf_checkpoint={teacher}"]
+    a, b = root / "a", root / "b"
+    jobs = [_start(a, root / "a.log", args)]
     try:
-        assert jobs[0].wait(timeout=900) == 0, (tmp_path / "a.log").read_text()[-4000:]
-        _kill_at(_start(b, tmp_path / "b1.log", DETERMINISTIC), b, tmp_path / "b1.log", step=2)
+        assert jobs[0].wait(timeout=900) == 0, (root / "a.log").read_text()[-4000:]
+        jobs.append(_start(b, root / "b1.log", args))
+        took = _kill_at(jobs[1], b, root / "b1.log", step=2, rank="msrl:critic:0")
         assert _saved_step(b) == 2
-        jobs.append(_start(b, tmp_path / "b2.log", DETERMINISTIC))
-        assert jobs[1].wait(timeout=900) == 0, (tmp_path / "b2.log").read_text()[-4000:]
+        jobs.append(_start(b, root / "b2.log", args))
+        assert jobs[2].wait(timeout=900) == 0, (root / "b2.log").read_text()[-4000:]
     finally:
         for job in jobs:
             if job.poll() is None:
                 os.killpg(job.pid, signal.SIGKILL)
         _kill_leftovers(a), _kill_leftovers(b)
-    assert "resuming from RL step 2" in (tmp_path / "b2.log").read_text()
+    assert "resuming from RL step 2" in (root / "b2.log").read_text()
+    return Deterministic(a, b, (root / "b1.log").read_text(), took, rm, teacher)
+
+
+def test_a_deterministic_job_repeats_and_resumes_bit_for_bit(deterministic):
+    """Every step trains the same prompts on the same samples (tokens, log-probs,
+    versions), logs the same numbers (timings aside), and the final weights, the
+    policy's and the critic's, are bit-equal. The ledgers too: the lines the second run's
+    first attempt wrote are the first run's byte for byte, and the resumed attempt's are
+    once what a resume adds to the groups it carried over is out."""
     from compare_runs import compare, metrics  # tools/compare_runs.py
     from compare_runs import tensors as compare_files
 
+    a, b = deterministic.a, deterministic.b
     steps = [r for r in metrics(a) if r["phase"] == "rl"]
     assert [r["step"] for r in steps] == [1, 2, 3, 4]
     assert all(r["grad_norm"] > 0 and r["critic_grad_norm"] > 0 for r in steps)  # both move
@@ -325,3 +380,59 @@ def test_a_deterministic_job_repeats_and_resumes_bit_for_bit(tmp_path):
     assert len(lines_a) == 4 and lines_b[:2] == lines_a[:2]  # uninterrupted up to its kill
     uninterrupted = "".join(as_if_uninterrupted(x) + "\n" for x in lines_b)
     assert uninterrupted.encode() == ledger_a.read_bytes()
+
+
+def test_a_killed_critic_rank_ends_the_job_naming_it(deterministic):
+    """Within seconds, one error line naming the rank, no traceback, and no process of
+    the job left (checked by its mark as it was killed: ``_kill_at``)."""
+    log = deterministic.killed_log
+    first = next(x for x in log.splitlines() if x.startswith("error: "))
+    assert first == "error: critic rank 0 was killed by SIGKILL (exited with code -9)", log[-3000:]
+    assert "Traceback" not in log, log[-3000:]
+    assert deterministic.killed_took < STOP_S, deterministic.killed_took
+
+
+def test_the_model_roles_score_as_transformers_and_gae_uses_the_critics_values(deterministic):
+    """In the uninterrupted run, every step logs the critic's and the reward model's
+    figures; every sample's reward is its rule score plus 0.5 times transformers' score of
+    its sequence (``AutoModelForSequenceClassification``'s own pooling); the teacher's
+    log-prob of every sampled token is transformers' (``AutoModelForCausalLM``); the
+    advantages the trainer logged are GAE's formula (``gae_by_hand``) applied to the values
+    and rewards of the batch the job saved, plus the distillation term
+    ``coef * (log pi_teacher - log mu)``; the critic's checkpoint sits beside the policy's
+    and the resume point names it. (Its LR ramp resumed, not restarted: the resumed run's
+    metrics and critic checkpoint equal these, above.)"""
+    run = deterministic.a
+    recs = [r for r in _jsonl(run / "metrics.jsonl") if r["phase"] == "rl"]
+    assert [r["step"] for r in recs] == [1, 2, 3, 4]
+    for r in recs:
+        for k in ("critic_loss", "critic_value_mean", "critic_grad_norm", "critic_values_s",
+                  "reward_model_mean", "reward_model_std", "reward_rule", "teacher_logprobs_s",
+                  "reward_model_s", "critic_step_seconds",
+                  "adv_distill_kl"):  # fmt: skip
+            assert k in r, k
+        assert r["reward_model_all_pad"] == 0  # every sample has a BOS to score
+    assert all(r["critic_updates"] == 4 for r in recs)  # 2 epochs of 2 minibatches
+    assert all(r["critic_lag"] == 1 for r in recs)  # values from the critic one step behind
+    lrs = [r["critic_lr"] for r in recs]
+    assert lrs == sorted(lrs) and lrs[0] < lrs[-1]  # its own warm-up ramp
+    for r in recs:
+        b = torch.load(run / "batches" / f"step_{r['step']:06d}.pt")
+        mask, values = b["loss_mask"], b["values"]
+        assert values.abs().sum() > 0 and (values * (1 - mask)).abs().sum() == 0
+        model = hf_sequence_scores(deterministic.reward_model, b["tokens"], mask)
+        rule = b["rewards"] - W_MODEL * model
+        assert ((rule - rule.round()).abs() < 1e-4).all(), rule  # 0 or 1, plus the model's
+        assert set(rule.round().tolist()) <= {0.0, 1.0}
+        assert r["reward_model_mean"] == pytest.approx(model.double().mean().item(), abs=1e-4)
+        assert r["reward_rule"] == pytest.approx(rule.round().mean().item(), abs=1e-6)
+        teacher = hf_logprobs(deterministic.teacher, b["tokens"]) * mask
+        assert (b["teacher_logprobs"] - teacher).abs().max() < 1e-4
+        dense = DISTILL * (b["teacher_logprobs"] - b["behaviour_logprobs"])
+        adv = torch.tensor(gae_by_hand(b["rewards"].tolist(), values.tolist(), mask.tolist(),
+                                       dense.tolist()))  # fmt: skip
+        assert r["adv_mean"] == pytest.approx(adv.double().mean().item(), abs=1e-5)
+        assert r["adv_std"] == pytest.approx(adv.double().std().item(), abs=1e-5)
+    state = json.loads((run / "rl_state.json").read_text())
+    assert state["companions"] == [str(run / "checkpoint_critic")]
+    assert (run / "checkpoint_critic" / "metadata.json").is_file()

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.servers.test_rl_job import _no_server_left, _records, _run
+from tests.helpers.procs import no_run_process_left
+from tests.servers.test_rl_job import _records, _run
 
 ARGS = ["experiment=tiny_long_context", "rl.save_interval=1", "sft.steps=2", "task.eval_size=4"]
 
@@ -38,4 +39,4 @@ def test_long_rows_over_two_cp_ranks_score_as_the_server_and_resume(tmp_path: Pa
         assert r["mismatch_abs_logp"] < 1e-5, r
         assert abs(r["is_ratio"] - 1) < 1e-4, r
         assert r["num_tokens"] > 0 and r["train_tokens_per_s"] > 0, r
-    _no_server_left(out)
+    no_run_process_left(out)

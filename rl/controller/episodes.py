@@ -25,6 +25,7 @@ from rl.envs.environment import Environment, Message
 from rl.envs.tools import close_workers
 from rl.generator.types import Rollout
 from rl.tasks.common import Example
+from rl.threads import thread_pool
 
 if TYPE_CHECKING:
     from rl.config.sampling import SamplingParams
@@ -57,7 +58,7 @@ class EpisodeDriver:
     def __init__(self, env: Environment, chat: Renderer, max_turns: int, workers: int = 4):
         """``chat``: renders observations and decodes turns (special tokens kept)."""
         self.env, self.chat, self.max_turns = env, chat, max_turns
-        self._pool = cf.ThreadPoolExecutor(workers, thread_name_prefix="env")
+        self._pool = thread_pool("env", workers)
 
     @classmethod
     def from_setup(cls, setup: EpisodeSetup) -> EpisodeDriver:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import TYPE_CHECKING, TypeVar
 
 import torch
@@ -26,6 +26,7 @@ import torch
 from rl.batch import TrainBatch
 from rl.companion.reward_model import Normaliser, scored_positions, sequence_scores
 from rl.tasks.scoring import ScoreResult
+from rl.threads import thread_pool
 
 if TYPE_CHECKING:
     from rl.companion.service import CompanionHandle
@@ -56,7 +57,7 @@ class ModelReward:
         self.handle, self.norm, self.weights, self.pad_id = handle, norm, weights, pad_id
         self.pad_token_id, self.rows_multiple = pad_token_id, rows_multiple
         self.all_pad = 0  # samples of the model's pad id only (scored 0); the run's total
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="reward-model")
+        self._pool = thread_pool("reward-model", 1)
 
     def scores(self, rollouts: Sequence[Rollout]) -> tuple[list[float], float]:
         """The model's raw score of each (prompt + response), and the seconds it took."""

@@ -19,11 +19,12 @@ saves the stream's state (rl/controller/rollout_state.py).
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import TYPE_CHECKING
+
+from rl.threads import start_thread, thread_pool
 
 if TYPE_CHECKING:
     from rl.batch import TrainBatch
@@ -63,7 +64,7 @@ class BatchPrefetch:
                 fut.set_exception(e)
 
         # A daemon: a thread still waiting for a batch when the job ends must not hold it.
-        threading.Thread(target=run, name="batch-prefetch", daemon=True).start()
+        start_thread("batch-prefetch", run)
 
     def take(self, trainer_version: int) -> Batch:
         """The batch for ``trainer_version`` (requested now if it was not), with the
@@ -89,7 +90,7 @@ class Background:
     raised raises again from the next :meth:`submit`, :meth:`drain` or :meth:`close`."""
 
     def __init__(self, name: str) -> None:
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix=name)
+        self._pool = thread_pool(name, 1)
         self._last: Future[None] | None = None
         self._error: BaseException | None = None
 

@@ -18,6 +18,7 @@ import time
 from typing import TYPE_CHECKING
 
 from rl.generator.service import Down
+from rl.threads import named_thread
 
 if TYPE_CHECKING:
     from rl.controller.weight_sync import WeightSync
@@ -35,7 +36,7 @@ class ServerRecovery:
         self.restart_s = 0.0  # the servers' own restart time plus the re-push
         self.error: BaseException | None = None
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="server-recovery", daemon=True)
+        self._thread = named_thread("server-recovery", self._run)
 
     def start(self) -> ServerRecovery:
         self._thread.start()

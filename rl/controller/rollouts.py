@@ -54,6 +54,7 @@ from rl.controller.staleness import StalenessGate
 from rl.generator.types import Rollout
 from rl.tasks.common import Example
 from rl.tasks.scoring import ScoreResult
+from rl.threads import named_thread
 
 if TYPE_CHECKING:
     from rl.controller.episodes import EpisodeDriver
@@ -184,7 +185,7 @@ class RolloutStream:
         self._restored: dict[str, float] = {}  # what restore() carried over, for one window
         self._idle_since: float | None = time.perf_counter()
         self._window_start = time.perf_counter()
-        self._thread = threading.Thread(target=self._run, name="rollout-stream", daemon=True)
+        self._thread = named_thread("rollout-stream", self._run)
 
     def start(self) -> RolloutStream:
         self._thread.start()

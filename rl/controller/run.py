@@ -24,7 +24,8 @@ A step, in order (:meth:`RLRun.step` is these calls):
 Only training and the push sit on the critical path (a teacher's log-probs and a
 critic's values of a batch are taken while it is assembled ahead; a reward model scores
 each group as it is generated). What
-runs beside the steps is started in :meth:`RLRun.setup` and named in :data:`THREADS`;
+runs beside the steps is started in :meth:`RLRun.setup`, each thread named in
+:data:`rl.threads.THREADS`;
 nothing else acts during a step. Everything the run touches is a handle
 to an executor (trainer, generator, reward, the model executors: a critic, a reward model,
 a teacher) or the task protocol; it knows no concrete task, model or transport.
@@ -72,22 +73,6 @@ if TYPE_CHECKING:
     from rl.tasks.scoring import ScoreResult
     from rl.trainer.service import TrainerHandle
 
-# What runs beside the steps, each on threads of its own, all started by RLRun.setup
-# (tests/unit/test_executor_configs.py checks that every thread the controller starts is here).
-THREADS = {
-    "rollout-stream": "generates and scores groups ahead (rl/controller/rollouts.py)",
-    "batch-prefetch": "takes and assembles the next step's batch (rl/controller/prefetch.py)",
-    "step-log": "writes a step's records while the next step runs (prefetch.Background)",
-    "server-recovery": "re-pushes the current weights into a restarted server, between "
-    "two steps under the weight sync's lock (rl/controller/recovery.py)",
-    "generator-client": "the event loop of the client's requests to the servers",
-    "ddma-control": "the weight sync's calls to each server (rl/generator/ddma_target.py)",
-    "env": "multi-turn episodes: tool calls and observations (rl/controller/episodes.py)",
-    "reward-model": "a reward model's scores of each group, beside the rule's "
-    "(rl/controller/model_reward.py)",
-    "stall-watch": "a line, each rl.stall_warn_s without progress, saying what the loop "
-    "waits for (rl/controller/stall.py)",
-}
 # Told of every version the weight sync commits (in step 5 and at setup's first push).
 LISTENERS = {
     "route": "the client routes each server by the version it now serves",
@@ -181,8 +166,9 @@ class RLRun:
     # ------------------------------------------------------------------ setup
     def setup(self) -> None:
         """Servers up, the trainer's weights in them as version ``first``, the held-out
-        start (or the resumed one's), and every one of :data:`THREADS` and
-        :data:`LISTENERS` started or registered."""
+        start (or the resumed one's), and every thread beside the steps
+        (:data:`rl.threads.THREADS`) and every one of :data:`LISTENERS` started or
+        registered."""
         from rl.generator.client import GeneratorClient
         from rl.serving.server_api import job_keys
 

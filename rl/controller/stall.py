@@ -13,6 +13,8 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
+from rl.threads import start_thread
+
 
 class StallWatch:
     """Say in one line, each ``after_s`` without a call to :meth:`at`, what the loop waits
@@ -35,8 +37,7 @@ class StallWatch:
 
     def start(self) -> StallWatch:
         if self.after_s > 0:
-            self._thread = threading.Thread(target=self._watch, name="stall-watch", daemon=True)
-            self._thread.start()
+            self._thread = start_thread("stall-watch", self._watch)
         return self
 
     def line(self, quiet_s: float) -> str:

@@ -26,6 +26,7 @@ from rl.envs import sandbox
 from rl.envs.tool_worker import WorkerPool
 from rl.envs.toolcall import ToolCall
 from rl.plugins import load_object
+from rl.threads import start_thread
 
 JSON = Any  # a JSON value
 _FORMS = "a built-in (calculator, python), 'pkg.module:obj' or 'path/to/tools.py:obj'"
@@ -285,8 +286,7 @@ def _timed(tool: Tool, arguments: dict[str, JSON]) -> ToolOutcome:
         except Exception as e:
             box.append(e)
 
-    worker = threading.Thread(target=call, name=f"tool-{tool.name}", daemon=True)
-    worker.start()
+    worker = start_thread(f"tool-{tool.name}", call)
     worker.join(tool.limits.wall_s + (_BACKSTOP_S if tool.bounded else 0.0))
     if not box:
         return ToolOutcome(

@@ -31,7 +31,6 @@ import concurrent.futures as cf
 import contextlib
 import functools
 import itertools
-import threading
 import time
 from collections.abc import Collection, Coroutine, Iterable, Iterator
 from pathlib import Path
@@ -59,6 +58,7 @@ from rl.generator.weight_payload import (
 from rl.models.vision.images import data_uri
 from rl.serving import server_api as api
 from rl.serving.launcher import ServerError, ServerLauncher
+from rl.threads import start_thread
 
 if TYPE_CHECKING:
     from rl.config.schema import RolloutConfig
@@ -149,9 +149,7 @@ class GeneratorClient:
         self._no_server_since: float | None = None
         self._failure_error: BaseException | None = None
         self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="generator-client",
-                                        daemon=True)  # fmt: skip
-        self._thread.start()
+        self._thread = start_thread("generator-client", self._loop.run_forever)
         self._session: aiohttp.ClientSession = self._call(self._make_session())
         self._slots = [self._call(self._make_slots()) for _ in urls]
         self._ready_event: asyncio.Event = self._call(self._make_event())

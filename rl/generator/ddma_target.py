@@ -34,7 +34,7 @@ import json
 import os
 import time
 import uuid
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from http import HTTPStatus
 from pathlib import Path
 from typing import Any
@@ -49,6 +49,7 @@ from rl.ddma.plan import Plan
 from rl.ddma.relay import NO_RELAY, Fanout
 from rl.generator.weight_payload import hand_back, serialize, use_file_system_sharing
 from rl.serving import server_api as api
+from rl.threads import thread_pool
 
 # The weight version a server reports while its weights are being written in place
 # (rollout.weight_sync.staging=none) and after such a version failed: it matches no real
@@ -114,7 +115,7 @@ class SGLangTarget:
         self.receivers: list[dict] = []
         self.spec = rx.plan_spec(plan, dtype)
         use_file_system_sharing()  # else SGLang's scheduler dies unpickling any tensor
-        self._pool = ThreadPoolExecutor(2, thread_name_prefix="ddma-control")
+        self._pool = thread_pool("ddma-control", 2)
         # One trainer rank's sending half into this server alone (push), by its rank.
         self._senders: dict[int, transports.Sending] = {}
         self.server_seconds = 0.0  # staged: summed over the requests this target made

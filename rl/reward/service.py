@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, NamedTuple, Protocol, cast
 
 from rl.runtime.channel import ChannelTimeout, Failed, ProtocolError
 from rl.tasks.scoring import JUDGE, ScoreItem, ScoreResult, rule_fn
+from rl.threads import start_thread
 
 if TYPE_CHECKING:
     from rl.config.schema import RewardConfig
@@ -104,9 +105,7 @@ def serve(reward: RewardConfig, job: Job, *, output_dir: str) -> None:
             # left its group unanswered and the job waiting forever. This thread dying
             # ends the rank instead (rl/runtime/launch.py install_thread_hook).
             out = job.channel("reward/out", Scored)  # this thread's own connection
-            answers = threading.Thread(target=_answer, args=(scored, ex, out),
-                                       name="reward-answers", daemon=True)  # fmt: skip
-            answers.start()
+            start_thread("reward-answers", _answer, scored, ex, out)
             while isinstance(msg := inbox.wait(), Score):
                 futures = [ex.submit(item) for item in msg.items]
                 _when_all_done(msg.request, futures, scored)
@@ -189,10 +188,9 @@ class RewardHandle:
         self._lock = threading.Lock()
         self._per_rank: dict[int, tuple[int, int]] = {}
         self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._receive, name="reward-replies", daemon=True)
-        self._thread.start()
+        self._thread = start_thread("reward-replies", self._receive)
         if reward is not None:  # a thread of its own: each store wait that times out warns
-            threading.Thread(target=self._watch, name="reward-deadlines", daemon=True).start()
+            start_thread("reward-deadlines", self._watch)
 
     def score(self, items: list[ScoreItem]) -> Future[list[ScoreResult]]:
         fut: Future[list[ScoreResult]] = Future()

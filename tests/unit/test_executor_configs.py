@@ -125,27 +125,54 @@ def test_a_crowded_constructor_is_found():
     assert crowded_constructors(record + "    _: KW_ONLY\n    e: int = 0\n") == []
 
 
-def _thread_names(path: Path) -> set[str]:
-    """Literal thread names and name prefixes a module gives the threads it starts."""
-    names = set()
+# The modules that run in the controller's process beside the steps.
+CONTROLLER_PROCESS = [*sorted((ROOT / "rl" / "controller").glob("*.py")),
+                      ROOT / "rl" / "generator" / "client.py",
+                      ROOT / "rl" / "generator" / "ddma_target.py",
+                      ROOT / "rl" / "reward" / "service.py",
+                      ROOT / "rl" / "envs" / "tools.py"]  # fmt: skip
+STARTERS = ("start_thread", "named_thread", "thread_pool", "Background")
+
+
+def _threads_of(path: Path) -> tuple[set[str], list[str]]:
+    """The thread names a module gives (literal, or an f-string's literal head, as a
+    prefix ending in "*"), and each place that starts a thread not through rl.threads."""
+    names, stray = set(), []
     for n in ast.walk(ast.parse(path.read_text())):
         if not isinstance(n, ast.Call):
             continue
-        for k in n.keywords:
-            if k.arg in ("name", "thread_name_prefix") and isinstance(k.value, ast.Constant):
-                names.add(k.value.value)
         f = n.func
-        named = isinstance(f, ast.Name) and f.id == "Background" and n.args
-        if named and isinstance(n.args[0], ast.Constant):
-            names.add(n.args[0].value)
-    return names
+        called = f.id if isinstance(f, ast.Name) else f.attr if isinstance(f, ast.Attribute) else ""
+        if called in ("Thread", "ThreadPoolExecutor", "Timer"):
+            stray.append(f"{path}:{n.lineno} {called}")
+        if called in STARTERS and n.args:
+            first = n.args[0]
+            if isinstance(first, ast.Constant):
+                names.add(first.value)
+            elif isinstance(first, ast.JoinedStr) and isinstance(first.values[0], ast.Constant):
+                names.add(first.values[0].value + "*")
+    return names, stray
 
 
 def test_every_thread_beside_the_steps_is_named_in_one_place():
-    from rl.controller.run import THREADS
+    from rl.threads import THREADS
 
-    sources = [*sorted((ROOT / "rl" / "controller").glob("*.py")),
-               ROOT / "rl" / "generator" / "client.py",
-               ROOT / "rl" / "generator" / "ddma_target.py"]  # fmt: skip
-    started = set().union(*(_thread_names(p) for p in sources))
-    assert started == set(THREADS)
+    found = [_threads_of(p) for p in CONTROLLER_PROCESS]
+    assert [s for _, stray in found for s in stray] == []
+    assert set().union(*(names for names, _ in found)) == set(THREADS)
+
+
+def test_a_thread_not_in_the_table_is_refused_and_a_stray_one_found(tmp_path):
+    from rl.threads import named_thread, registered, start_thread, thread_pool
+
+    assert registered("tool-calculator") and not registered("tool-") and registered("env")
+    for start in (named_thread, start_thread):
+        with pytest.raises(ValueError, match=r"^thread 'mine' is not named in rl/threads\.py"):
+            start("mine", print)
+    with pytest.raises(ValueError, match="'pool' is not named"):
+        thread_pool("pool", 1)
+    src = tmp_path / "m.py"
+    src.write_text("import threading\nthreading.Thread(target=print).start()\n"
+                   "start_thread(f'tool-{x}', print)\n")  # fmt: skip
+    names, stray = _threads_of(src)
+    assert names == {"tool-*"} and len(stray) == 1

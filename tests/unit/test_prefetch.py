@@ -147,7 +147,7 @@ def test_background_calls_run_in_order_and_their_errors_surface():
     from rl.controller.prefetch import Background
 
     seen: list[int] = []
-    bg = Background("t")
+    bg = Background("step-log")
     for i in range(5):
         bg.submit(lambda i: (time.sleep(0.001), seen.append(i)), i)
     bg.drain()
@@ -167,7 +167,7 @@ def test_background_calls_run_in_order_and_their_errors_surface():
 
     # A failure followed by more calls before anyone looked is not lost, and nothing
     # after it runs.
-    late = Background("t")
+    late = Background("step-log")
     late.submit(lambda: (time.sleep(0.02), boom()))
     late.submit(seen.append, 6)
     with pytest.raises(OSError, match="disk full"):

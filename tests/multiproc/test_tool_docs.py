@@ -15,13 +15,11 @@ import re
 import subprocess
 import sys
 from collections import defaultdict
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-DOC_FILES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-FENCE = re.compile(r"^\s*(```|~~~)")
+from tests.unit.test_docs import DOC_FILES, FENCE, ROOT
+
 INLINE = re.compile(r"(?<!`)`([^`\n]+)`(?!`)")
 TOOL = re.compile(r"(?<![\w/.])(tools/[\w/]+\.py)\b([^\n;|&]*)")
 FLAG = re.compile(r"(?<![\w-])(--[a-z][\w-]*)")

@@ -1,6 +1,7 @@
 """A reward model in the config and in the controller's hands: its ranks, what is refused
 before launch in one line, how its scores become rewards, and its thread beside the rule's
-reward ranks (a stand-in handle; the real model runs in tests/servers/test_critic_job.py)."""
+reward ranks (a stand-in handle; the real model runs in the deterministic job of
+tests/servers/test_rl_resume.py)."""
 
 from __future__ import annotations
 
